@@ -1,0 +1,30 @@
+// Shared host/device index helpers. Every formula that a CPU kernel and a CUDA kernel both need lives in a
+// header like this one, so the two backends cannot drift apart.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define PC_HD __host__ __device__ __forceinline__
+#else
+#define PC_HD inline
+#endif
+
+namespace packcuda {
+
+// Segment of token t in a cu_seqlens array of n segments (n + 1 non-decreasing entries, cu[0] = 0,
+// cu[0] <= t < cu[n]): the i with cu[i] <= t < cu[i + 1]. Zero-length segments are skipped naturally.
+template <typename I>
+PC_HD int64_t find_segment(const I* cu, int64_t n, int64_t t) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (static_cast<int64_t>(cu[mid + 1]) <= t) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+PC_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+PC_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+}  // namespace packcuda

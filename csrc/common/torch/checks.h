@@ -1,0 +1,90 @@
+// Torch layer helpers (stable ABI only): argument checks with readable messages, dtype names, the current
+// CUDA stream, and host/device metadata handling. Included only by *_ops.cpp files.
+#pragma once
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/stream.h"
+
+namespace packcuda::th {
+
+using torch::stable::Tensor;
+using ST = torch::headeronly::ScalarType;
+
+const char* dtype_name(ST t);
+std::string shape_str(const Tensor& t);
+std::string device_str(const Tensor& t);
+
+// Throws std::invalid_argument("packcuda.<op>: <message>") when cond is false.
+#define PC_ARG(cond, op, ...)                                                         \
+  do {                                                                                \
+    if (!(cond))                                                                      \
+      throw std::invalid_argument(::packcuda::detail::cat("packcuda.", op, ": ", __VA_ARGS__)); \
+  } while (0)
+
+void check_dtype(const char* op, const char* name, const Tensor& t, std::initializer_list<ST> allowed);
+void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim);
+void check_same_device(const char* op, const char* name, const Tensor& t, const char* ref_name,
+                       const Tensor& ref);
+void check_contiguous(const char* op, const char* name, const Tensor& t);
+int64_t element_size(ST t);
+
+// Segment boundaries (cu_seqlens) given either on the host (CPU tensor) or on the data's device.
+//  - host: values are validated (first entry 0, non-decreasing, last entry == expected_total when
+//    expected_total >= 0) and, for a CUDA target, uploaded with a non-blocking copy (no device sync);
+//  - device: dtype/shape are validated; values are trusted (the Python facade validated them on the host).
+struct Segments {
+  Tensor tensor;               // int64, contiguous, on the target device
+  std::vector<int64_t> host;   // the values, when given on the host
+  bool on_host = false;
+  int64_t count = 0;           // number of segments
+  const int64_t* ptr() const { return tensor.const_data_ptr<int64_t>(); }
+};
+Segments segments(const char* op, const char* name, const Tensor& cu, const torch::stable::Device& target,
+                  int64_t expected_total);
+
+// Copy of host int64 values onto a device (non-blocking, no sync).
+Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Device& target);
+
+// Current CUDA stream of a device (only valid in CUDA builds).
+cudaStream_t current_stream(int32_t device_index);
+
+// Device guard + current stream of a tensor's CUDA device.
+struct CudaScope {
+  torch::stable::accelerator::DeviceGuard guard;
+  cudaStream_t stream;
+  explicit CudaScope(const Tensor& t)
+      : guard(t.get_device_index()), stream(current_stream(t.get_device_index())) {}
+};
+
+// Row ops move any dtype of 1, 2, 4 or 8 bytes.
+void check_row_dtype(const char* op, const char* name, const Tensor& t);
+std::vector<int64_t> shape_of(const Tensor& t);
+int64_t row_bytes_of(const Tensor& t);  // bytes of one slice along dim 0 (t contiguous)
+// One element of dtype t holding `value`, as raw bits.
+uint64_t fill_bits(ST t, double value);
+// Host check of an int64 index tensor: values in [lo, hi), unique among those >= 0 when asked.
+void check_index_range(const char* op, const char* name, const Tensor& index, int64_t lo, int64_t hi,
+                       bool unique);
+// The device outputs go to: `device` when given, else the metadata's device.
+torch::stable::Device target_device(const Tensor& meta, const std::optional<torch::stable::Device>& device);
+
+#ifdef USE_CUDA
+#define PC_CUDA_ONLY(...) __VA_ARGS__
+#else
+#define PC_CUDA_ONLY(...) throw std::runtime_error("packcuda was built without CUDA kernels")
+#endif
+
+}  // namespace packcuda::th
+
+#include "common/errors.h"

@@ -1,0 +1,183 @@
+#include <cub/block/block_scan.cuh>
+
+#include "common/cuda_utils.cuh"
+#include "pack/pack.h"
+#include "pack/pack_math.h"
+
+namespace packcuda::pack {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+template <int VW> struct VecT;
+template <> struct VecT<16> { using type = uint4; };
+template <> struct VecT<8> { using type = uint2; };
+template <> struct VecT<4> { using type = uint32_t; };
+template <> struct VecT<2> { using type = uint16_t; };
+template <> struct VecT<1> { using type = uint8_t; };
+
+// Each thread moves kUnroll vectors, issuing all loads before the stores (more bytes in flight).
+template <typename V, typename I>
+__global__ void __launch_bounds__(kThreads) gather_rows_kernel(V* __restrict__ out, const V* __restrict__ src,
+                                                               const int64_t* __restrict__ index, I n_vec,
+                                                               I vpr, V fill) {
+  const I base = static_cast<I>(blockIdx.x) * (kThreads * kUnroll) + threadIdx.x;
+  V vals[kUnroll];
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const I v = base + k * kThreads;
+    if (v < n_vec) {
+      const I row = v / vpr;
+      const I col = v - row * vpr;
+      const int64_t r = __ldg(index + row);
+      vals[k] = r >= 0 ? src[static_cast<int64_t>(r) * vpr + col] : fill;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const I v = base + k * kThreads;
+    if (v < n_vec) out[v] = vals[k];
+  }
+}
+
+template <int VW>
+void launch_gather(void* out, const void* src, const int64_t* index, int64_t n_out, int64_t row_bytes,
+                   const Fill16& f, cudaStream_t stream) {
+  using V = typename VecT<VW>::type;
+  const int64_t vpr = row_bytes / VW;
+  const int64_t n_vec = n_out * vpr;
+  if (n_vec == 0) return;
+  V fill;
+  memcpy(&fill, &f, sizeof(V));
+  const int64_t blocks = (n_vec + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+  if (n_vec < (int64_t(1) << 31))
+    gather_rows_kernel<V, uint32_t><<<blocks, kThreads, 0, stream>>>(
+        static_cast<V*>(out), static_cast<const V*>(src), index, static_cast<uint32_t>(n_vec),
+        static_cast<uint32_t>(vpr), fill);
+  else
+    gather_rows_kernel<V, int64_t><<<blocks, kThreads, 0, stream>>>(
+        static_cast<V*>(out), static_cast<const V*>(src), index, n_vec, vpr, fill);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+__global__ void invert_index_kernel(int64_t* inv, const int64_t* index, int64_t n_index) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n_index; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = index[i];
+    if (r >= 0) inv[r] = i;
+  }
+}
+
+__global__ void segment_positions_kernel(int64_t* out, const int64_t* cu, int64_t nseg, int64_t total) {
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x)
+    out[t] = position_in_segment(cu, nseg, t);
+}
+
+template <typename T>
+__global__ void next_token_labels_kernel(T* out, const T* ids, const int64_t* cu, int64_t nseg, int64_t total,
+                                         int64_t ignore_index) {
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t src = next_token_source(cu, nseg, t);
+    out[t] = src >= 0 ? ids[src] : static_cast<T>(ignore_index);
+  }
+}
+
+__global__ void right_pad_indices_kernel(int64_t* out, const int64_t* cu, int64_t nseg, int64_t seqlen,
+                                         int64_t total) {
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x)
+    out[t] = right_pad_flat_index(cu, nseg, seqlen, t);
+}
+
+// One block per mask row: a block-wide exclusive scan over chunks of the row writes the flat positions.
+constexpr int kScanItems = 4;
+__global__ void __launch_bounds__(kThreads) mask_indices_kernel(int64_t* out, const uint8_t* mask, int64_t cols,
+                                                                const int64_t* cu) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int64_t running;
+  const int64_t r = blockIdx.x;
+  if (threadIdx.x == 0) running = cu[r];
+  __syncthreads();
+  const uint8_t* row = mask + r * cols;
+  for (int64_t c0 = 0; c0 < cols; c0 += kThreads * kScanItems) {
+    int flags[kScanItems];
+#pragma unroll
+    for (int k = 0; k < kScanItems; ++k) {
+      const int64_t c = c0 + threadIdx.x * kScanItems + k;
+      flags[k] = (c < cols && row[c]) ? 1 : 0;
+    }
+    int offs[kScanItems];
+    int chunk_total;
+    Scan(tmp).ExclusiveSum(flags, offs, chunk_total);
+    const int64_t base = running;
+#pragma unroll
+    for (int k = 0; k < kScanItems; ++k) {
+      const int64_t c = c0 + threadIdx.x * kScanItems + k;
+      if (flags[k]) out[base + offs[k]] = r * cols + c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) running = base + chunk_total;
+    __syncthreads();
+  }
+}
+
+}  // namespace
+
+void gather_rows_cuda(void* out, const void* src, const int64_t* index, int64_t n_out, int64_t row_bytes,
+                      uint64_t fill_elem, int elem_size, cudaStream_t stream) {
+  const Fill16 f = replicate_fill(fill_elem, elem_size);
+  auto aligned = [&](int w) {
+    return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(out) % w == 0 &&
+           reinterpret_cast<uintptr_t>(src) % w == 0;
+  };
+  if (aligned(16)) launch_gather<16>(out, src, index, n_out, row_bytes, f, stream);
+  else if (aligned(8)) launch_gather<8>(out, src, index, n_out, row_bytes, f, stream);
+  else if (aligned(4)) launch_gather<4>(out, src, index, n_out, row_bytes, f, stream);
+  else if (aligned(2)) launch_gather<2>(out, src, index, n_out, row_bytes, f, stream);
+  else launch_gather<1>(out, src, index, n_out, row_bytes, f, stream);
+}
+
+void invert_index_cuda(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index, cudaStream_t stream) {
+  if (n_inv > 0) PC_CUDA_CHECK(cudaMemsetAsync(inv, 0xff, n_inv * sizeof(int64_t), stream));  // -1
+  if (n_index == 0) return;
+  invert_index_kernel<<<cuda::grid_for(n_index, kThreads), kThreads, 0, stream>>>(inv, index, n_index);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+void segment_positions_cuda(int64_t* out, const int64_t* cu, int64_t nseg, int64_t total, cudaStream_t stream) {
+  if (total == 0) return;
+  segment_positions_kernel<<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(out, cu, nseg, total);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+void next_token_labels_cuda(void* out, const void* ids, int elem_size, const int64_t* cu, int64_t nseg,
+                            int64_t total, int64_t ignore_index, cudaStream_t stream) {
+  if (total == 0) return;
+  const int g = cuda::grid_for(total, kThreads);
+  if (elem_size == 4)
+    next_token_labels_kernel<<<g, kThreads, 0, stream>>>(static_cast<int32_t*>(out),
+                                                         static_cast<const int32_t*>(ids), cu, nseg, total,
+                                                         ignore_index);
+  else
+    next_token_labels_kernel<<<g, kThreads, 0, stream>>>(static_cast<int64_t*>(out),
+                                                         static_cast<const int64_t*>(ids), cu, nseg, total,
+                                                         ignore_index);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+void right_pad_indices_cuda(int64_t* out, const int64_t* cu, int64_t nseg, int64_t seqlen, int64_t total,
+                            cudaStream_t stream) {
+  if (total == 0) return;
+  right_pad_indices_kernel<<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(out, cu, nseg, seqlen,
+                                                                                     total);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+void mask_indices_cuda(int64_t* out, const uint8_t* mask, int64_t rows, int64_t cols, const int64_t* cu,
+                       cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  mask_indices_kernel<<<rows, kThreads, 0, stream>>>(out, mask, cols, cu);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace packcuda::pack

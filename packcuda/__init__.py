@@ -1,0 +1,25 @@
+"""packcuda: packed-sequence data ops for context-parallel training, on CPU and CUDA.
+
+Ops live in ``torch.ops.packcuda``; this package loads them and adds typed Python functions with fake
+(meta) kernels and autograd formulas, so everything also works under ``torch.compile(fullgraph=True)``.
+"""
+from ._lib import built_with_cuda, cmake_prefix_path, library_path
+from ._lib import load as _load
+
+_load()
+
+from .pack import gather_rows, next_token_labels, pad, position_ids, scatter_rows, unpad  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "built_with_cuda",
+    "cmake_prefix_path",
+    "library_path",
+    "gather_rows",
+    "scatter_rows",
+    "unpad",
+    "pad",
+    "position_ids",
+    "next_token_labels",
+]

@@ -1,0 +1,77 @@
+"""Host/device metadata convention shared by every facade function.
+
+``cu_seqlens`` (and similar metadata) may be given on the host (list, tuple, numpy array or CPU tensor) or
+as a device tensor. Host metadata is passed to the ops as a CPU int64 tensor: the op validates the values on
+the host and uploads them with a non-blocking copy, so a GPU op never waits for the device. Device metadata
+is used as is; when the host needs a value from it (an output size), the facade reads it back once — a
+device sync — and says so in the function's docstring.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+IntsLike = Union[Sequence[int], torch.Tensor]
+
+
+def is_device_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type != "cpu"
+
+
+def host_tensor(values: IntsLike, name: str = "cu_seqlens") -> torch.Tensor:
+    """CPU int64 1-D tensor of host metadata (no device involved)."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"packcuda: {name} must be host metadata here, got a {values.device} tensor")
+        if values.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"packcuda: {name} must be an integer tensor, got {values.dtype}")
+        return values.reshape(-1).to(torch.int64)
+    try:
+        import numpy as np
+
+        if isinstance(values, np.ndarray):
+            if values.dtype.kind not in "iu":
+                raise TypeError(f"packcuda: {name} must hold integers, got numpy dtype {values.dtype}")
+            return torch.from_numpy(values.astype("int64").reshape(-1))
+    except ImportError:  # pragma: no cover
+        pass
+    vals = list(values)
+    for v in vals:
+        if isinstance(v, bool) or not isinstance(v, int) and not hasattr(v, "__index__"):
+            raise TypeError(f"packcuda: {name} must hold integers, got {type(v).__name__}")
+    return torch.tensor([int(v) for v in vals], dtype=torch.int64)
+
+
+def op_metadata(values: IntsLike, name: str = "cu_seqlens") -> torch.Tensor:
+    """The tensor to hand to an op: device tensors as they are, host metadata as a CPU int64 tensor."""
+    if is_device_tensor(values):
+        return values
+    return host_tensor(values, name)
+
+
+def host_list(values: IntsLike, name: str = "cu_seqlens") -> list[int]:
+    """Python ints of metadata; a device tensor is read back (one device sync)."""
+    if isinstance(values, torch.Tensor):
+        return [int(v) for v in values.reshape(-1).tolist()]
+    return host_tensor(values, name).tolist()
+
+
+def cu_from_lengths(lengths: IntsLike, name: str = "lengths") -> torch.Tensor:
+    """Host cu_seqlens (CPU int64, [N+1]) from host lengths."""
+    lens = host_tensor(lengths, name)
+    if (lens < 0).any():
+        i = int((lens < 0).nonzero()[0])
+        raise ValueError(f"packcuda: {name}[{i}]={int(lens[i])} is negative")
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=cu[1:])
+    return cu
+
+
+def to_device_async(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
+    """Host tensor onto a device without making the host wait (pageable memory is staged by the runtime)."""
+    if dtype is not None:
+        t = t.to(dtype)
+    if torch.device(device).type == "cpu":
+        return t
+    return t.to(device, non_blocking=True)
