@@ -32,10 +32,17 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
-    def build_extension(self, ext):
+    def run(self):
+        for ext in self.extensions:
+            self.build_cmake(ext)
+
+    def get_outputs(self):
+        return []
+
+    def build_cmake(self, ext):
         import torch  # the build environment's torch; the binary targets the stable ABI (2.10)
 
-        if self.inplace:
+        if self.inplace or getattr(self, "editable_mode", False):
             pkg_dir = ROOT / "packcuda"
         else:
             pkg_dir = Path(self.build_lib).resolve() / "packcuda"

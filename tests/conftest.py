@@ -1,0 +1,41 @@
+import os
+
+import pytest
+import torch
+
+import packcuda
+
+HAS_CUDA = torch.cuda.is_available() and packcuda.built_with_cuda()
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def pytest_generate_tests(metafunc):
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize(
+            "device",
+            [pytest.param(d, marks=[pytest.mark.gpu] if d == "cuda" else []) for d in ["cpu", "cuda"]],
+        )
+
+
+@pytest.fixture(autouse=True)
+def _skip_missing_cuda(request):
+    if "device" in request.fixturenames and request.getfixturevalue("device") == "cuda" and not HAS_CUDA:
+        pytest.skip("needs a CUDA device and a CUDA build of packcuda")
+
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of packcuda")
+
+
+class no_sync:
+    """Context manager: any device synchronization inside raises (torch sync debug mode 'error')."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        self._prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(self._prev)
+        return False

@@ -1,0 +1,232 @@
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import packcuda
+import reference as ref
+from conftest import HAS_CUDA, no_sync, requires_cuda
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.bool]
+
+
+def _rand(shape, dtype, g=None):
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+
+
+def _mask(B, S, g, kind):
+    if kind == "random":
+        return torch.rand(B, S, generator=g) > 0.4
+    lens = torch.randint(0, S + 1, (B,), generator=g)
+    ar = torch.arange(S)[None]
+    m = ar < lens[:, None]
+    return m.flip(1) if kind == "left" else m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trailing", [(), (3,), (8, 16), (5, 7)])
+@pytest.mark.parametrize("kind", ["right", "left", "random"])
+def test_unpad_pad_matches_reference(device, dtype, trailing, kind):
+    g = torch.Generator().manual_seed(zlib.crc32(repr((dtype, trailing, kind)).encode()))
+    B, S = 5, 37
+    x = _rand((B, S, *trailing), dtype, g)
+    m = _mask(B, S, g, kind)
+    want = ref.unpad(x, m)
+    got = packcuda.unpad(x.to(device), m.to(device))
+    assert torch.equal(got[0].cpu(), want[0])
+    assert torch.equal(got[1].cpu(), want[1])
+    assert got[2].dtype == torch.int32 and torch.equal(got[2].cpu(), want[2])
+    assert got[3] == want[3] and isinstance(got[3], int)
+    back = packcuda.pad(got[0], got[1], B, S)
+    assert torch.equal(back.cpu(), ref.pad(want[0], want[1], B, S))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_unpad_lengths_equals_mask(device, dtype):
+    g = torch.Generator().manual_seed(1)
+    B, S = 6, 50
+    lens = [0, 50, 13, 1, 49, 7]
+    x = _rand((B, S, 4), dtype, g).to(device)
+    m = (torch.arange(S)[None] < torch.tensor(lens)[:, None]).to(device)
+    a = packcuda.unpad(x, m)
+    b = packcuda.unpad(x, lengths=lens)
+    for u, v in zip(a[:3], b[:3]):
+        assert torch.equal(u, v)
+    assert a[3] == b[3] == 50
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    ignore=st.integers(-1000, -1),
+    wide=st.booleans(),
+)
+def test_positions_and_labels_hypothesis(lens, ignore, wide):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    ids = torch.randint(0, 50000, (cu[-1],), dtype=torch.int64 if wide else torch.int32)
+    for device in ["cpu"] + (["cuda"] if HAS_CUDA else []):
+        pos = packcuda.position_ids(cu, device=device)
+        assert torch.equal(pos.cpu(), ref.position_ids(cu))
+        lab = packcuda.next_token_labels(ids.to(device), cu, ignore)
+        assert lab.dtype == ids.dtype
+        assert torch.equal(lab.cpu(), ref.next_token_labels(ids, cu, ignore))
+        # device cu_seqlens give the same result
+        cu_dev = torch.tensor(cu, dtype=torch.int32, device=device)
+        assert torch.equal(packcuda.next_token_labels(ids.to(device), cu_dev, ignore).cpu(), lab.cpu())
+        assert torch.equal(packcuda.position_ids(cu_dev).cpu(), pos.cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fill", [0.0, -100.0, 1.0])
+def test_gather_rows_fill(device, dtype, fill):
+    g = torch.Generator().manual_seed(3)
+    src = _rand((20, 6), dtype, g)
+    index = torch.tensor([3, -1, 0, 19, -1, 7], dtype=torch.int64)
+    got = packcuda.gather_rows(src.to(device), index.to(device), fill)
+    assert torch.equal(got.cpu(), ref.gather_rows(src, index, fill))
+
+
+def test_gather_rows_unaligned_rows(device):
+    # rows of 3 bytes and a source that starts at an odd byte offset: the kernel falls back to narrow loads
+    base = torch.randint(0, 255, (1 + 50 * 3,), dtype=torch.uint8)
+    src = base[1:].view(50, 3)
+    index = torch.randperm(50)[:20]
+    got = packcuda.gather_rows(src.to(device), index.to(device))
+    assert torch.equal(got.cpu(), src[index])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64])
+def test_unpad_pad_gradcheck(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, 2, dtype=dtype, generator=g, requires_grad=True)
+    m = _mask(3, 7, g, "random")
+
+    def f(x):
+        xp, idx, cu, _ = packcuda.unpad(x, m)
+        return packcuda.pad(xp * 2, idx, 3, 7)
+
+    torch.autograd.gradcheck(f, (x,))
+    xp = torch.randn(int(m.sum()), 2, dtype=dtype, requires_grad=True)
+    idx = packcuda.unpad(x.detach(), m)[1]
+    torch.autograd.gradcheck(lambda v: packcuda.pad(v, idx, 3, 7), (xp,))
+
+
+def test_unpad_grad_matches_reference(device):
+    x = torch.randn(4, 9, 8, device=device, requires_grad=True)
+    m = (torch.rand(4, 9) > 0.3).to(device)
+    xp, idx, _, _ = packcuda.unpad(x, m)
+    w = torch.randn_like(xp)
+    (xp * w).sum().backward()
+    want = torch.zeros_like(x).view(36, 8)
+    want[idx] = w
+    assert torch.equal(x.grad.view(36, 8), want)
+
+
+def test_opcheck(device):
+    from torch.library import opcheck
+
+    x = torch.randn(10, 4, device=device)
+    idx = torch.tensor([2, -1, 9, 0], device=device)
+    opcheck(torch.ops.packcuda.gather_rows.default, (x.requires_grad_(), idx, 0.0))
+    opcheck(torch.ops.packcuda.scatter_rows.default, (torch.randn(4, 4, device=device).requires_grad_(), idx, 10))
+    cu = torch.tensor([0, 3, 3, 10])
+    opcheck(torch.ops.packcuda.segment_positions.default, (cu, 10, torch.device(device)))
+    opcheck(torch.ops.packcuda.next_token_labels.default, (torch.arange(10, device=device), cu, -100))
+    opcheck(torch.ops.packcuda.right_pad_indices.default, (cu, 7, 10, torch.device(device)))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=device)
+    opcheck(torch.ops.packcuda.mask_indices.default, (mask, torch.tensor([0, 2, 4]), 4))
+
+
+def test_compile_fullgraph(device):
+    x = torch.randn(3, 6, 4, device=device, requires_grad=True)
+    idx = torch.tensor([0, 1, 2, 6, 7, 12], device=device)
+
+    def f(x, idx):
+        xp = packcuda.gather_rows(x.reshape(18, 4), idx)
+        return packcuda.pad(xp.sin(), idx, 3, 6)
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    y1, y2 = f(x, idx), cf(x, idx)
+    assert torch.allclose(y1, y2)
+    (g1,) = torch.autograd.grad(y1.sum(), x)
+    (g2,) = torch.autograd.grad(y2.sum(), x)
+    assert torch.allclose(g1, g2)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def test_bad_cu_seqlens():
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\] must be 0"):
+        packcuda.position_ids([1, 3])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        packcuda.position_ids([0, 5, 3])
+    ids = torch.arange(10)
+    with pytest.raises(ValueError, match="does not match the number of tokens"):
+        packcuda.next_token_labels(ids, [0, 4, 9])
+    with pytest.raises(ValueError, match="dtype"):
+        packcuda.next_token_labels(ids.float(), [0, 10])
+    with pytest.raises(TypeError, match="integers"):
+        packcuda.position_ids([0, 1.5])
+
+
+def test_bad_gather_scatter():
+    x = torch.randn(5, 3)
+    with pytest.raises(ValueError, match=r"index\[1\]=5 is out of range"):
+        packcuda.gather_rows(x, torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="int64"):
+        packcuda.gather_rows(x, torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="appears twice"):
+        packcuda.scatter_rows(x[:2], torch.tensor([1, 1]), 4)
+    with pytest.raises(ValueError, match="index has 2 entries but src has 3 rows"):
+        packcuda.scatter_rows(x[:3], torch.tensor([1, 2]), 4)
+
+
+def test_bad_unpad():
+    x = torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match="exactly one"):
+        packcuda.unpad(x)
+    with pytest.raises(ValueError, match="shape"):
+        packcuda.unpad(x, torch.ones(2, 5))
+    with pytest.raises(ValueError, match="exceeds seqlen"):
+        packcuda.unpad(x, lengths=[2, 5])
+    with pytest.raises(ValueError, match="lengths has 3 entries"):
+        packcuda.unpad(x, lengths=[1, 1, 1])
+    with pytest.raises(ValueError, match="negative"):
+        packcuda.unpad(x, lengths=[1, -1])
+
+
+@requires_cuda
+def test_cuda_device_mismatch():
+    x = torch.randn(5, 3, device="cuda")
+    with pytest.raises(ValueError, match="is on cpu but src is on cuda"):
+        packcuda.gather_rows(x, torch.tensor([0, 1]))
+
+
+# ------------------------------------------------------------------------------------ no syncs
+@requires_cuda
+def test_host_metadata_paths_do_not_sync():
+    B, S = 8, 1000
+    lens = [1000, 3, 0, 999, 500, 1, 2, 700]
+    x = torch.randn(B, S, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, 1000, (sum(lens),), device="cuda")
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    packcuda.unpad(x, lengths=lens)  # warm-up (allocator, module load)
+    with no_sync():
+        xp, idx, cu_dev, mx = packcuda.unpad(x, lengths=lens)
+        y = packcuda.pad(xp * 2, idx, B, S)
+        y.sum().backward()
+        pos = packcuda.position_ids(cu, device="cuda")
+        lab = packcuda.next_token_labels(ids, cu)
+        lab2 = packcuda.next_token_labels(ids, cu_dev)
+    torch.cuda.synchronize()
+    assert torch.equal(pos.cpu(), ref.position_ids(cu))
+    assert torch.equal(lab.cpu(), ref.next_token_labels(ids.cpu(), cu))
+    assert torch.equal(lab2, lab)
