@@ -1,0 +1,138 @@
+"""Benchmark harness: CUDA-event timing (median of many runs after warm-up, inputs rotated so they exceed
+L2), same-run baselines, a printed table, and rows appended to benchmarks/RESULTS.md.
+
+Usage in a benchmark module ``benchmarks/bench_<name>.py``::
+
+    from benchmarks.harness import Timer, record
+    def run(quick=False, device=None) -> list[dict]:
+        t = Timer(device)
+        ours = t.median_ms(lambda: op(x))
+        base = t.median_ms(lambda: baseline(x))
+        rows = [dict(op="unpad", shape="...", packcuda_ms=ours, baseline="nonzero+index_select",
+                     baseline_ms=base, speedup=base / ours, pct_copy_bw=...)]
+        return rows
+
+``record(title, rows)`` prints the table and appends it (with date, device, torch version) to RESULTS.md.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+class Timer:
+    """Median wall time of a callable, in milliseconds. CUDA: events around each call; CPU: perf_counter."""
+
+    def __init__(self, device=None, warmup: int = 5, reps: int = 50, min_time_s: float = 0.0):
+        self.device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        self.warmup, self.reps, self.min_time_s = warmup, reps, min_time_s
+
+    def median_ms(self, fn: Callable[[], object], reps: Optional[int] = None, warmup: Optional[int] = None) -> float:
+        reps = reps or self.reps
+        for _ in range(warmup if warmup is not None else self.warmup):
+            fn()
+        times = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+            for i in range(reps):
+                starts[i].record()
+                fn()
+                ends[i].record()
+            torch.cuda.synchronize(self.device)
+            times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        else:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def rotating(make: Callable[[int], object], bytes_per_set: int, min_total_bytes: int = 3 * 60 * 2**20,
+             max_sets: int = 8):
+    """Enough input sets that cycling through them defeats the L2 cache (H200: 60 MB L2)."""
+    n = max(1, min(max_sets, -(-min_total_bytes // max(1, bytes_per_set))))
+    sets = [make(i) for i in range(n)]
+    state = {"i": 0}
+
+    def next_set():
+        s = sets[state["i"] % n]
+        state["i"] += 1
+        return s
+
+    return next_set
+
+
+def copy_floor_ms(timer: Timer, nbytes_read: int, nbytes_written: int) -> float:
+    """Time of a plain device copy moving the same bytes (read + write), the bandwidth floor."""
+    dev = timer.device
+    n = max(nbytes_read, nbytes_written)
+    src = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    if nbytes_read == nbytes_written:
+        return timer.median_ms(lambda: dst.copy_(src))
+    # unequal read/write: copy the larger half-size scaled (reads+writes total), approximated by a copy of
+    # (read + write) / 2 bytes
+    m = (nbytes_read + nbytes_written) // 2
+    return timer.median_ms(lambda: dst[:m].copy_(src[:m]))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "n/a"
+        if abs(v) >= 100:
+            return f"{v:.1f}"
+        if abs(v) >= 1:
+            return f"{v:.2f}"
+        return f"{v:.4f}"
+    return str(v)
+
+
+def table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None) -> str:
+    if not rows:
+        return "(no rows)\n"
+    cols = list(columns) if columns else list(dict.fromkeys(k for r in rows for k in r))
+    out = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    for r in rows:
+        out += "| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |\n"
+    return out
+
+
+def header(device) -> str:
+    device = torch.device(device)
+    return (f"date {_dt.date.today().isoformat()} · {device_name(device)} · torch {torch.__version__}"
+            + (f" · CUDA {torch.version.cuda}" if device.type == "cuda" else ""))
+
+
+def record(title: str, rows: Sequence[dict], device=None, notes: str = "", columns=None,
+           write: bool = True) -> str:
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    text = f"\n### {title}\n\n{header(device)}\n\n{table(rows, columns)}"
+    if notes:
+        text += f"\n{notes}\n"
+    print(text, flush=True)
+    if write and os.environ.get("PACKCUDA_BENCH_NO_WRITE") != "1":
+        with open(RESULTS, "a") as f:
+            f.write(text)
+    return text
