@@ -10,6 +10,8 @@ _load()
 
 from .pack import gather_rows, next_token_labels, pad, position_ids, scatter_rows, unpad  # noqa: E402
 
+from .balance import balance_across_ranks, plan_micro_batches, sequence_workloads  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -22,4 +24,7 @@ __all__ = [
     "pad",
     "position_ids",
     "next_token_labels",
+    "plan_micro_batches",
+    "balance_across_ranks",
+    "sequence_workloads",
 ]
