@@ -48,6 +48,28 @@ def _packing(rep: _Report, device: torch.device, rng: random.Random):
     rep.check("next_token_labels never cross a sequence boundary", ok)
 
 
+def _balance(rep: _Report, device: torch.device, rng: random.Random):
+    print("micro-batch planning (host)")
+    lens = [int(2 ** rng.uniform(5, 13)) for _ in range(200)]
+    cap = 16384
+    parts = packcuda.plan_micro_batches(lens, cap, multiple_of=2, order="pipeline")
+    flat = sorted(i for p in parts for i in p)
+    toks = [sum(lens[i] for i in p) for p in parts]
+    start = -(-max(-(-sum(lens) // cap), 1) // 2) * 2
+    rep.check("every sequence in exactly one micro-batch", flat == list(range(len(lens))))
+    rep.check("token cap holds", max(toks) <= cap, f"{len(parts)} micro-batches (start count {start}), "
+              f"largest {max(toks)} <= {cap} tokens")
+    w = [24576 * n + n * n for n in lens]
+    loads = [sum(w[i] for i in p) for p in parts]
+    top = loads.index(max(loads))
+    rep.check("pipeline order: heaviest in the middle",
+              all(loads[j] <= loads[j + 1] for j in range(top))
+              and all(loads[j] >= loads[j + 1] for j in range(top, len(loads) - 1)),
+              f"max/mean workload {max(loads) / (sum(loads) / len(loads)):.3f}")
+    ranks = packcuda.balance_across_ranks(lens, 4, equal_count=True)
+    rep.check("balance_across_ranks(equal_count) gives 50 sequences per rank", [len(r) for r in ranks] == [50] * 4)
+
+
 def run(device: str | None = None, seed: int = 0) -> int:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() and packcuda.built_with_cuda() else "cpu"))
     rng = random.Random(seed)
@@ -55,6 +77,7 @@ def run(device: str | None = None, seed: int = 0) -> int:
     print(f"packcuda demo on {dev} (torch {torch.__version__}, CUDA kernels: {packcuda.built_with_cuda()})")
     rep = _Report()
     _packing(rep, dev, rng)
+    _balance(rep, dev, rng)
     n_ok = sum(r[1] for r in rep.rows)
     print(f"demo: {n_ok}/{len(rep.rows)} checks passed")
     return 0 if rep.ok else 1
