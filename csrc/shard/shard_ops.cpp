@@ -47,16 +47,17 @@ std::vector<int64_t> host_values(const char* op, const char* name, const Tensor&
 }
 
 std::vector<Tensor> shard_layout(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
-                                 int64_t bucket) {
+                                 std::optional<int64_t> bucket_opt) {
   const char* op = "shard_layout";
   check_layout_args(op, cp_size, layout);
   PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
   PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
-  PC_ARG(bucket >= 0, op, "bucket must be >= 1 (or 0 for no bucketing), got ", bucket);
+  PC_ARG(!bucket_opt || *bucket_opt >= 1, op, "bucket must be >= 1, got ", bucket_opt.value_or(0));
+  const int64_t bucket = bucket_opt.value_or(0);
   if (layout == kZigzag) {
     PC_ARG(align % (2 * cp_size) == 0, op, "zigzag align must be a multiple of 2*cp_size=", 2 * cp_size, ", got ",
            align);
-    PC_ARG(bucket % align == 0, op, "zigzag bucket must be a multiple of align=", align, ", got ", bucket);
+    PC_ARG(!bucket_opt || bucket % align == 0, op, "zigzag bucket must be a multiple of align=", align, ", got ", bucket);
   }
   PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
          device_str(cu_seqlens));
@@ -165,7 +166,7 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
 }  // namespace packcuda::th
 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
-  m.def("shard_layout(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int bucket) -> Tensor[]");
+  m.def("shard_layout(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket=None) -> Tensor[]");
   m.def(
       "shard_plan_index(Tensor cu_seqlens, Tensor pieces, Tensor piece_offset, Tensor piece_seq, int total_local, "
       "Device? device=None) -> (Tensor, Tensor, Tensor)");
