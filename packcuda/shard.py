@@ -141,8 +141,14 @@ class ShardPlan:
         d = self._rows("shard", x, dim, self.total, "x")
         if d == 0:
             return ops.gather_rows(x, self.index, float(fill))
-        out = ops.gather_rows(x.movedim(d, 0), self.index, float(fill))
-        return out.movedim(0, d)
+        # rows along dim d of [A, T, ...] are rows a*T + t of the flattened [A*T, ...]: one gather, no transpose
+        lead = 1
+        for n in x.shape[:d]:
+            lead *= n
+        offs = torch.arange(lead, device=self.index.device).mul_(self.total)[:, None]
+        index = torch.where(self.index >= 0, self.index + offs, -1).reshape(-1)
+        out = ops.gather_rows(x.reshape(lead * self.total, *x.shape[d + 1:]), index, float(fill))
+        return out.view(*x.shape[:d], self.total_local, *x.shape[d + 1:])
 
     def labels(self, input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Local next-token labels of the original ``input_ids`` ``[T]``: the next token of the same sequence
