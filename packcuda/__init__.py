@@ -9,7 +9,7 @@ from ._lib import load as _load
 _load()
 
 from .pack import gather_rows, next_token_labels, pad, position_ids, scatter_rows, unpad  # noqa: E402
-
+from .shard import ShardPlan, shard_plan  # noqa: E402
 from .balance import balance_across_ranks, plan_micro_batches, sequence_workloads  # noqa: E402
 
 __version__ = "0.1.0"
@@ -24,6 +24,8 @@ __all__ = [
     "pad",
     "position_ids",
     "next_token_labels",
+    "ShardPlan",
+    "shard_plan",
     "plan_micro_batches",
     "balance_across_ranks",
     "sequence_workloads",
