@@ -307,8 +307,9 @@ def test_gather_gloo():
     world = 3
     with tempfile.TemporaryDirectory() as d:
         init = "file://" + os.path.join(d, "rendezvous")
-        # fork: the workers only use the CPU, and skip re-importing torch
-        mp.start_processes(_gather_worker, args=(world, init, d), nprocs=world, join=True, start_method="fork")
+        # spawn, not fork: a forked worker cannot run backward once an earlier test in this process has
+        # started autograd's worker threads (torch.compile / opcheck do), so fork depends on test order
+        mp.start_processes(_gather_worker, args=(world, init, d), nprocs=world, join=True, start_method="spawn")
         x = torch.randn(81, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
         for r in range(world):
             for layout, res in torch.load(os.path.join(d, f"r{r}.pt")).items():
