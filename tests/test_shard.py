@@ -267,6 +267,13 @@ def test_bad_tensors(device):
             plan.shard(torch.zeros(13, device=other))
 
 
+@requires_cuda
+@pytest.mark.gpu
+def test_op_rejects_device_metadata():
+    with pytest.raises(ValueError, match="must be host metadata"):
+        ops.shard_layout(torch.tensor([0, 5], device="cuda"), 2, 0, 0, 4, None)
+
+
 def test_bad_op_metadata():
     cu = torch.tensor([0, 5, 13])
     lay = ops.shard_layout(cu, 2, 0, 0, 4, None)
