@@ -23,3 +23,7 @@ __all__ = [
     "position_ids",
     "next_token_labels",
 ]
+
+from .rope import apply_rope, apply_rope_, default_inv_freq, rope_kwargs_from_config  # noqa: E402
+
+__all__ += ["apply_rope", "apply_rope_", "default_inv_freq", "rope_kwargs_from_config"]

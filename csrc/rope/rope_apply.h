@@ -8,7 +8,7 @@
 
 namespace packcuda::rope {
 
-enum class Dtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum class Dtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
 // A [B, S, H, D] (or [T, H, D] with seq = T, stride_b = 0) view; strides in elements, last dim contiguous.
 struct HeadsView {
@@ -35,7 +35,7 @@ struct RopeArgs {
   int layout = 0;                   // kPlain / kSectioned / kInterleaved (rope_math.h)
   int64_t section[3] = {0, 0, 0};
   bool gptj = false;
-  float scaling = 1.0f;
+  double scaling = 1.0;  // attention_scaling (rounded to fp32 for fp32 compute)
   bool inverse = false;          // rotate by -angle (backward)
   bool copy_passthrough = true;  // out-of-place: copy channels >= rotary_dim; in place: leave them alone
 };

@@ -17,6 +17,7 @@ rope::Dtype rope_dtype(ST t) {
   switch (t) {
     case ST::BFloat16: return rope::Dtype::kBFloat16;
     case ST::Half: return rope::Dtype::kFloat16;
+    case ST::Double: return rope::Dtype::kFloat64;
     default: return rope::Dtype::kFloat32;
   }
 }
@@ -52,7 +53,7 @@ Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor&
                  bool gptj, double attention_scaling) {
   PC_ARG(q.dim() == 3 || q.dim() == 4, op, "q must be [T, Hq, D] or [B, S, Hq, D], got shape ", shape_str(q));
   PC_ARG(k.dim() == q.dim(), op, "k must have as many dims as q (", q.dim(), "), got shape ", shape_str(k));
-  check_dtype(op, "q", q, {ST::BFloat16, ST::Half, ST::Float});
+  check_dtype(op, "q", q, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
   PC_ARG(k.scalar_type() == q.scalar_type(), op, "k has dtype ", dtype_name(k.scalar_type()), " but q has dtype ",
          dtype_name(q.scalar_type()));
   check_same_device(op, "k", k, "q", q);
@@ -141,7 +142,7 @@ Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor&
   a.layout = layout;
   for (int i = 0; i < 3; ++i) a.section[i] = mrope ? mrope_section[i] : 0;
   a.gptj = gptj;
-  a.scaling = static_cast<float>(attention_scaling);
+  a.scaling = attention_scaling;
   return p;
 }
 

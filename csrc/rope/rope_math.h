@@ -1,6 +1,7 @@
 // Rotary-embedding math shared by the CPU and CUDA kernels of apply_rope: the slot -> position-axis map
 // (plain / sectioned / interleaved mRoPE), the channel pairing (neox / gptj), the angle, cos/sin and the
-// rotation of one pair. Everything is fp32; callers round once to the output dtype.
+// rotation of one pair. The angle is always fp32; cos/sin and the rotation are fp32 (fp64 for fp64 data);
+// callers round once to the output dtype.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -38,21 +39,25 @@ PC_HD int64_t pair_hi(int64_t j, int64_t n, bool gptj) { return gptj ? 2 * j + 1
 PC_HD float rope_angle(int64_t pos, float inv_freq) { return static_cast<float>(pos) * inv_freq; }
 
 // cos/sin of the angle with accurate library functions (no fast intrinsics), times attention_scaling.
-// inverse = rotation by the negated angle (the backward pass: R(-a) = R(a)^T).
-PC_HD void rope_cos_sin(float angle, float scaling, bool inverse, float* c, float* s) {
-  float sn, cs;
+// F is the compute type: float for bf16/fp16/fp32 data, double for fp64 data (the angle itself is always the
+// fp32 product above). inverse = rotation by the negated angle (the backward pass: R(-a) = R(a)^T).
+template <typename F>
+PC_HD void rope_cos_sin(float angle, F scaling, bool inverse, F* c, F* s) {
+  F sn, cs;
 #if defined(__CUDA_ARCH__)
-  sincosf(angle, &sn, &cs);
+  if constexpr (sizeof(F) == 4) sincosf(angle, &sn, &cs);
+  else sincos(static_cast<double>(angle), &sn, &cs);
 #else
-  sn = std::sin(angle);
-  cs = std::cos(angle);
+  sn = std::sin(static_cast<F>(angle));
+  cs = std::cos(static_cast<F>(angle));
 #endif
   *c = cs * scaling;
   *s = inverse ? -(sn * scaling) : sn * scaling;
 }
 
-// Rotation of one pair in fp32: (lo, hi) -> (lo*c - hi*s, hi*c + lo*s).
-PC_HD void rotate_pair(float lo, float hi, float c, float s, float* out_lo, float* out_hi) {
+// Rotation of one pair in the compute type: (lo, hi) -> (lo*c - hi*s, hi*c + lo*s).
+template <typename F>
+PC_HD void rotate_pair(F lo, F hi, F c, F s, F* out_lo, F* out_hi) {
   *out_lo = lo * c - hi * s;
   *out_hi = hi * c + lo * s;
 }

@@ -67,8 +67,18 @@ struct F32 {
   static F32 store(float f) { return F32{f}; }
 };
 
+struct F64 {
+  double x;
+  static double load(F64 v) { return v.x; }
+  static F64 store(double f) { return F64{f}; }
+};
+
+template <typename T> struct ComputeOf { using type = float; };
+template <> struct ComputeOf<F64> { using type = double; };
+
 template <typename T>
-void rotate_heads(const RopeArgs& a, const HeadsView& v, int64_t t, const float* cs) {
+void rotate_heads(const RopeArgs& a, const HeadsView& v, int64_t t, const typename ComputeOf<T>::type* cs) {
+  using F = typename ComputeOf<T>::type;
   const int64_t n = a.rotary_dim / 2;
   const T* in = static_cast<const T*>(v.in) + token_offset(t, a.seq, v.in_sb, v.in_ss);
   T* out = static_cast<T*>(v.out) + token_offset(t, a.seq, v.out_sb, v.out_ss);
@@ -77,7 +87,7 @@ void rotate_heads(const RopeArgs& a, const HeadsView& v, int64_t t, const float*
     T* y = out + h * v.out_sh;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t lo = pair_lo(j, n, a.gptj), hi = pair_hi(j, n, a.gptj);
-      float ylo, yhi;
+      F ylo, yhi;
       rotate_pair(T::load(x[lo]), T::load(x[hi]), cs[2 * j], cs[2 * j + 1], &ylo, &yhi);
       y[lo] = T::store(ylo);
       y[hi] = T::store(yhi);
@@ -90,7 +100,8 @@ void rotate_heads(const RopeArgs& a, const HeadsView& v, int64_t t, const float*
 template <typename T>
 void run(const RopeArgs& a) {
   const int64_t n = a.rotary_dim / 2;
-  std::vector<float> cs(2 * n);
+  using F = typename ComputeOf<T>::type;
+  std::vector<F> cs(2 * n);
   for (int64_t t = 0; t < a.tokens; ++t) {
     const int64_t pos_t = token_offset(t, a.seq, a.pos_sb, a.pos_ss);
     for (int64_t j = 0; j < n; ++j) {
@@ -98,7 +109,7 @@ void run(const RopeArgs& a) {
       const int64_t off = r * a.pos_row_stride + pos_t;
       const int64_t pos = a.pos_int64 ? static_cast<const int64_t*>(a.pos)[off]
                                       : static_cast<const int32_t*>(a.pos)[off];
-      rope_cos_sin(rope_angle(pos, a.inv_freq[j]), a.scaling, a.inverse, &cs[2 * j], &cs[2 * j + 1]);
+      rope_cos_sin(rope_angle(pos, a.inv_freq[j]), static_cast<F>(a.scaling), a.inverse, &cs[2 * j], &cs[2 * j + 1]);
     }
     rotate_heads<T>(a, a.q, t, cs.data());
     rotate_heads<T>(a, a.k, t, cs.data());
@@ -113,6 +124,7 @@ void rope_apply_cpu(const RopeArgs& a) {
     case Dtype::kFloat32: run<F32>(a); break;
     case Dtype::kFloat16: run<F16>(a); break;
     case Dtype::kBFloat16: run<BF16>(a); break;
+    case Dtype::kFloat64: run<F64>(a); break;
   }
 }
 

@@ -17,15 +17,23 @@ constexpr int kMaxTokensPerBlock = 32;
 constexpr int kSmemBudget = 32 * 1024;
 
 template <typename T> struct Cvt;
+template <> struct Cvt<double> {
+  using F = double;
+  static __device__ __forceinline__ double load(double v) { return v; }
+  static __device__ __forceinline__ double store(double f) { return f; }
+};
 template <> struct Cvt<float> {
+  using F = float;
   static __device__ __forceinline__ float load(float v) { return v; }
   static __device__ __forceinline__ float store(float f) { return f; }
 };
 template <> struct Cvt<__nv_bfloat16> {
+  using F = float;
   static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
   static __device__ __forceinline__ __nv_bfloat16 store(float f) { return __float2bfloat16_rn(f); }
 };
 template <> struct Cvt<__half> {
+  using F = float;
   static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
   static __device__ __forceinline__ __half store(float f) { return __float2half_rn(f); }
 };
@@ -52,8 +60,10 @@ struct KParams {
 template <typename T, int VE, int ALIGN, bool GPTJ>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const KParams p) {
   using V = Vec<T, VE, ALIGN>;
+  using F = typename Cvt<T>::F;  // compute type
   const RopeArgs& a = p.a;
-  extern __shared__ float2 cs[];  // [tok_per_block][n]
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  F* cs = reinterpret_cast<F*>(smem_raw);  // [tok_per_block][n][2] = (cos, sin)
   __shared__ TokenBase base[kMaxTokensPerBlock];
 
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * p.tok_per_block;
@@ -74,9 +84,10 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const KParams p) {
     const int64_t off = r * a.pos_row_stride + base[tl].pos;
     const int64_t pos = a.pos_int64 ? __ldg(static_cast<const long long*>(a.pos) + off)
                                     : __ldg(static_cast<const int*>(a.pos) + off);
-    float c, s;
-    rope_cos_sin(rope_angle(pos, __ldg(a.inv_freq + j)), a.scaling, a.inverse, &c, &s);
-    cs[i] = make_float2(c, s);
+    F c, s;
+    rope_cos_sin(rope_angle(pos, __ldg(a.inv_freq + j)), static_cast<F>(a.scaling), a.inverse, &c, &s);
+    cs[2 * i] = c;
+    cs[2 * i + 1] = s;
   }
   __syncthreads();
 
@@ -124,14 +135,14 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const KParams p) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (!ok[u]) continue;
-      const float2* csr = cs + tl_[u] * n + slot0[u];
+      const F* csr = cs + 2 * (tl_[u] * n + slot0[u]);
       if (GPTJ) {
         V y;
 #pragma unroll
         for (int m = 0; m < VE / 2; ++m) {
-          const float2 w = csr[m];
-          float o0, o1;
-          rotate_pair(Cvt<T>::load(lo[u].v[2 * m]), Cvt<T>::load(lo[u].v[2 * m + 1]), w.x, w.y, &o0, &o1);
+          F o0, o1;
+          rotate_pair<F>(Cvt<T>::load(lo[u].v[2 * m]), Cvt<T>::load(lo[u].v[2 * m + 1]), csr[2 * m], csr[2 * m + 1],
+                         &o0, &o1);
           y.v[2 * m] = Cvt<T>::store(o0);
           y.v[2 * m + 1] = Cvt<T>::store(o1);
         }
@@ -140,9 +151,8 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const KParams p) {
         V ylo, yhi;
 #pragma unroll
         for (int m = 0; m < VE; ++m) {
-          const float2 w = csr[m];
-          float o0, o1;
-          rotate_pair(Cvt<T>::load(lo[u].v[m]), Cvt<T>::load(hi[u].v[m]), w.x, w.y, &o0, &o1);
+          F o0, o1;
+          rotate_pair<F>(Cvt<T>::load(lo[u].v[m]), Cvt<T>::load(hi[u].v[m]), csr[2 * m], csr[2 * m + 1], &o0, &o1);
           ylo.v[m] = Cvt<T>::store(o0);
           yhi.v[m] = Cvt<T>::store(o1);
         }
@@ -190,12 +200,13 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   const int64_t H = a.q.heads + a.k.heads;
   const int64_t per_tok = H * (p.chunks_rot + p.chunks_pass);
   int64_t tok = (kItemsPerBlock + per_tok - 1) / (per_tok > 0 ? per_tok : 1);
-  const int64_t smem_tok = kSmemBudget / (p.n * static_cast<int64_t>(sizeof(float2)));
+  using F = typename Cvt<T>::F;
+  const int64_t smem_tok = kSmemBudget / (p.n * static_cast<int64_t>(2 * sizeof(F)));
   if (tok > smem_tok) tok = smem_tok;
   if (tok > kMaxTokensPerBlock) tok = kMaxTokensPerBlock;
   if (tok < 1) tok = 1;
   p.tok_per_block = static_cast<int>(tok);
-  const size_t smem = static_cast<size_t>(tok) * p.n * sizeof(float2);
+  const size_t smem = static_cast<size_t>(tok) * p.n * 2 * sizeof(F);
   auto kern = rope_kernel<T, VE, ALIGN, GPTJ>;
   if (smem > 48 * 1024)
     PC_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -245,6 +256,7 @@ void rope_apply_cuda(const RopeArgs& a, cudaStream_t stream) {
     case Dtype::kFloat32: dispatch<float>(a, stream); break;
     case Dtype::kFloat16: dispatch<__half>(a, stream); break;
     case Dtype::kBFloat16: dispatch<__nv_bfloat16>(a, stream); break;
+    case Dtype::kFloat64: dispatch<double>(a, stream); break;
   }
 }
 
