@@ -255,11 +255,21 @@ def apply_rope_(
     return q, k
 
 
+# model type prefix -> (default mrope_section, interleaved), as the models' rotary modules use them
+_MROPE_MODELS = {
+    "qwen2_vl": ([16, 24, 24], False),
+    "qwen2_5_vl": ([16, 24, 24], False),
+    "qwen3_vl": ([24, 20, 20], True),
+    "qwen3_5": ([11, 11, 10], True),
+}
+
+
 def rope_kwargs_from_config(config) -> dict:
-    """Keyword arguments of :func:`apply_rope` for a transformers text config (``rope_parameters`` with
-    ``rope_theta``, optional ``partial_rotary_factor``, ``mrope_section``, ``mrope_interleaved``; default
-    rope type only). Qwen3-VL / Qwen3.5 configs without ``mrope_interleaved`` get their model's layout via
-    the model type."""
+    """Keyword arguments of :func:`apply_rope` for a transformers text config: ``rope_theta``,
+    ``rotary_dim`` (``head_dim * partial_rotary_factor``) and, for the Qwen-VL / Qwen3.5 families, the
+    ``mrope_section`` and layout their rotary modules use (the config's section, else the module's default;
+    Qwen2/2.5-VL sectioned, Qwen3-VL and Qwen3.5 interleaved). Other models: ``mrope_section`` from
+    ``rope_parameters`` if present, with its ``mrope_interleaved`` flag. Default rope type only."""
     rp = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = rp.get("rope_type", "default")
     if rope_type != "default":
@@ -268,9 +278,11 @@ def rope_kwargs_from_config(config) -> dict:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     factor = rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
     kw = dict(rope_theta=rp["rope_theta"], rotary_dim=int(head_dim * factor))
+    mt = getattr(config, "model_type", "") or ""
+    family = next((v for k, v in _MROPE_MODELS.items() if mt == k or mt.startswith(k + "_")), None)
     section = rp.get("mrope_section")
-    if section is not None:
-        mt = getattr(config, "model_type", "") or ""
-        inter = rp.get("mrope_interleaved", mt.startswith("qwen3_vl") or mt.startswith("qwen3_5"))
-        kw.update(mrope_section=list(section), mrope_interleaved=bool(inter))
+    if family is not None:
+        kw.update(mrope_section=list(section if section is not None else family[0]), mrope_interleaved=family[1])
+    elif section is not None:
+        kw.update(mrope_section=list(section), mrope_interleaved=bool(rp.get("mrope_interleaved", False)))
     return kw

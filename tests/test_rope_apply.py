@@ -364,6 +364,22 @@ def test_transformers_oracle(device, model, dtype):
         assert torch.equal(ours[..., rd:], x[..., rd:])
 
 
+def test_rope_kwargs_from_default_configs():
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl as c25, modeling_qwen2_5_vl as m25
+    from transformers.models.qwen3_5 import configuration_qwen3_5 as c5, modeling_qwen3_5 as m5
+    from transformers.models.qwen3_vl import configuration_qwen3_vl as c3, modeling_qwen3_vl as m3
+
+    for C, R, inter in ((c25.Qwen2_5_VLConfig, m25.Qwen2_5_VLRotaryEmbedding, False),
+                        (c3.Qwen3VLConfig, m3.Qwen3VLTextRotaryEmbedding, True),
+                        (c5.Qwen3_5Config, m5.Qwen3_5TextRotaryEmbedding, True)):
+        cfg = C().get_text_config()
+        kw = packcuda.rope_kwargs_from_config(cfg)
+        rot = R(cfg)
+        assert kw["mrope_section"] == list(rot.mrope_section) and kw["mrope_interleaved"] == inter
+        assert torch.equal(packcuda.default_inv_freq(kw["rope_theta"], kw["rotary_dim"]), rot.inv_freq)
+
+
 # ------------------------------------------------------------------------------------ bad input
 def test_bad_inputs():
     q = torch.randn(5, 2, 16)
