@@ -349,7 +349,8 @@ def test_transformers_oracle(device, model, dtype):
     for x, ours, hf, want in ((q, ours_q, hq, wq), (k, ours_k, hk, wk)):
         ours, hf, x = ours.double().cpu(), hf.double().cpu(), x.double().cpu()
         e_ours, e_hf = (ours - want).abs(), (hf - want).abs()
-        assert e_ours.max() <= e_hf.max() * 1.01 + 1e-7, (float(e_ours.max()), float(e_hf.max()))
+        slack = 1.01 if dtype == torch.bfloat16 else 1.1  # fp32: both are a few fp32 roundings from the truth
+        assert e_ours.max() <= e_hf.max() * slack + 1e-7, (float(e_ours.max()), float(e_hf.max()))
         assert e_ours.mean() <= e_hf.mean() * 1.01 + 1e-9
         # ours is the correctly rounded fp64 result (up to fp32 slack); transformers' eager bf16 path rounds
         # cos/sin and every product, so it can sit ~1.5 ulp of the operands away from the truth. Elementwise
@@ -458,7 +459,9 @@ def test_cuda_host_metadata_no_sync_and_deterministic():
     assert torch.equal(c[0], a[0]) and torch.equal(c[1], a[1])
     # same bits as the CPU kernel up to 1 ulp (sin/cos of the two libraries may differ in the last fp32 bit)
     cq, _ = packcuda.apply_rope(q.cpu(), k.cpu(), pos_host, **kw)
-    assert (a[0].float().cpu() - cq.float()).abs().le(_ulp(cq.double(), torch.bfloat16).float()).all()
+    # (plus fp32-level slack where the rotation cancels to almost zero)
+    tol = _ulp(cq.double(), torch.bfloat16) + 1e-6 * float(q.float().abs().max())
+    assert ((a[0].double().cpu() - cq.double()).abs() <= tol).all()
 
 
 @requires_cuda
