@@ -30,3 +30,7 @@ __all__ = [
     "balance_across_ranks",
     "sequence_workloads",
 ]
+
+from .rope import apply_rope, apply_rope_, default_inv_freq, rope_kwargs_from_config  # noqa: E402
+
+__all__ += ["apply_rope", "apply_rope_", "default_inv_freq", "rope_kwargs_from_config"]
