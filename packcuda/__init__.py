@@ -23,3 +23,7 @@ __all__ = [
     "position_ids",
     "next_token_labels",
 ]
+
+from .mrope import MRopeSpec, mrope_position_ids  # noqa: E402
+
+__all__ += ["MRopeSpec", "mrope_position_ids"]
