@@ -329,7 +329,6 @@ def test_bad_runs_raise_naming_the_block(device, case):
 @pytest.mark.parametrize("case", range(len(BAD_RUNS)))
 def test_bad_runs_unvalidated_cuda_does_not_raise_or_sync(case):
     ids, cu, kw, _ = BAD_RUNS[case]
-    x = torch.tensor(ids, device="cuda")
     with no_sync():
         pos, text_pos, deltas = _call(ids, cu, "cuda", validate=False, **kw)
     assert pos.shape == (3, len(ids))
@@ -417,3 +416,24 @@ def test_device_cu_seqlens():
                                       video_token_id=VID)
     for g, w in zip(got, reference(p, use_secs=False)):
         assert torch.equal(g.cpu(), w)
+
+
+# ---------------------------------------------------------------------------------------------- CP
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_shard_positions_for_context_parallel(device, layout):
+    """Recipe: positions on the global stream, then every rank takes its slots with plan.shard(pos, dim=1)."""
+    p = make_pack(random.Random(21), nseg=7)
+    pos, text_pos, _ = ours(p, device, tps=2)
+    pos4 = torch.cat([text_pos[None], pos])  # [4, T]: the layout transformers takes for packed sequences
+    seen = torch.zeros(len(p.ids), dtype=torch.int64)
+    cp = 2
+    for rank in range(cp):
+        plan = packcuda.shard_plan(p.cu, cp, rank, layout=layout, device=device)
+        local = plan.shard(pos4, dim=1)
+        assert local.shape == (4, plan.total_local)
+        index = plan.index.cpu()
+        want = torch.zeros(4, plan.total_local, dtype=torch.int64)
+        want[:, index >= 0] = pos4.cpu()[:, index[index >= 0]]
+        assert torch.equal(local.cpu(), want)
+        seen[index[index >= 0]] += 1
+    assert torch.equal(seen, torch.ones_like(seen))  # every token on exactly one rank
