@@ -34,3 +34,6 @@ __all__ = [
 from .rope import apply_rope, apply_rope_, default_inv_freq, rope_kwargs_from_config  # noqa: E402
 
 __all__ += ["apply_rope", "apply_rope_", "default_inv_freq", "rope_kwargs_from_config"]
+from .mrope import MRopeSpec, mrope_position_ids  # noqa: E402
+
+__all__ += ["MRopeSpec", "mrope_position_ids"]

@@ -151,6 +151,62 @@ def _rope(rep: _Report, device: torch.device, rng: random.Random):
     sk = plans[0].unshard(torch.stack(outs_k))
     rep.check("CP shards (2 ranks, zigzag) rotated locally == whole stream", torch.equal(sq, qo) and torch.equal(sk, ko),
               f"{T} tokens, {plans[0].total_local} per rank")
+def _mrope(rep: _Report, device: torch.device, rng: random.Random):
+    print("mRoPE position ids")
+    IMG, VID, m, tps = 151655, 151656, 2, 2
+    ids, cu, images, videos, secs = [], [0], [], [], []
+    for _ in range(5):  # five samples: text, images, a video with fractional seconds per grid
+        for _ in range(rng.randint(0, 3)):
+            ids += [rng.randrange(1000) for _ in range(rng.randint(1, 8))]
+            if rng.random() < 0.6:
+                g = [1, m * rng.randint(1, 4), m * rng.randint(1, 4)]
+                images.append(g)
+                ids += [IMG] * (g[1] * g[2] // m**2)
+            else:
+                g = [rng.randint(1, 4), m * rng.randint(1, 3), m * rng.randint(1, 3)]
+                videos.append(g)
+                secs.append(rng.choice([0.5, 1.0, 2.0 / 3.0]))
+                ids += [VID] * (g[0] * g[1] * g[2] // m**2)
+        ids += [rng.randrange(1000) for _ in range(rng.randint(1, 8))]
+        cu.append(len(ids))
+    x = torch.tensor(ids, device=device)
+    pos, text_pos, deltas = packcuda.mrope_position_ids(
+        x, cu, image_grid_thw=images, video_grid_thw=videos, second_per_grid_ts=secs, image_token_id=IMG,
+        video_token_id=VID, spatial_merge_size=m, tokens_per_second=tps)
+
+    # plain version: walk every sample token by token
+    want, it = [], {IMG: iter(images), VID: iter(videos)}
+    si = iter(secs)
+    for a, b in zip(cu[:-1], cu[1:]):
+        cur, i = 0, a
+        while i < b:
+            if ids[i] not in it:
+                want.append((cur, cur, cur))
+                cur, i = cur + 1, i + 1
+                continue
+            t, h, w = next(it[ids[i]])
+            h, w = h // m, w // m
+            iv = torch.tensor(float(tps)) * torch.tensor(next(si)) if ids[i] == VID else torch.tensor(1.0)
+            for ti in range(t):
+                tt = int(torch.tensor(float(ti)) * iv)
+                want += [(cur + tt, cur + hi, cur + wi) for hi in range(h) for wi in range(w)]
+            i += t * h * w
+            cur += max(h, w)
+    want = torch.tensor(want).T
+    rep.check("mrope_position_ids == plain per-sample walk", torch.equal(pos.cpu(), want),
+              f"{len(cu) - 1} samples, {len(ids)} tokens, {len(images)} images, {len(videos)} videos")
+    rep.check("text_pos restarts per sample", torch.equal(text_pos.cpu(), packcuda.position_ids(cu)))
+    d = [int(want[:, a:b].max()) + 1 - (b - a) for a, b in zip(cu[:-1], cu[1:])]
+    rep.check("deltas = max position + 1 - length", deltas.cpu().tolist() == d)
+    if hasattr(packcuda, "shard_plan"):
+        pos4 = torch.cat([text_pos[None], pos])
+        parts = []
+        for r in range(2):
+            plan = packcuda.shard_plan(cu, 2, r, device=device)
+            local = plan.shard(pos4, dim=1)
+            keep = plan.index >= 0
+            parts.append(torch.equal(local[:, keep], pos4[:, plan.index[keep]]))
+        rep.check("cp=2 shards: plan.shard(pos, dim=1) gives each rank its tokens' positions", all(parts))
 
 
 def run(device: str | None = None, seed: int = 0) -> int:
@@ -163,6 +219,7 @@ def run(device: str | None = None, seed: int = 0) -> int:
     _shard(rep, dev, rng)
     _balance(rep, dev, rng)
     _rope(rep, dev, rng)
+    _mrope(rep, dev, rng)
     n_ok = sum(r[1] for r in rep.rows)
     print(f"demo: {n_ok}/{len(rep.rows)} checks passed")
     return 0 if rep.ok else 1
