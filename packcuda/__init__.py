@@ -23,3 +23,7 @@ __all__ = [
     "position_ids",
     "next_token_labels",
 ]
+
+from .conv import causal_conv1d  # noqa: E402
+
+__all__ += ["causal_conv1d"]
