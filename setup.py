@@ -60,8 +60,7 @@ class CMakeBuild(build_ext):
         if shutil.which("ninja") is None:
             args.remove("-G"); args.remove("Ninja")
         cuda = os.environ.get("PACKCUDA_CUDA")
-        if cuda is not None:
-            args.append(f"-DPACKCUDA_CUDA={'ON' if cuda == '1' else 'OFF'}")
+        args.append(f"-DPACKCUDA_CUDA={'AUTO' if cuda is None else ('ON' if cuda == '1' else 'OFF')}")
         print("packcuda: building against torch", torch.__version__, "->", pkg_dir, flush=True)
         subprocess.check_call(args)
         subprocess.check_call(["cmake", "--build", str(build_temp), "--parallel", jobs])

@@ -8,6 +8,7 @@ device sync — and says so in the function's docstring.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence, Union
 
 import torch
@@ -53,19 +54,26 @@ def op_metadata(values: IntsLike, name: str = "cu_seqlens") -> torch.Tensor:
 def host_list(values: IntsLike, name: str = "cu_seqlens") -> list[int]:
     """Python ints of metadata; a device tensor is read back (one device sync)."""
     if isinstance(values, torch.Tensor):
-        return [int(v) for v in values.reshape(-1).tolist()]
+        if values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise TypeError(f"packcuda: {name} must be an integer tensor, got {values.dtype}")
+        return values.reshape(-1).tolist()
+    if isinstance(values, (list, tuple)):
+        out = []
+        for v in values:
+            if isinstance(v, bool) or not (isinstance(v, int) or hasattr(v, "__index__")):
+                raise TypeError(f"packcuda: {name} must hold integers, got {type(v).__name__}")
+            out.append(int(v))
+        return out
     return host_tensor(values, name).tolist()
 
 
-def cu_from_lengths(lengths: IntsLike, name: str = "lengths") -> torch.Tensor:
-    """Host cu_seqlens (CPU int64, [N+1]) from host lengths."""
-    lens = host_tensor(lengths, name)
-    if (lens < 0).any():
-        i = int((lens < 0).nonzero()[0])
-        raise ValueError(f"packcuda: {name}[{i}]={int(lens[i])} is negative")
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lens, 0, out=cu[1:])
-    return cu
+def cu_from_lengths(lengths: IntsLike, name: str = "lengths") -> list[int]:
+    """Host cu_seqlens (Python ints, N+1 entries) from host lengths (a device tensor is read back: one sync)."""
+    lens = host_list(lengths, name)
+    for i, n in enumerate(lens):
+        if n < 0:
+            raise ValueError(f"packcuda: {name}[{i}]={n} is negative")
+    return list(itertools.accumulate(lens, initial=0))
 
 
 def to_device_async(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:

@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from . import _lib
-from ._meta import IntsLike, cu_from_lengths, host_list, is_device_tensor, op_metadata, to_device_async
+from ._meta import IntsLike, cu_from_lengths, op_metadata, to_device_async
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -121,12 +121,13 @@ def unpad(
     if (attention_mask is None) == (lengths is None):
         raise ValueError("packcuda.unpad: give exactly one of attention_mask and lengths")
     if lengths is not None:
-        cu_host = cu_from_lengths(lengths if not is_device_tensor(lengths) else host_list(lengths), "lengths")
-        if cu_host.numel() - 1 != B:
-            raise ValueError(f"packcuda.unpad: lengths has {cu_host.numel() - 1} entries but x has batch size {B}")
-        total = int(cu_host[-1])
+        cu = cu_from_lengths(lengths, "lengths")  # a device tensor is read back here (one sync)
+        if len(cu) - 1 != B:
+            raise ValueError(f"packcuda.unpad: lengths has {len(cu) - 1} entries but x has batch size {B}")
+        total = cu[-1]
+        cu_host = torch.tensor(cu, dtype=torch.int64)
         indices = ops.right_pad_indices(cu_host, S, total, x.device)
-        lens = cu_host.diff()
+        max_seqlen = max(b - a for a, b in zip(cu[:-1], cu[1:])) if B > 0 else 0
     else:
         if tuple(attention_mask.shape) != (B, S):
             raise ValueError(
@@ -140,8 +141,7 @@ def unpad(
         torch.cumsum(counts.cpu(), 0, out=cu_host[1:])  # the one sync of the mask path
         total = int(cu_host[-1])
         indices = ops.mask_indices(mask, cu_host, total)
-        lens = cu_host.diff()
-    max_seqlen = int(lens.max()) if B > 0 else 0
+        max_seqlen = int(cu_host.diff().max()) if B > 0 else 0
     x_packed = ops.gather_rows(x.reshape(B * S, *x.shape[2:]), indices, 0.0)
     cu_seqlens = to_device_async(cu_host, x.device, torch.int32)
     return x_packed, indices, cu_seqlens, max_seqlen
