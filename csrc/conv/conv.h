@@ -7,6 +7,7 @@
 // token read prefix[s] (or zeros when prefix is null). See conv_math.h for the formulas.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "common/stream.h"
 
@@ -50,5 +51,47 @@ void gather_sum_cpu(void* out, int64_t n_out, const void* a, int64_t na, const v
                     int M, int64_t C, DType dtype);
 void gather_sum_cuda(void* out, int64_t n_out, const void* a, int64_t na, const void* b, const int64_t* index,
                      int M, int64_t C, DType dtype, cudaStream_t stream);
+
+
+// ------------------------------------------------------------------------------------------------------
+// Conv-prefix exchange schedule (host, O(cp * pieces * K)). For one CP rank of a shard plan (see
+// shard/shard.h), the K-1 padded rows that precede each local piece in its own segment — which rank holds
+// each row and at which local slot (shard::locate) — and the mirror image: which of this rank's rows every
+// other rank needs. Both sides derive the same lists from the same plan, so no handshake is needed. Rows
+// before a segment's start (and every row of an empty piece) stay zero.
+struct Schedule {
+  int64_t cp = 1, rank = 0, K = 1, n_pieces = 0, n_local = 0;
+  // Forward. send_index: local rows to send, grouped by peer in rank order (send_counts[p] rows for peer p).
+  // The receive buffer holds recv_counts[p] rows from each peer, grouped in rank order. unpack[j] for prefix
+  // slot j = piece * (K-1) + row: a local row r (value r), receive-buffer row i (value n_local + i), or -1.
+  std::vector<int64_t> send_index, send_counts, recv_counts, unpack;
+  // Backward (gradient rows travel the other way). bwd_send_index: prefix slots to send, grouped by peer
+  // (recv_counts[p] rows each); the backward receive buffer has send_counts[p] rows per peer. The gradient
+  // of local row r is sum_m src(bwd_unpack[r * bwd_m + m]) in this fixed order, where a value j <
+  // n_pieces*(K-1) is prefix slot j and n_pieces*(K-1) + i is backward receive-buffer row i; -1 = nothing.
+  std::vector<int64_t> bwd_send_index, bwd_unpack;
+  int64_t bwd_m = 1;
+};
+
+// cu: original cu_seqlens [nseq + 1] (host); the plan parameters as in shard::build_layout (valid).
+Schedule build_schedule(const int64_t* cu, int64_t nseq, int64_t cp, int64_t rank, int layout, int64_t align,
+                        int64_t bucket, int K);
+
+// ------------------------------------------------------------------------------------------------------
+// Raw-NCCL exchange (compiled when nccl.h is found; PACKCUDA_WITH_NCCL is then defined for consumers).
+// One grouped exchange on `stream`: pack kernel (src rows send_index -> send_buf); ncclGroupStart; ncclSend /
+// ncclRecv per peer (send_counts[p] / recv_counts[p] rows, host arrays of cp entries; zero counts are
+// skipped); ncclGroupEnd; unpack kernel out = gather_sum(a = src, b = recv_buf, unpack_index [n_out, M]).
+// Forward: src = x_local, send_index / counts / unpack of a Schedule. Backward: src = prefix gradient
+// [n_pieces*(K-1), C], bwd_send_index, the counts swapped, bwd_unpack. No host sync; capturable in a CUDA
+// graph once the communicator's peer connections exist (run one exchange before capture).
+typedef struct ncclComm* ncclComm_t;
+bool nccl_available();
+void nccl_unique_id(uint8_t* out128);                                     // ncclGetUniqueId
+void* nccl_comm_init(const uint8_t* id128, int nranks, int rank);         // ncclCommInitRank on the current device
+void exchange_rows_nccl(const void* src, int64_t n_src, const int64_t* send_index, const int64_t* send_counts,
+                        const int64_t* recv_counts, void* send_buf, void* recv_buf, const int64_t* unpack_index,
+                        int M, void* out, int64_t n_out, int64_t C, DType dtype, int64_t cp, int64_t rank,
+                        ncclComm_t comm, cudaStream_t stream);
 
 }  // namespace packcuda::conv

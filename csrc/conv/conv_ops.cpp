@@ -175,6 +175,99 @@ Tensor conv_gather_sum(Tensor a, Tensor b, Tensor index) {
   return out;
 }
 
+
+Tensor host_i64(const std::vector<int64_t>& v) {
+  return upload_i64(v, Device(torch::headeronly::DeviceType::CPU));
+}
+
+// Host schedule of the conv-prefix exchange for rank cp_rank of a shard plan (parameters as shard_layout).
+std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout,
+                                         int64_t align, std::optional<int64_t> bucket, int64_t kernel_size) {
+  const char* op = "conv_prefix_schedule";
+  PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got ", device_str(cu_seqlens));
+  PC_ARG(cp_size >= 1, op, "cp_size must be >= 1, got ", cp_size);
+  PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, ", cp_size, "), got ", cp_rank);
+  PC_ARG(layout == 0 || layout == 1, op, "layout must be 0 (zigzag) or 1 (contiguous), got ", layout);
+  PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
+  PC_ARG(layout == 1 || align % (2 * cp_size) == 0, op, "zigzag align must be a multiple of 2*cp_size = ",
+         2 * cp_size, ", got ", align);
+  const int64_t bk = bucket.has_value() ? *bucket : 1;
+  PC_ARG(bk >= 1, op, "bucket must be >= 1, got ", bk);
+  PC_ARG(layout == 1 || bk % align == 0 || bk == 1, op, "zigzag bucket must be a multiple of align = ", align,
+         ", got ", bk);
+  PC_ARG(kernel_size >= 1 && kernel_size <= conv::kMaxK, op, "kernel_size must be in [1, ", conv::kMaxK, "], got ",
+         kernel_size);
+  Segments seg = segments(op, "cu_seqlens", cu_seqlens, Device(torch::headeronly::DeviceType::CPU), -1);
+  const conv::Schedule sc = conv::build_schedule(seg.host.data(), seg.count, cp_size, cp_rank,
+                                                 static_cast<int>(layout), align, bk, static_cast<int>(kernel_size));
+  Tensor bwd_unpack = torch::stable::reshape(host_i64(sc.bwd_unpack), {sc.n_local, sc.bwd_m});
+  return {host_i64(sc.send_index), host_i64(sc.send_counts), host_i64(sc.recv_counts), host_i64(sc.unpack),
+          host_i64(sc.bwd_send_index), bwd_unpack, host_i64({sc.n_pieces, sc.n_local})};
+}
+
+bool conv_nccl_available() { return conv::nccl_available(); }
+
+Tensor conv_nccl_unique_id() {
+  Tensor id = torch::stable::empty({128}, ST::Byte, std::nullopt, Device(torch::headeronly::DeviceType::CPU));
+  conv::nccl_unique_id(static_cast<uint8_t*>(id.mutable_data_ptr()));
+  return id;
+}
+
+int64_t conv_nccl_comm_init(Tensor unique_id, int64_t nranks, int64_t rank, int64_t device_index) {
+  const char* op = "conv_nccl_comm_init";
+  PC_ARG(unique_id.is_cpu() && unique_id.scalar_type() == ST::Byte && unique_id.numel() == 128, op,
+         "unique_id must be a CPU uint8 tensor of 128 bytes, got ", dtype_name(unique_id.scalar_type()), " ",
+         shape_str(unique_id));
+  PC_ARG(nranks >= 1 && rank >= 0 && rank < nranks, op, "rank ", rank, " is not in [0, ", nranks, ")");
+  unique_id = torch::stable::contiguous(unique_id);
+  torch::stable::accelerator::DeviceGuard guard(static_cast<int32_t>(device_index));
+  return reinterpret_cast<int64_t>(conv::nccl_comm_init(static_cast<const uint8_t*>(unique_id.const_data_ptr()),
+                                                        static_cast<int>(nranks), static_cast<int>(rank)));
+}
+
+// One grouped NCCL exchange + unpack (see conv.h). Counts are host lists (cp entries); index tensors on src's
+// device; returns the unpacked [n_out, C].
+Tensor conv_exchange_nccl(Tensor src, Tensor send_index, std::vector<int64_t> send_counts,
+                          std::vector<int64_t> recv_counts, Tensor unpack_index, int64_t comm, int64_t rank) {
+  const char* op = "conv_exchange_nccl";
+  PC_ARG(src.is_cuda(), op, "src must be a CUDA tensor, got ", device_str(src));
+  check_dim(op, "src", src, 2);
+  check_dtype(op, "src", src, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
+  check_same_device(op, "send_index", send_index, "src", src);
+  check_same_device(op, "unpack_index", unpack_index, "src", src);
+  check_dtype(op, "send_index", send_index, {ST::Long});
+  check_dtype(op, "unpack_index", unpack_index, {ST::Long});
+  check_dim(op, "unpack_index", unpack_index, 2);
+  const int64_t cp = static_cast<int64_t>(send_counts.size());
+  PC_ARG(static_cast<int64_t>(recv_counts.size()) == cp, op, "send_counts has ", cp, " entries but recv_counts has ",
+         recv_counts.size());
+  PC_ARG(rank >= 0 && rank < cp, op, "rank ", rank, " is not in [0, ", cp, ")");
+  PC_ARG(comm != 0, op, "comm must be a communicator handle (from conv_nccl_comm_init), got 0");
+  int64_t ns = 0, nr = 0;
+  for (int64_t p = 0; p < cp; ++p) {
+    PC_ARG(send_counts[p] >= 0 && recv_counts[p] >= 0, op, "counts must be >= 0");
+    ns += send_counts[p];
+    nr += recv_counts[p];
+  }
+  PC_ARG(send_index.numel() == ns, op, "send_index has ", send_index.numel(), " entries but send_counts sum to ", ns);
+  src = torch::stable::contiguous(src);
+  send_index = torch::stable::contiguous(send_index);
+  unpack_index = torch::stable::contiguous(unpack_index);
+  const int64_t C = src.size(1);
+  Tensor send_buf = torch::stable::new_empty(src, {ns, C});
+  Tensor recv_buf = torch::stable::new_empty(src, {nr, C});
+  Tensor out = torch::stable::new_empty(src, {unpack_index.size(0), C});
+  PC_CUDA_ONLY({
+    CudaScope cs(src);
+    conv::exchange_rows_nccl(src.const_data_ptr(), src.size(0), send_index.const_data_ptr<int64_t>(),
+                             send_counts.data(), recv_counts.data(), send_buf.mutable_data_ptr(),
+                             recv_buf.mutable_data_ptr(), unpack_index.const_data_ptr<int64_t>(),
+                             static_cast<int>(unpack_index.size(1)), out.mutable_data_ptr(), out.size(0), C,
+                             conv_dtype(src.scalar_type()), cp, rank, reinterpret_cast<conv::ncclComm_t>(comm),
+                             cs.stream);
+  });
+  return out;
+}
 }  // namespace
 }  // namespace packcuda::th
 
@@ -184,6 +277,19 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def("causal_conv1d_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, "
         "Tensor? prefix, int activation) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("conv_gather_sum(Tensor a, Tensor b, Tensor index) -> Tensor");
+  m.def("conv_prefix_schedule(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket, "
+        "int kernel_size) -> Tensor[]");
+  m.def("conv_nccl_available() -> bool");
+  m.def("conv_nccl_unique_id() -> Tensor");
+  m.def("conv_nccl_comm_init(Tensor unique_id, int nranks, int rank, int device_index) -> int");
+  m.def("conv_exchange_nccl(Tensor src, Tensor send_index, int[] send_counts, int[] recv_counts, "
+        "Tensor unpack_index, int comm, int rank) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
+  m.impl("conv_nccl_available", TORCH_BOX(&packcuda::th::conv_nccl_available));
+  m.impl("conv_nccl_unique_id", TORCH_BOX(&packcuda::th::conv_nccl_unique_id));
+  m.impl("conv_nccl_comm_init", TORCH_BOX(&packcuda::th::conv_nccl_comm_init));
 }
 
 #define PC_CONV_IMPLS(m)                                                    \
@@ -191,7 +297,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.impl("causal_conv1d_bwd", TORCH_BOX(&packcuda::th::causal_conv1d_bwd)); \
   m.impl("conv_gather_sum", TORCH_BOX(&packcuda::th::conv_gather_sum));
 
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_CONV_IMPLS(m) }
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
+  PC_CONV_IMPLS(m)
+  m.impl("conv_prefix_schedule", TORCH_BOX(&packcuda::th::conv_prefix_schedule));
+}
 #ifdef USE_CUDA
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) { PC_CONV_IMPLS(m) }
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
+  PC_CONV_IMPLS(m)
+  m.impl("conv_exchange_nccl", TORCH_BOX(&packcuda::th::conv_exchange_nccl));
+}
 #endif
