@@ -10,6 +10,8 @@ _load()
 
 from .pack import gather_rows, next_token_labels, pad, position_ids, scatter_rows, unpad  # noqa: E402
 
+from .shard import ShardPlan, shard_plan  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -22,6 +24,8 @@ __all__ = [
     "pad",
     "position_ids",
     "next_token_labels",
+    "ShardPlan",
+    "shard_plan",
 ]
 
 from .conv import causal_conv1d  # noqa: E402

@@ -11,8 +11,29 @@ LIB_DIR = _HERE / "lib"
 _loaded = False
 
 
+def _installed_lib_dir() -> Path | None:
+    """The lib/ folder of an installed packcuda distribution (used when this module is imported from a
+    source checkout without an in-place build, e.g. `python -m packcuda` run from the repository root)."""
+    try:
+        from importlib.metadata import distributions
+
+        for d in distributions(name="packcuda"):
+            p = Path(d.locate_file("packcuda/lib"))
+            if (p / "libpackcuda_torch.so").exists():
+                return p
+    except Exception:  # broken metadata: behave as if nothing were installed
+        pass
+    return None
+
+
+def library_dir() -> Path:
+    if (LIB_DIR / "libpackcuda_torch.so").exists():
+        return LIB_DIR
+    return _installed_lib_dir() or LIB_DIR
+
+
 def library_path() -> Path:
-    return LIB_DIR / "libpackcuda_torch.so"
+    return library_dir() / "libpackcuda_torch.so"
 
 
 def load() -> None:
@@ -37,4 +58,4 @@ def built_with_cuda() -> bool:
 
 def cmake_prefix_path() -> str:
     """Directory to put on CMAKE_PREFIX_PATH so that `find_package(packcuda CONFIG)` finds this install."""
-    return os.fspath(LIB_DIR / "cmake")
+    return os.fspath(library_dir() / "cmake")

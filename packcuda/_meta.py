@@ -77,9 +77,10 @@ def cu_from_lengths(lengths: IntsLike, name: str = "lengths") -> list[int]:
 
 
 def to_device_async(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
-    """Host tensor onto a device without making the host wait (pageable memory is staged by the runtime)."""
+    """Host tensor onto a device without making the host wait."""
     if dtype is not None:
         t = t.to(dtype)
     if torch.device(device).type == "cpu":
         return t
-    return t.to(device, non_blocking=True)
+    # pinned staging: the copy is truly asynchronous (a pageable source is staged behind queued work)
+    return t.pin_memory().to(device, non_blocking=True)

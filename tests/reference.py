@@ -47,6 +47,74 @@ def gather_rows(src, index, fill=0.0):
     return out
 
 
+# ===================================================================================================
+# shard plans (context parallelism)
+# ===================================================================================================
+def shard_layout(cu, cp, rank, layout="zigzag", align=None, bucket=None):
+    """Plain layout of one CP rank, built token by token. Returns a dict with cu_padded, cu_local,
+    index / position / label_index (lists over local slots), total_local and pad_size."""
+    import math
+
+    if align is None:
+        align = 2 * cp if layout == "zigzag" else 1
+    segs = []  # (first original row, real length, padded length)
+    for a, b in zip(cu[:-1], cu[1:]):
+        n = b - a
+        segs.append((a, n, -(-n // align) * align))
+    seq_total = sum(p for _, _, p in segs)
+    unit = bucket or 1
+    if layout == "contiguous":
+        unit = unit * cp // math.gcd(unit, cp)
+    total_padded = -(-seq_total // unit) * unit
+    pad = total_padded - seq_total
+    if pad:
+        segs.append((0, 0, pad))
+    cu_padded = [0]
+    stream = []  # (row, position, label row) of every padded token
+    for start, n, p in segs:
+        cu_padded.append(cu_padded[-1] + p)
+        for o in range(p):
+            stream.append((start + o if o < n else -1, o, start + o + 1 if o + 1 < n else -1))
+    total_local = total_padded // cp
+    local, cu_local = [], [0]
+    if layout == "zigzag":
+        for k in range(len(segs)):
+            h = (cu_padded[k + 1] - cu_padded[k]) // (2 * cp)
+            for c in (rank, 2 * cp - 1 - rank):
+                local += stream[cu_padded[k] + c * h: cu_padded[k] + (c + 1) * h]
+            cu_local.append(len(local))
+    else:
+        lo, hi = rank * total_local, (rank + 1) * total_local
+        local = stream[lo:hi]
+        cu_local = [min(max(c, lo), hi) - lo for c in cu_padded]
+    return dict(
+        cu_padded=cu_padded,
+        cu_local=cu_local,
+        index=[s[0] for s in local],
+        position=[s[1] for s in local],
+        label_index=[s[2] for s in local],
+        total_local=total_local,
+        pad_size=pad,
+    )
+
+
+def thd_partitioned_indices(cu_padded, total_padded, cp, rank):
+    """Indices into the padded stream of the tokens rank `rank` holds under the THD zigzag split: for each
+    sequence (length divisible by 2*cp) cut into 2*cp chunks, chunks `rank` and `2*cp-1-rank`, in order."""
+    out = []
+    for a, b in zip(cu_padded[:-1], cu_padded[1:]):
+        chunk = (b - a) // (2 * cp)
+        out += list(range(a + rank * chunk, a + (rank + 1) * chunk))
+        out += list(range(a + (2 * cp - 1 - rank) * chunk, a + (2 * cp - rank) * chunk))
+    assert len(out) == total_padded // cp
+    return out
+
+
+def shard_rows(x, index, fill=0):
+    """x[index] along dim 0 with `fill` where index < 0."""
+    return gather_rows(x, torch.tensor(index, dtype=torch.int64), fill)
+
+
 # ------------------------------------------------------------------------------------------ conv (causal conv1d, conv-prefix)
 def causal_conv1d(x, weight, bias=None, cu_seqlens=None, prefix=None, activation=None):
     """torch.nn.functional.conv1d per segment, with the segment's K-1 prefix rows (or zeros) in front."""

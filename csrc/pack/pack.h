@@ -14,6 +14,13 @@ void gather_rows_cpu(void* out, const void* src, const int64_t* index, int64_t n
 void gather_rows_cuda(void* out, const void* src, const int64_t* index, int64_t n_out, int64_t row_bytes,
                       uint64_t fill_elem, int elem_size, cudaStream_t stream);
 
+// Row scatter into zeros: out = 0 (n_out rows), then out[index[i], :] = src[i, :] for index[i] >= 0.
+// Non-negative indices must be unique (then the result is deterministic).
+void scatter_rows_cpu(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
+                      int64_t row_bytes);
+void scatter_rows_cuda(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
+                       int64_t row_bytes, cudaStream_t stream);
+
 // Inverse of a unique index: inv[index[i]] = i for index[i] >= 0, inv = -1 elsewhere (n_inv entries).
 void invert_index_cpu(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index);
 void invert_index_cuda(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index,

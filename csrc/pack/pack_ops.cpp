@@ -59,24 +59,29 @@ Tensor scatter_rows(Tensor src, Tensor index, int64_t num_rows) {
   std::vector<int64_t> out_shape = shape_of(src);
   out_shape[0] = num_rows;
   Tensor out = torch::stable::new_empty(src, out_shape);
-  Tensor inv = torch::stable::new_empty(index, {num_rows});
   const int64_t row_bytes = row_bytes_of(src);
   const int esz = static_cast<int>(element_size(src.scalar_type()));
+  // Narrow rows: zero-fill then scatter (two light passes). Wide rows: invert the index (8 bytes a row) and
+  // gather, so every output byte is written exactly once.
+  const bool direct = row_bytes <= 64;
   if (src.is_cuda()) {
     PC_CUDA_ONLY({
       CudaScope cs(src);
-      pack::invert_index_cuda(inv.mutable_data_ptr<int64_t>(), num_rows, index.const_data_ptr<int64_t>(),
-                              index.numel(), cs.stream);
-      if (out.numel())
-        pack::gather_rows_cuda(out.mutable_data_ptr(), src.const_data_ptr(), inv.const_data_ptr<int64_t>(),
-                               num_rows, row_bytes, 0, esz, cs.stream);
+      if (direct) {
+        pack::scatter_rows_cuda(out.mutable_data_ptr(), num_rows, src.const_data_ptr(),
+                                index.const_data_ptr<int64_t>(), index.numel(), row_bytes, cs.stream);
+      } else {
+        Tensor inv = torch::stable::new_empty(index, {num_rows});
+        pack::invert_index_cuda(inv.mutable_data_ptr<int64_t>(), num_rows, index.const_data_ptr<int64_t>(),
+                                index.numel(), cs.stream);
+        if (out.numel())
+          pack::gather_rows_cuda(out.mutable_data_ptr(), src.const_data_ptr(), inv.const_data_ptr<int64_t>(),
+                                 num_rows, row_bytes, 0, esz, cs.stream);
+      }
     });
   } else {
-    pack::invert_index_cpu(inv.mutable_data_ptr<int64_t>(), num_rows, index.const_data_ptr<int64_t>(),
-                           index.numel());
-    if (out.numel())
-      pack::gather_rows_cpu(out.mutable_data_ptr(), src.const_data_ptr(), inv.const_data_ptr<int64_t>(),
-                            num_rows, row_bytes, 0, esz);
+    pack::scatter_rows_cpu(out.mutable_data_ptr(), num_rows, src.const_data_ptr(), index.const_data_ptr<int64_t>(),
+                           index.numel(), row_bytes);
   }
   return out;
 }

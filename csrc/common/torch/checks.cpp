@@ -72,12 +72,15 @@ void check_contiguous(const char* op, const char* name, const Tensor& t) {
 
 Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Device& target) {
   std::vector<int64_t> sizes{static_cast<int64_t>(values.size())};
+  const bool to_cpu = target.type() == torch::headeronly::DeviceType::CPU;
+  // For a device target the staging buffer is pinned (torch's caching host allocator keeps it alive until
+  // the copy has run), so the copy is truly asynchronous: the host never waits for the device. A pageable
+  // source would make the driver stage it synchronously behind the work already queued on the stream.
   Tensor host = torch::stable::empty(sizes, ST::Long, std::nullopt,
-                                     torch::stable::Device(torch::headeronly::DeviceType::CPU));
+                                     torch::stable::Device(torch::headeronly::DeviceType::CPU),
+                                     /*pin_memory=*/!to_cpu);
   if (!values.empty()) std::memcpy(host.mutable_data_ptr(), values.data(), values.size() * sizeof(int64_t));
-  if (target.type() == torch::headeronly::DeviceType::CPU) return host;
-  // Pageable host -> device with non_blocking=true: the runtime stages the bytes before returning, and
-  // the host never waits for the device.
+  if (to_cpu) return host;
   return torch::stable::to(host, target, /*non_blocking=*/true);
 }
 

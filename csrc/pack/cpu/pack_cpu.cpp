@@ -24,6 +24,15 @@ void gather_rows_cpu(void* out, const void* src, const int64_t* index, int64_t n
   }
 }
 
+void scatter_rows_cpu(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
+                      int64_t row_bytes) {
+  auto* o = static_cast<unsigned char*>(out);
+  const auto* s = static_cast<const unsigned char*>(src);
+  if (n_out > 0) std::memset(o, 0, n_out * row_bytes);
+  for (int64_t i = 0; i < n_src; ++i)
+    if (index[i] >= 0) std::memcpy(o + index[i] * row_bytes, s + i * row_bytes, row_bytes);
+}
+
 void invert_index_cpu(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index) {
   for (int64_t i = 0; i < n_inv; ++i) inv[i] = -1;
   for (int64_t i = 0; i < n_index; ++i)

@@ -18,47 +18,70 @@ template <> struct VecT<2> { using type = uint16_t; };
 template <> struct VecT<1> { using type = uint8_t; };
 
 // Each thread moves kUnroll vectors, issuing all loads before the stores (more bytes in flight).
-template <typename V, typename I>
-__global__ void __launch_bounds__(kThreads) gather_rows_kernel(V* __restrict__ out, const V* __restrict__ src,
-                                                               const int64_t* __restrict__ index, I n_vec,
-                                                               I vpr, V fill) {
+// Gather: out[v] = src[index[row] * vpr + col] (or fill); scatter: out[index[row] * vpr + col] = src[v].
+template <bool kScatter, typename V, typename I>
+__global__ void __launch_bounds__(kThreads) move_rows_kernel(V* __restrict__ out, const V* __restrict__ src,
+                                                             const int64_t* __restrict__ index, I n_vec, I vpr,
+                                                             V fill) {
   const I base = static_cast<I>(blockIdx.x) * (kThreads * kUnroll) + threadIdx.x;
   V vals[kUnroll];
+  int64_t dst[kUnroll];
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
     const I v = base + k * kThreads;
+    dst[k] = -1;
     if (v < n_vec) {
       const I row = v / vpr;
       const I col = v - row * vpr;
       const int64_t r = __ldg(index + row);
-      vals[k] = r >= 0 ? src[static_cast<int64_t>(r) * vpr + col] : fill;
+      if (kScatter) {
+        if (r >= 0) {
+          vals[k] = src[v];
+          dst[k] = r * vpr + col;
+        }
+      } else {
+        vals[k] = r >= 0 ? src[r * vpr + col] : fill;
+        dst[k] = v;
+      }
     }
   }
 #pragma unroll
-  for (int k = 0; k < kUnroll; ++k) {
-    const I v = base + k * kThreads;
-    if (v < n_vec) out[v] = vals[k];
-  }
+  for (int k = 0; k < kUnroll; ++k)
+    if (dst[k] >= 0) out[dst[k]] = vals[k];
 }
 
-template <int VW>
-void launch_gather(void* out, const void* src, const int64_t* index, int64_t n_out, int64_t row_bytes,
-                   const Fill16& f, cudaStream_t stream) {
+template <bool kScatter, int VW>
+void launch_move(void* out, const void* src, const int64_t* index, int64_t n_rows, int64_t row_bytes,
+                 const Fill16& f, cudaStream_t stream) {
   using V = typename VecT<VW>::type;
   const int64_t vpr = row_bytes / VW;
-  const int64_t n_vec = n_out * vpr;
+  const int64_t n_vec = n_rows * vpr;
   if (n_vec == 0) return;
   V fill;
   memcpy(&fill, &f, sizeof(V));
   const int64_t blocks = (n_vec + kThreads * kUnroll - 1) / (kThreads * kUnroll);
   if (n_vec < (int64_t(1) << 31))
-    gather_rows_kernel<V, uint32_t><<<blocks, kThreads, 0, stream>>>(
+    move_rows_kernel<kScatter, V, uint32_t><<<blocks, kThreads, 0, stream>>>(
         static_cast<V*>(out), static_cast<const V*>(src), index, static_cast<uint32_t>(n_vec),
         static_cast<uint32_t>(vpr), fill);
   else
-    gather_rows_kernel<V, int64_t><<<blocks, kThreads, 0, stream>>>(
+    move_rows_kernel<kScatter, V, int64_t><<<blocks, kThreads, 0, stream>>>(
         static_cast<V*>(out), static_cast<const V*>(src), index, n_vec, vpr, fill);
   PC_CUDA_LAUNCH_CHECK();
+}
+
+template <bool kScatter>
+void move_rows(void* out, const void* src, const int64_t* index, int64_t n_rows, int64_t row_bytes,
+               const Fill16& f, cudaStream_t stream) {
+  auto aligned = [&](int w) {
+    return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(out) % w == 0 &&
+           reinterpret_cast<uintptr_t>(src) % w == 0;
+  };
+  if (aligned(16)) launch_move<kScatter, 16>(out, src, index, n_rows, row_bytes, f, stream);
+  else if (aligned(8)) launch_move<kScatter, 8>(out, src, index, n_rows, row_bytes, f, stream);
+  else if (aligned(4)) launch_move<kScatter, 4>(out, src, index, n_rows, row_bytes, f, stream);
+  else if (aligned(2)) launch_move<kScatter, 2>(out, src, index, n_rows, row_bytes, f, stream);
+  else launch_move<kScatter, 1>(out, src, index, n_rows, row_bytes, f, stream);
 }
 
 __global__ void invert_index_kernel(int64_t* inv, const int64_t* index, int64_t n_index) {
@@ -125,16 +148,13 @@ __global__ void __launch_bounds__(kThreads) mask_indices_kernel(int64_t* out, co
 
 void gather_rows_cuda(void* out, const void* src, const int64_t* index, int64_t n_out, int64_t row_bytes,
                       uint64_t fill_elem, int elem_size, cudaStream_t stream) {
-  const Fill16 f = replicate_fill(fill_elem, elem_size);
-  auto aligned = [&](int w) {
-    return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(out) % w == 0 &&
-           reinterpret_cast<uintptr_t>(src) % w == 0;
-  };
-  if (aligned(16)) launch_gather<16>(out, src, index, n_out, row_bytes, f, stream);
-  else if (aligned(8)) launch_gather<8>(out, src, index, n_out, row_bytes, f, stream);
-  else if (aligned(4)) launch_gather<4>(out, src, index, n_out, row_bytes, f, stream);
-  else if (aligned(2)) launch_gather<2>(out, src, index, n_out, row_bytes, f, stream);
-  else launch_gather<1>(out, src, index, n_out, row_bytes, f, stream);
+  move_rows<false>(out, src, index, n_out, row_bytes, replicate_fill(fill_elem, elem_size), stream);
+}
+
+void scatter_rows_cuda(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
+                       int64_t row_bytes, cudaStream_t stream) {
+  if (n_out > 0) PC_CUDA_CHECK(cudaMemsetAsync(out, 0, n_out * row_bytes, stream));
+  move_rows<true>(out, src, index, n_src, row_bytes, Fill16{0, 0}, stream);
 }
 
 void invert_index_cuda(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index, cudaStream_t stream) {

@@ -1,0 +1,72 @@
+#include <algorithm>
+#include <numeric>
+
+#include "shard/shard.h"
+#include "shard/shard_math.h"
+
+namespace packcuda::shard {
+
+HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t rank, int layout, int64_t align,
+                        int64_t bucket) {
+  HostLayout h;
+  h.total = cu[nseq];
+  h.cu_padded.resize(nseq + 1);
+  h.cu_padded[0] = 0;
+  for (int64_t i = 0; i < nseq; ++i) {
+    const int64_t p = padded_length(cu[i + 1] - cu[i], align);
+    h.cu_padded[i + 1] = h.cu_padded[i] + p;
+    h.max_seqlen_padded = std::max(h.max_seqlen_padded, p);
+  }
+  const int64_t unit = layout == kContiguous ? std::lcm(bucket, cp) : bucket;
+  const int64_t seq_total = h.cu_padded[nseq];
+  h.total_padded = round_up(seq_total, unit);
+  h.pad_size = h.total_padded - seq_total;
+  if (h.pad_size > 0) {
+    h.cu_padded.push_back(h.total_padded);
+    h.max_seqlen_padded = std::max(h.max_seqlen_padded, h.pad_size);
+  }
+  const int64_t nseg = static_cast<int64_t>(h.cu_padded.size()) - 1;
+  h.total_local = h.total_padded / cp;
+  h.cu_local.resize(nseg + 1);
+  h.pieces.push_back(0);
+  if (layout == kZigzag) {
+    for (int64_t i = 0; i <= nseg; ++i) h.cu_local[i] = h.cu_padded[i] / cp;
+    for (int64_t i = 0; i < nseg; ++i) {
+      const int64_t hc = zigzag_half_chunk(h.cu_padded[i + 1] - h.cu_padded[i], cp);
+      for (int which = 0; which < 2; ++which) {
+        h.piece_offset.push_back(zigzag_rank_chunk(rank, cp, which) * hc);
+        h.piece_seq.push_back(i);
+        h.pieces.push_back(h.pieces.back() + hc);
+      }
+    }
+  } else {
+    const int64_t lo = contiguous_window_begin(rank, h.total_local), hi = lo + h.total_local;
+    for (int64_t i = 0; i <= nseg; ++i) h.cu_local[i] = std::clamp(h.cu_padded[i], lo, hi) - lo;
+    for (int64_t i = 0; i < nseg; ++i) {
+      const int64_t a = std::max(h.cu_padded[i], lo), b = std::min(h.cu_padded[i + 1], hi);
+      if (a >= b) continue;
+      h.piece_offset.push_back(a - h.cu_padded[i]);
+      h.piece_seq.push_back(i);
+      h.pieces.push_back(h.pieces.back() + (b - a));
+    }
+  }
+  return h;
+}
+
+void plan_index_cpu(int64_t* index, int64_t* position, int64_t* label_index, int64_t total_local,
+                    const int64_t* cu, int64_t nseq, const int64_t* pieces, const int64_t* piece_offset,
+                    const int64_t* piece_seq, int64_t npieces) {
+  for (int64_t s = 0; s < total_local; ++s) {
+    const SlotSource src = local_slot_source(cu, nseq, pieces, piece_offset, piece_seq, npieces, s);
+    index[s] = src.row;
+    position[s] = src.position;
+    label_index[s] = src.label_row;
+  }
+}
+
+void unshard_index_cpu(int64_t* out, int64_t total, const int64_t* cu, int64_t nseq, const int64_t* cu_padded,
+                       int64_t cp, int layout, int64_t total_local) {
+  for (int64_t t = 0; t < total; ++t) out[t] = unshard_slot(layout, cu, nseq, cu_padded, cp, total_local, t);
+}
+
+}  // namespace packcuda::shard

@@ -1,0 +1,51 @@
+#include "common/cuda_utils.cuh"
+#include "shard/shard.h"
+#include "shard/shard_math.h"
+
+namespace packcuda::shard {
+namespace {
+
+constexpr int kThreads = 256;
+
+// One launch over the local slots: a binary search over this rank's pieces gives every slot's source.
+__global__ void plan_index_kernel(int64_t* __restrict__ index, int64_t* __restrict__ position,
+                                  int64_t* __restrict__ label_index, int64_t total_local,
+                                  const int64_t* __restrict__ cu, int64_t nseq, const int64_t* __restrict__ pieces,
+                                  const int64_t* __restrict__ piece_offset, const int64_t* __restrict__ piece_seq,
+                                  int64_t npieces) {
+  for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < total_local;
+       s += int64_t(gridDim.x) * blockDim.x) {
+    const SlotSource src = local_slot_source(cu, nseq, pieces, piece_offset, piece_seq, npieces, s);
+    index[s] = src.row;
+    position[s] = src.position;
+    label_index[s] = src.label_row;
+  }
+}
+
+__global__ void unshard_index_kernel(int64_t* __restrict__ out, int64_t total, const int64_t* __restrict__ cu,
+                                     int64_t nseq, const int64_t* __restrict__ cu_padded, int64_t cp, int layout,
+                                     int64_t total_local) {
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x)
+    out[t] = unshard_slot(layout, cu, nseq, cu_padded, cp, total_local, t);
+}
+
+}  // namespace
+
+void plan_index_cuda(int64_t* index, int64_t* position, int64_t* label_index, int64_t total_local,
+                     const int64_t* cu, int64_t nseq, const int64_t* pieces, const int64_t* piece_offset,
+                     const int64_t* piece_seq, int64_t npieces, cudaStream_t stream) {
+  if (total_local == 0) return;
+  plan_index_kernel<<<cuda::grid_for(total_local, kThreads), kThreads, 0, stream>>>(
+      index, position, label_index, total_local, cu, nseq, pieces, piece_offset, piece_seq, npieces);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+void unshard_index_cuda(int64_t* out, int64_t total, const int64_t* cu, int64_t nseq, const int64_t* cu_padded,
+                        int64_t cp, int layout, int64_t total_local, cudaStream_t stream) {
+  if (total == 0) return;
+  unshard_index_kernel<<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(out, total, cu, nseq, cu_padded,
+                                                                                 cp, layout, total_local);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace packcuda::shard

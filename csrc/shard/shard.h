@@ -1,0 +1,45 @@
+// packcuda core: context-parallel shard plans on raw pointers (no torch). The layout (host part) is built on
+// the host from host cu_seqlens in O(number of sequences); the per-slot tables (device part) come from one
+// kernel over the local slots. CUDA functions enqueue on `stream` and never synchronize.
+// See shard_math.h for the vocabulary and the two layouts.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "common/stream.h"
+#include "shard/shard_math.h"
+
+namespace packcuda::shard {
+
+// Host description of one rank's share of a padded packed stream.
+struct HostLayout {
+  std::vector<int64_t> cu_padded;     // [nseg+1] global padded boundaries (bucket segment included)
+  std::vector<int64_t> cu_local;      // [nseg+1] local boundaries of each segment on this rank
+  std::vector<int64_t> pieces;        // [S+1]  local boundaries of runs of consecutive padded offsets
+  std::vector<int64_t> piece_offset;  // [S]    first padded offset of each piece inside its segment
+  std::vector<int64_t> piece_seq;     // [S]    segment of each piece
+  int64_t total = 0, total_padded = 0, total_local = 0, pad_size = 0, max_seqlen_padded = 0;
+};
+
+// Parameters must already be valid (cp >= 1, 0 <= rank < cp, align >= 1, bucket >= 1, zigzag: align % 2cp
+// == 0 and bucket % align == 0; cu non-decreasing from 0). bucket == 1 means no bucketing. The contiguous
+// layout pads the stream to a multiple of lcm(bucket, cp).
+HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t rank, int layout, int64_t align,
+                        int64_t bucket);
+
+// Per local slot s in [0, total_local): index[s] (original row or -1), position[s], label_index[s]
+// (original row of the next token or -1). `pieces` has npieces + 1 entries.
+void plan_index_cpu(int64_t* index, int64_t* position, int64_t* label_index, int64_t total_local,
+                    const int64_t* cu, int64_t nseq, const int64_t* pieces, const int64_t* piece_offset,
+                    const int64_t* piece_seq, int64_t npieces);
+void plan_index_cuda(int64_t* index, int64_t* position, int64_t* label_index, int64_t total_local,
+                     const int64_t* cu, int64_t nseq, const int64_t* pieces, const int64_t* piece_offset,
+                     const int64_t* piece_seq, int64_t npieces, cudaStream_t stream);
+
+// out[t] = row of original token t in the rank-major concatenation of all local buffers [cp*total_local].
+void unshard_index_cpu(int64_t* out, int64_t total, const int64_t* cu, int64_t nseq, const int64_t* cu_padded,
+                       int64_t cp, int layout, int64_t total_local);
+void unshard_index_cuda(int64_t* out, int64_t total, const int64_t* cu, int64_t nseq, const int64_t* cu_padded,
+                        int64_t cp, int layout, int64_t total_local, cudaStream_t stream);
+
+}  // namespace packcuda::shard

@@ -1,0 +1,182 @@
+// Torch layer of the shard-plan ops: schemas, argument checks, dispatch to the core functions.
+//  - shard_layout: host metadata in, host tensors out (the layout is O(number of sequences) host work);
+//  - shard_plan_index: the per-slot tables of one rank, one kernel launch, host metadata uploaded without a
+//    device sync;
+//  - shard_unshard_index: each original row's row in the rank-major concatenation of all local buffers.
+#include <cstring>
+#include <limits>
+#include <tuple>
+
+#include "common/torch/checks.h"
+#include "shard/shard.h"
+
+namespace packcuda::th {
+namespace {
+
+using torch::stable::Device;
+using shard::kContiguous;
+using shard::kZigzag;
+
+const char* layout_name(int64_t layout) { return layout == kZigzag ? "zigzag" : "contiguous"; }
+
+void check_layout_args(const char* op, int64_t cp_size, int64_t layout) {
+  PC_ARG(cp_size >= 1, op, "cp_size must be >= 1, got ", cp_size);
+  PC_ARG(layout == kZigzag || layout == kContiguous, op, "layout must be 0 (zigzag) or 1 (contiguous), got ",
+         layout);
+}
+
+Tensor host_i64(const std::vector<int64_t>& v) {
+  return upload_i64(v, Device(torch::headeronly::DeviceType::CPU));
+}
+
+// Host int64 values of a 1-D integer CPU tensor (metadata that must live on the host).
+std::vector<int64_t> host_values(const char* op, const char* name, const Tensor& t) {
+  check_dim(op, name, t, 1);
+  check_dtype(op, name, t, {ST::Int, ST::Long});
+  PC_ARG(t.is_cpu(), op, name, " must be host metadata (a CPU tensor), got a tensor on ", device_str(t));
+  std::vector<int64_t> v(t.numel());
+  const int64_t stride = t.stride(0);
+  if (t.scalar_type() == ST::Int) {
+    const int32_t* p = t.const_data_ptr<int32_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) v[i] = p[i * stride];
+  } else {
+    const int64_t* p = t.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) v[i] = p[i * stride];
+  }
+  return v;
+}
+
+std::vector<Tensor> shard_layout(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
+                                 std::optional<int64_t> bucket_opt) {
+  const char* op = "shard_layout";
+  check_layout_args(op, cp_size, layout);
+  PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
+  PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
+  PC_ARG(!bucket_opt || *bucket_opt >= 1, op, "bucket must be >= 1, got ", bucket_opt.value_or(0));
+  const int64_t bucket = bucket_opt.value_or(0);
+  if (layout == kZigzag) {
+    PC_ARG(align % (2 * cp_size) == 0, op, "zigzag align must be a multiple of 2*cp_size=", 2 * cp_size, ", got ",
+           align);
+    PC_ARG(!bucket_opt || bucket % align == 0, op, "zigzag bucket must be a multiple of align=", align, ", got ", bucket);
+  }
+  PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
+         device_str(cu_seqlens));
+  Segments seg = segments(op, "cu_seqlens", cu_seqlens, cu_seqlens.device(), -1);
+  const int64_t nseq = seg.count;
+  // Padded sizes stay within int32 (the plan's boundary tensors are int32, as attention kernels expect).
+  int64_t padded = 0;
+  for (int64_t i = 0; i < nseq; ++i) padded += shard::padded_length(seg.host[i + 1] - seg.host[i], align);
+  const int64_t unit = bucket > 0 ? bucket : 1;
+  PC_ARG(padded + unit + cp_size <= std::numeric_limits<int32_t>::max(), op, "the padded stream (", padded,
+         " tokens) does not fit int32 boundaries");
+  const shard::HostLayout h =
+      shard::build_layout(seg.host.data(), nseq, cp_size, cp_rank, static_cast<int>(layout), align, unit);
+  Tensor info = host_i64({h.total, h.total_padded, h.total_local, h.pad_size, h.max_seqlen_padded});
+  return {host_i64(seg.host), host_i64(h.cu_padded), host_i64(h.cu_local), host_i64(h.pieces),
+          host_i64(h.piece_offset), host_i64(h.piece_seq), info};
+}
+
+std::tuple<Tensor, Tensor, Tensor> shard_plan_index(Tensor cu_seqlens, Tensor pieces, Tensor piece_offset,
+                                                    Tensor piece_seq, int64_t total_local,
+                                                    std::optional<Device> device) {
+  const char* op = "shard_plan_index";
+  PC_ARG(total_local >= 0, op, "total_local must be >= 0, got ", total_local);
+  const Device target = target_device(cu_seqlens, device);
+  PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
+         device_str(cu_seqlens));
+  Segments cu = segments(op, "cu_seqlens", cu_seqlens, target, -1);
+  std::vector<int64_t> pc = host_values(op, "pieces", pieces);
+  std::vector<int64_t> po = host_values(op, "piece_offset", piece_offset);
+  std::vector<int64_t> ps = host_values(op, "piece_seq", piece_seq);
+  const int64_t np = static_cast<int64_t>(po.size());
+  PC_ARG(pc.size() == po.size() + 1, op, "pieces must have one more entry than piece_offset (", np + 1,
+         "), got ", pc.size());
+  PC_ARG(ps.size() == po.size(), op, "piece_seq must have as many entries as piece_offset (", np, "), got ",
+         ps.size());
+  PC_ARG(pc[0] == 0, op, "pieces[0] must be 0, got ", pc[0]);
+  for (int64_t k = 0; k < np; ++k) {
+    PC_ARG(pc[k + 1] >= pc[k], op, "pieces must be non-decreasing, but pieces[", k + 1, "]=", pc[k + 1],
+           " < pieces[", k, "]=", pc[k]);
+    PC_ARG(po[k] >= 0, op, "piece_offset[", k, "]=", po[k], " is negative");
+    PC_ARG(ps[k] >= 0 && ps[k] <= cu.count, op, "piece_seq[", k, "]=", ps[k], " is out of range [0, ",
+           cu.count, "]");
+  }
+  PC_ARG(pc[np] == total_local, op, "pieces[-1]=", pc[np], " does not match total_local=", total_local);
+  Tensor d_pieces = upload_i64(pc, target), d_off = upload_i64(po, target), d_seq = upload_i64(ps, target);
+  Tensor index = torch::stable::new_empty(cu.tensor, {total_local}, ST::Long);
+  Tensor position = torch::stable::new_empty(cu.tensor, {total_local}, ST::Long);
+  Tensor label = torch::stable::new_empty(cu.tensor, {total_local}, ST::Long);
+  if (total_local == 0) return {index, position, label};
+  auto* pi = index.mutable_data_ptr<int64_t>();
+  auto* pp = position.mutable_data_ptr<int64_t>();
+  auto* pl = label.mutable_data_ptr<int64_t>();
+  if (index.is_cuda()) {
+    PC_CUDA_ONLY({
+      CudaScope cs(index);
+      shard::plan_index_cuda(pi, pp, pl, total_local, cu.ptr(), cu.count, d_pieces.const_data_ptr<int64_t>(),
+                             d_off.const_data_ptr<int64_t>(), d_seq.const_data_ptr<int64_t>(), np, cs.stream);
+    });
+  } else {
+    shard::plan_index_cpu(pi, pp, pl, total_local, cu.ptr(), cu.count, d_pieces.const_data_ptr<int64_t>(),
+                          d_off.const_data_ptr<int64_t>(), d_seq.const_data_ptr<int64_t>(), np);
+  }
+  return {index, position, label};
+}
+
+Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t cp_size, int64_t layout,
+                           int64_t total_local, std::optional<Device> device) {
+  const char* op = "shard_unshard_index";
+  check_layout_args(op, cp_size, layout);
+  PC_ARG(total_local >= 0, op, "total_local must be >= 0, got ", total_local);
+  const Device target = target_device(cu_seqlens, device);
+  PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
+         device_str(cu_seqlens));
+  PC_ARG(cu_seqlens_padded.is_cpu(), op,
+         "cu_seqlens_padded must be host metadata (a CPU tensor), got a tensor on ", device_str(cu_seqlens_padded));
+  Segments cu = segments(op, "cu_seqlens", cu_seqlens, target, -1);
+  Segments cp = segments(op, "cu_seqlens_padded", cu_seqlens_padded, target, cp_size * total_local);
+  const int64_t nseq = cu.count;
+  PC_ARG(cp.count == nseq || cp.count == nseq + 1, op, "cu_seqlens_padded must have ", nseq + 1, " or ",
+         nseq + 2, " entries (one more with a bucket segment), got ", cp.count + 1);
+  for (int64_t i = 0; i < cp.count; ++i) {
+    const int64_t p = cp.host[i + 1] - cp.host[i];
+    const int64_t len = i < nseq ? cu.host[i + 1] - cu.host[i] : 0;
+    PC_ARG(p >= len, op, "padded segment ", i, " has ", p, " rows, fewer than its ", len, " tokens");
+    if (layout == kZigzag)
+      PC_ARG(p % (2 * cp_size) == 0, op, "zigzag padded segment ", i, " has ", p,
+             " rows, not a multiple of 2*cp_size=", 2 * cp_size);
+  }
+  const int64_t total = cu.host.back();
+  Tensor out = torch::stable::new_empty(cu.tensor, {total}, ST::Long);
+  if (total == 0) return out;
+  if (out.is_cuda()) {
+    PC_CUDA_ONLY({
+      CudaScope cs(out);
+      shard::unshard_index_cuda(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
+                                static_cast<int>(layout), total_local, cs.stream);
+    });
+  } else {
+    shard::unshard_index_cpu(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
+                             static_cast<int>(layout), total_local);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace packcuda::th
+
+STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
+  m.def("shard_layout(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket=None) -> Tensor[]");
+  m.def(
+      "shard_plan_index(Tensor cu_seqlens, Tensor pieces, Tensor piece_offset, Tensor piece_seq, int total_local, "
+      "Device? device=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, int layout, int total_local, "
+      "Device? device=None) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
+  m.impl("shard_layout", TORCH_BOX(&packcuda::th::shard_layout));
+  m.impl("shard_plan_index", TORCH_BOX(&packcuda::th::shard_plan_index));
+  m.impl("shard_unshard_index", TORCH_BOX(&packcuda::th::shard_unshard_index));
+}

@@ -1,0 +1,253 @@
+"""Shard plans for context parallelism: how a global packed stream maps to one CP rank's local buffer.
+
+A :class:`ShardPlan` is built once per batch from host ``cu_seqlens`` (no device sync) and then moves any
+tensor laid out on the original stream to the rank's local layout (:meth:`ShardPlan.shard`,
+:meth:`ShardPlan.labels`) and back (:meth:`ShardPlan.unshard`, :meth:`ShardPlan.gather`). Two layouts:
+
+``zigzag`` (Megatron / TransformerEngine THD): sequence ``i`` is padded at its tail to
+``P_i = roundup(L_i, align)`` and cut into ``2*cp`` chunks of ``h_i = P_i / (2*cp)`` rows; rank ``r`` holds
+chunks ``r`` and ``2*cp-1-r`` of every sequence, sequence after sequence (causal attention work balances).
+
+``contiguous`` (Ulysses SP / FLA CP): sequences padded to ``align`` (default 1), the stream padded to a
+multiple of ``cp`` (and of ``bucket``), rank ``r`` holds padded rows ``[r*Tp/cp, (r+1)*Tp/cp)``.
+
+``bucket`` appends one extra trailing pad segment (its own entry in ``cu_seqlens_padded``, positions
+from 0) so that the padded total is a multiple of ``bucket``; it is present only when its length
+(``pad_size``) is non-zero, and it never lengthens a real sequence.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+import torch
+
+from . import _lib
+from ._meta import IntsLike, host_tensor, is_device_tensor, to_device_async
+
+_lib.load()
+ops = torch.ops.packcuda
+
+__all__ = ["ShardPlan", "shard_plan"]
+
+_LAYOUTS = {"zigzag": 0, "contiguous": 1}
+
+
+# ---------------------------------------------------------------------------------------------------
+# fake (meta) kernels
+# ---------------------------------------------------------------------------------------------------
+@torch.library.register_fake("packcuda::shard_layout")
+def _shard_layout_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket=None):
+    ctx = torch.library.get_ctx()
+    nseg = ctx.new_dynamic_size()
+    npieces = ctx.new_dynamic_size()
+    e = lambda n: torch.empty(n, dtype=torch.int64, device=cu_seqlens.device)  # noqa: E731
+    n = cu_seqlens.shape[0]
+    return [e(n), e(nseg + 1), e(nseg + 1), e(npieces + 1), e(npieces), e(npieces), e(5)]
+
+
+@torch.library.register_fake("packcuda::shard_plan_index")
+def _shard_plan_index_fake(cu_seqlens, pieces, piece_offset, piece_seq, total_local, device=None):
+    dev = device if device is not None else cu_seqlens.device
+    return tuple(torch.empty(total_local, dtype=torch.int64, device=dev) for _ in range(3))
+
+
+@torch.library.register_fake("packcuda::shard_unshard_index")
+def _shard_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, layout, total_local, device=None):
+    dev = device if device is not None else cu_seqlens.device
+    return torch.empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64, device=dev)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the plan
+# ---------------------------------------------------------------------------------------------------
+class ShardPlan:
+    """One CP rank's share of a padded packed stream (build it with :func:`shard_plan`).
+
+    Device tensors (on ``device``): ``index`` int64 ``[T_local]`` (original row of each local slot, -1 for
+    padding), ``position_ids`` int64 ``[T_local]`` (offset inside the padded sequence; pads keep counting,
+    the bucket segment counts from 0), ``label_index`` int64 ``[T_local]`` (original row of the next token
+    of the same sequence, -1 at a sequence's last token and on pads), ``cu_seqlens_padded`` int32
+    (global, bucket segment included), ``cu_seqlens_local`` int32 (this rank's boundaries of the same
+    segments, for varlen attention), ``pieces`` int32 ``[S+1]`` / ``piece_offset`` int64 ``[S]`` /
+    ``piece_seq`` int32 ``[S]`` (runs of consecutive padded offsets of one segment in the local buffer:
+    two per segment in zigzag, the window intersections in contiguous), and, built on first use,
+    ``unshard_index`` int64 ``[T]``.
+
+    Host values: ``total``, ``total_padded``, ``total_local``, ``pad_size``, ``max_seqlen_padded``,
+    ``max_seqlen_local``, ``layout``, ``cp_size``, ``cp_rank``, ``align``, ``bucket`` and Python-list copies
+    ``cu_seqlens_host``, ``cu_seqlens_padded_host``, ``cu_seqlens_local_host``, ``pieces_host``,
+    ``piece_offset_host``, ``piece_seq_host``.
+    """
+
+    def __init__(self, layout_tensors: List[torch.Tensor], *, layout: str, cp_size: int, cp_rank: int, align: int,
+                 bucket: Optional[int], device: torch.device):
+        cu, cu_padded, cu_local, pieces, piece_offset, piece_seq, info = layout_tensors
+        self.layout, self.cp_size, self.cp_rank = layout, cp_size, cp_rank
+        self.align, self.bucket, self.device = align, bucket, device
+        self.total, self.total_padded, self.total_local, self.pad_size, self.max_seqlen_padded = (
+            int(v) for v in info.tolist())
+        self._cu, self._cu_padded = cu, cu_padded
+        self.cu_seqlens_host: List[int] = cu.tolist()
+        self.cu_seqlens_padded_host: List[int] = cu_padded.tolist()
+        self.cu_seqlens_local_host: List[int] = cu_local.tolist()
+        self.pieces_host: List[int] = pieces.tolist()
+        self.piece_offset_host: List[int] = piece_offset.tolist()
+        self.piece_seq_host: List[int] = piece_seq.tolist()
+        lens = cu_local.diff()
+        self.max_seqlen_local = int(lens.max()) if lens.numel() else 0
+        # one launch computes the three per-slot tables; host metadata is uploaded without a sync
+        self.index, self.position_ids, self.label_index = ops.shard_plan_index(
+            cu, pieces, piece_offset, piece_seq, self.total_local, device)
+        self.cu_seqlens_padded = to_device_async(cu_padded, device, torch.int32)
+        self.cu_seqlens_local = to_device_async(cu_local, device, torch.int32)
+        self.pieces = to_device_async(pieces, device, torch.int32)
+        self.piece_offset = to_device_async(piece_offset, device, torch.int64)
+        self.piece_seq = to_device_async(piece_seq, device, torch.int32)
+        self._unshard_index: Optional[torch.Tensor] = None
+
+    def __repr__(self) -> str:
+        return (f"ShardPlan(layout={self.layout!r}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "
+                f"align={self.align}, bucket={self.bucket}, sequences={len(self.cu_seqlens_host) - 1}, "
+                f"total={self.total}, total_padded={self.total_padded}, total_local={self.total_local}, "
+                f"pad_size={self.pad_size}, device={self.device})")
+
+    @property
+    def unshard_index(self) -> torch.Tensor:
+        """int64 ``[T]``: row of each original token in the rank-major concatenation ``[cp*T_local]`` of
+        all ranks' local buffers. Built on first use (one launch, no sync)."""
+        if self._unshard_index is None:
+            self._unshard_index = ops.shard_unshard_index(
+                self._cu, self._cu_padded, self.cp_size, _LAYOUTS[self.layout], self.total_local, self.device)
+        return self._unshard_index
+
+    def _rows(self, what: str, x: torch.Tensor, dim: int, want: int, name: str) -> int:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"packcuda.ShardPlan.{what}: {name} must be a tensor, got {type(x).__name__}")
+        if x.dim() == 0:
+            raise ValueError(f"packcuda.ShardPlan.{what}: {name} must have at least 1 dimension")
+        d = dim % x.dim() if -x.dim() <= dim < x.dim() else None
+        if d is None:
+            raise ValueError(f"packcuda.ShardPlan.{what}: dim={dim} is out of range for {name} of shape "
+                             f"{tuple(x.shape)}")
+        if x.shape[d] != want:
+            raise ValueError(f"packcuda.ShardPlan.{what}: {name} has {x.shape[d]} rows along dim {d}, expected "
+                             f"{want}")
+        return d
+
+    def shard(self, x: torch.Tensor, dim: int = 0, fill: float = 0) -> torch.Tensor:
+        """This rank's rows of ``x`` laid out on the original stream: ``[T, ...]`` (``dim=0``) or e.g. mRoPE
+        position tensors ``[3, T]`` / ``[4, T]`` with ``dim=1``. Pad slots get ``fill``. Differentiable:
+        the backward scatters gradients back to the original rows (deterministic). No sync."""
+        d = self._rows("shard", x, dim, self.total, "x")
+        if d == 0:
+            return ops.gather_rows(x, self.index, float(fill))
+        # rows along dim d of [A, T, ...] are rows a*T + t of the flattened [A*T, ...]: one gather, no transpose
+        lead = 1
+        for n in x.shape[:d]:
+            lead *= n
+        offs = torch.arange(lead, device=self.index.device).mul_(self.total)[:, None]
+        index = torch.where(self.index >= 0, self.index + offs, -1).reshape(-1)
+        out = ops.gather_rows(x.reshape(lead * self.total, *x.shape[d + 1:]), index, float(fill))
+        return out.view(*x.shape[:d], self.total_local, *x.shape[d + 1:])
+
+    def labels(self, input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Local next-token labels of the original ``input_ids`` ``[T]``: the next token of the same sequence
+        (correct across chunk boundaries), ``ignore_index`` at each sequence's last token and on pads."""
+        self._rows("labels", input_ids, 0, self.total, "input_ids")
+        return ops.gather_rows(input_ids, self.label_index, float(ignore_index))
+
+    def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]`` in original order from all ranks' local outputs ``gathered`` ``[cp, T_local, ...]`` (or
+        already flattened ``[cp*T_local, ...]``); pads are dropped. Differentiable. No sync."""
+        if gathered.dim() >= 2 and gathered.shape[0] == self.cp_size and gathered.shape[1] == self.total_local:
+            flat = gathered.reshape(self.cp_size * self.total_local, *gathered.shape[2:])
+        else:
+            self._rows("unshard", gathered, 0, self.cp_size * self.total_local, "gathered")
+            flat = gathered
+        return ops.gather_rows(flat, self.unshard_index, 0.0)
+
+    def gather(self, x_local: torch.Tensor, group=None) -> torch.Tensor:
+        """All-gather ``x_local`` ``[T_local, ...]`` over the CP process group, then :meth:`unshard`:
+        ``[T, ...]`` in original order on every rank. Works with gloo (CPU) and NCCL.
+
+        Backward (the semantics of ``torch.distributed.nn.all_gather``): the gradients that all ranks hold
+        for the full ``[T, ...]`` output are summed (a reduce-scatter; gloo: all-reduce then slice), and this
+        rank receives the part for its own local rows; pad rows get zero gradient. If every rank computes
+        the same loss on the gathered tensor, the gradient is therefore ``cp_size`` times that of one copy.
+        """
+        import torch.distributed as dist
+
+        self._rows("gather", x_local, 0, self.total_local, "x_local")
+        ws, rk = dist.get_world_size(group), dist.get_rank(group)
+        if ws != self.cp_size or rk != self.cp_rank:
+            raise ValueError(f"packcuda.ShardPlan.gather: the process group has size {ws} and rank {rk}, but the "
+                             f"plan is for cp_size={self.cp_size}, cp_rank={self.cp_rank}")
+        return _Gather.apply(x_local, self, group)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local, plan: ShardPlan, group):
+        import torch.distributed as dist
+
+        ctx.plan, ctx.group = plan, group
+        buf = x_local.new_empty((plan.cp_size * plan.total_local, *x_local.shape[1:]))
+        dist.all_gather_into_tensor(buf, x_local.contiguous(), group=group)
+        return ops.gather_rows(buf, plan.unshard_index, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        plan, group = ctx.plan, ctx.group
+        gbuf = ops.scatter_rows(grad.contiguous(), plan.unshard_index, plan.cp_size * plan.total_local)
+        if dist.get_backend(group) == "nccl":
+            out = gbuf.new_empty((plan.total_local, *gbuf.shape[1:]))
+            dist.reduce_scatter_tensor(out, gbuf, op=dist.ReduceOp.SUM, group=group)
+            return out, None, None
+        dist.all_reduce(gbuf, op=dist.ReduceOp.SUM, group=group)
+        lo = plan.cp_rank * plan.total_local
+        return gbuf[lo:lo + plan.total_local].clone(), None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# facade
+# ---------------------------------------------------------------------------------------------------
+def shard_plan(
+    cu_seqlens: IntsLike,
+    cp_size: int,
+    cp_rank: int,
+    *,
+    layout: str = "zigzag",
+    align: Optional[int] = None,
+    bucket: Optional[int] = None,
+    device: Optional[Union[str, torch.device]] = None,
+) -> ShardPlan:
+    """Plan of CP rank ``cp_rank`` of ``cp_size`` for the packed stream ``cu_seqlens`` (``[N+1]``, from 0,
+    non-decreasing; zero-length sequences allowed).
+
+    ``layout``: ``"zigzag"`` (``align`` defaults to ``2*cp_size`` and must be a multiple of it, e.g.
+    ``2*cp*tp``; ``bucket`` must be a multiple of ``align``) or ``"contiguous"`` (``align`` defaults to 1;
+    the stream is padded to a multiple of ``lcm(bucket, cp_size)``). ``bucket``: round the padded total up
+    to a multiple of it with one trailing pad segment. ``device``: where the plan's tensors live (default:
+    ``cu_seqlens``'s device, CPU for host metadata).
+
+    Syncs: host ``cu_seqlens`` (list / CPU tensor) — none. Device ``cu_seqlens`` — one read of it back to
+    the host (``.cpu()``), because the layout's sizes depend on its values.
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"packcuda.shard_plan: layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    cp_size, cp_rank = int(cp_size), int(cp_rank)
+    if device is None:
+        device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if is_device_tensor(cu_seqlens):
+        cu_seqlens = cu_seqlens.cpu()  # the one documented sync of device metadata
+    cu = host_tensor(cu_seqlens, "cu_seqlens")
+    if align is None:
+        align = 2 * cp_size if layout == "zigzag" else 1
+    t = ops.shard_layout(cu, cp_size, cp_rank, _LAYOUTS[layout], int(align), None if bucket is None else int(bucket))
+    return ShardPlan(t, layout=layout, cp_size=cp_size, cp_rank=cp_rank, align=int(align),
+                     bucket=None if bucket is None else int(bucket), device=device)

@@ -1,0 +1,338 @@
+import os
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import packcuda
+import reference as ref
+from conftest import HAS_CUDA, no_sync, requires_cuda
+
+ops = torch.ops.packcuda
+DEVS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def _cu(lens):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _check_plan(plan, want):
+    assert plan.cu_seqlens_padded_host == want["cu_padded"]
+    assert plan.cu_seqlens_local_host == want["cu_local"]
+    assert plan.total_local == want["total_local"] and plan.pad_size == want["pad_size"]
+    assert plan.index.cpu().tolist() == want["index"]
+    assert plan.position_ids.cpu().tolist() == want["position"]
+    assert plan.label_index.cpu().tolist() == want["label_index"]
+    assert plan.cu_seqlens_padded.dtype == torch.int32 and plan.cu_seqlens_local.dtype == torch.int32
+    assert plan.cu_seqlens_padded.cpu().tolist() == want["cu_padded"]
+    assert plan.cu_seqlens_local.cpu().tolist() == want["cu_local"]
+    # pieces tile the local buffer; each is a run of consecutive padded offsets of one segment
+    p, off, seq = plan.pieces_host, plan.piece_offset_host, plan.piece_seq_host
+    assert p[0] == 0 and p[-1] == plan.total_local and len(p) == len(off) + 1 == len(seq) + 1
+    for k in range(len(off)):
+        assert want["position"][p[k]:p[k + 1]] == list(range(off[k], off[k] + p[k + 1] - p[k]))
+    assert plan.pieces.cpu().tolist() == p and plan.piece_offset.cpu().tolist() == off
+    assert plan.piece_seq.cpu().tolist() == seq
+
+
+def _all_ranks(cu, cp, device, **kw):
+    return [packcuda.shard_plan(cu, cp, r, device=device, **kw) for r in range(cp)]
+
+
+def _roundtrip(plans, cu, device, g):
+    T = cu[-1]
+    x = torch.randn(T, 3, generator=g).to(device)
+    shards = [p.shard(x, fill=7.0) for p in plans]
+    for p, s in zip(plans, shards):
+        valid = p.index >= 0
+        assert torch.equal(s[valid], x[p.index[valid]]) and bool((s[~valid] == 7.0).all())
+    for p in plans:
+        assert torch.equal(p.unshard(torch.stack(shards)), x)
+    ids = torch.randint(0, 1000, (T,), generator=g).to(device)
+    want_labels = packcuda.next_token_labels(ids, cu, -100)
+    for p in plans:
+        assert torch.equal(p.labels(ids, -100), p.shard(want_labels, fill=-100))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.one_of(st.just(0), st.integers(1, 40)), min_size=0, max_size=8),
+    cp=st.integers(1, 8),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    align_mult=st.sampled_from([None, 1, 2, 3]),
+    bucket_mult=st.sampled_from([None, 1, 2, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_plan_matches_reference(lens, cp, layout, align_mult, bucket_mult, seed):
+    cu = _cu(lens)
+    base = 2 * cp if layout == "zigzag" else 1
+    align = None if align_mult is None else base * align_mult
+    a = align if align is not None else base
+    bucket = None if bucket_mult is None else (a * bucket_mult if layout == "zigzag" else 3 * bucket_mult)
+    g = torch.Generator().manual_seed(seed)
+    for device in DEVS:
+        plans = _all_ranks(cu, cp, device, layout=layout, align=align, bucket=bucket)
+        rows = []
+        for r, plan in enumerate(plans):
+            _check_plan(plan, ref.shard_layout(cu, cp, r, layout, align, bucket))
+            rows += [i for i in plan.index.cpu().tolist() if i >= 0]
+            assert plan.total == cu[-1] and plan.cu_seqlens_host == cu
+        assert sorted(rows) == list(range(cu[-1]))  # every original row exactly once across ranks
+        assert plans[0].total_padded % cp == 0 and (bucket is None or plans[0].total_padded % bucket == 0)
+        _roundtrip(plans, cu, device, g)
+
+
+def test_verl_example(device):
+    # L=4803, cp=2: rank 0 holds positions [0,1201) and [3603,4803), rank 1 [1201,3603)
+    p0, p1 = _all_ranks([0, 4803], 2, device)
+    real0 = p0.position_ids[p0.index >= 0].cpu().tolist()
+    real1 = p1.position_ids[p1.index >= 0].cpu().tolist()
+    assert real0 == list(range(0, 1201)) + list(range(3603, 4803))
+    assert real1 == list(range(1201, 3603))
+    assert p0.total_local == p1.total_local == 2402 and p0.cu_seqlens_padded_host == [0, 4804]
+    # the last real token has no label; the token before the chunk boundary labels across it
+    assert p1.label_index[-1].item() == 3603 and p0.label_index[1200].item() == 1201
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_te_thd_partitioned_indices(device, cp):
+    lens = [0, 1, 17, 64, 100, 5, 2 * cp, 333]
+    cu = _cu(lens)
+    for r in range(cp):
+        plan = packcuda.shard_plan(cu, cp, r, device=device)
+        te = ref.thd_partitioned_indices(plan.cu_seqlens_padded_host, plan.total_padded, cp, r)
+        # padded stream index -> original row (or -1)
+        row_of = []
+        for i in range(len(lens)):
+            P = plan.cu_seqlens_padded_host[i + 1] - plan.cu_seqlens_padded_host[i]
+            row_of += [cu[i] + o if o < lens[i] else -1 for o in range(P)]
+        assert plan.index.cpu().tolist() == [row_of[j] for j in te]
+
+
+def test_bucket_segment(device):
+    cu = _cu([5, 0, 9])
+    plan = packcuda.shard_plan(cu, 2, 1, align=4, bucket=40, device=device)
+    assert plan.cu_seqlens_padded_host == [0, 8, 8, 20, 40] and plan.pad_size == 20
+    assert plan.total_padded == 40 and plan.max_seqlen_padded == 20
+    # bucket segment positions restart at 0 on every rank's share of it
+    pos = plan.position_ids.cpu().tolist()
+    assert pos[plan.cu_seqlens_local_host[3]:] == list(range(5, 10)) + list(range(10, 15))
+    plan = packcuda.shard_plan(cu, 2, 0, layout="contiguous", bucket=7, device=device)
+    assert plan.total_padded == 14 and plan.pad_size == 0 and len(plan.cu_seqlens_padded_host) == 4
+    plan = packcuda.shard_plan(cu, 3, 0, layout="contiguous", bucket=4, device=device)
+    assert plan.total_padded == 24 and plan.cu_seqlens_padded_host[-1] == 24 and plan.pad_size == 10
+
+
+def test_cp1_plain_padding(device):
+    cu = _cu([3, 0, 6])
+    plan = packcuda.shard_plan(cu, 1, 0, device=device)
+    assert plan.index.cpu().tolist() == [0, 1, 2, -1, 3, 4, 5, 6, 7, 8]
+    assert plan.position_ids.cpu().tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+    plan = packcuda.shard_plan(cu, 1, 0, layout="contiguous", device=device)
+    assert plan.index.cpu().tolist() == list(range(9)) and plan.pad_size == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.bool])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_shard_dims_and_dtypes(device, dtype, layout):
+    cu = _cu([7, 30, 0, 12])
+    T = cu[-1]
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(T, 4, 5, generator=g) * 10).to(dtype)
+    pos = torch.randint(0, 99, (3, T), generator=g).to(dtype)
+    for r in range(4):
+        plan = packcuda.shard_plan(cu, 4, r, layout=layout, device=device)
+        want = ref.shard_layout(cu, 4, r, layout)
+        assert torch.equal(plan.shard(x.to(device)).cpu(), ref.shard_rows(x, want["index"]))
+        got = plan.shard(pos.to(device), dim=1, fill=1)
+        assert got.shape == (3, plan.total_local)
+        assert torch.equal(got.cpu(), ref.shard_rows(pos.t(), want["index"], 1).t())
+        assert torch.equal(plan.shard(pos.to(device), dim=-1, fill=1), got)
+
+
+def test_device_cu_seqlens_matches_host(device):
+    cu = _cu([4, 11, 0, 9])
+    a = packcuda.shard_plan(cu, 2, 1, device=device)
+    b = packcuda.shard_plan(torch.tensor(cu, dtype=torch.int32, device=device), 2, 1)
+    assert b.device == a.device
+    for name in ["index", "position_ids", "label_index", "cu_seqlens_padded", "cu_seqlens_local", "pieces"]:
+        assert torch.equal(getattr(a, name), getattr(b, name))
+
+
+def test_gradients(device):
+    cu = _cu([5, 0, 8, 3])
+    x = torch.randn(cu[-1], 2, dtype=torch.float64, device=device, requires_grad=True)
+    plans = _all_ranks(cu, 2, device, bucket=8)
+    assert torch.autograd.gradcheck(lambda t: plans[1].shard(t, fill=3.0), (x,))
+    g = torch.randn(2, plans[0].total_local, 2, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: plans[0].unshard(t), (g,))
+    p3 = torch.randn(3, cu[-1], dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: plans[0].shard(t, dim=1), (p3,))
+    # shard is the transpose of gathering: the sum over ranks of the shard backward is all ones
+    grads = torch.zeros_like(x)
+    for p in plans:
+        (gx,) = torch.autograd.grad(p.shard(x).sum(), x)
+        grads += gx
+    assert torch.equal(grads, torch.ones_like(x))
+
+
+def test_opcheck(device):
+    cu = torch.tensor(_cu([5, 0, 8, 3]))
+    lay = ops.shard_layout(cu, 2, 1, 0, 4, 16)
+    dev = torch.device(device)
+    torch.library.opcheck(ops.shard_plan_index, (lay[0], lay[3], lay[4], lay[5], int(lay[6][2]), dev))
+    torch.library.opcheck(ops.shard_unshard_index, (lay[0], lay[1], 2, 0, int(lay[6][2]), dev),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    torch.library.opcheck(ops.shard_layout, (cu, 2, 1, 0, 4, 16),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_compile(device):
+    cu = _cu([5, 9, 0, 13])
+    plans = _all_ranks(cu, 2, device)
+    for p in plans:
+        p.unshard_index  # noqa: B018 (built outside the compiled region)
+    x = torch.randn(cu[-1], 4, device=device)
+    ids = torch.randint(0, 100, (cu[-1],), device=device)
+
+    def f(x, ids):
+        shards = [p.shard(x) * 2 for p in plans]
+        return plans[0].unshard(torch.stack(shards)), plans[1].labels(ids)
+
+    backend = "aot_eager" if device == "cpu" else "inductor"
+    got = torch.compile(f, fullgraph=True, backend=backend)(x, ids)
+    want = f(x, ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_deterministic(device):
+    cu = _cu([100, 3, 250, 0, 77])
+    a = packcuda.shard_plan(cu, 4, 2, device=device)
+    b = packcuda.shard_plan(cu, 4, 2, device=device)
+    x = torch.randn(cu[-1], 8, device=device)
+    assert torch.equal(a.index, b.index) and torch.equal(a.shard(x), b.shard(x))
+    assert torch.equal(a.unshard_index, b.unshard_index)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(cu=[0, 5, 3], cp=2, rank=0), "non-decreasing"),
+        (dict(cu=[1, 5], cp=2, rank=0), r"cu_seqlens\[0\] must be 0"),
+        (dict(cu=[0, 5], cp=2, rank=2), "cp_rank must be in"),
+        (dict(cu=[0, 5], cp=2, rank=-1), "cp_rank must be in"),
+        (dict(cu=[0, 5], cp=0, rank=0), "cp_size must be >= 1"),
+        (dict(cu=[0, 5], cp=2, rank=0, align=6), "multiple of 2\\*cp_size=4"),
+        (dict(cu=[0, 5], cp=2, rank=0, align=0, layout="contiguous"), "align must be >= 1"),
+        (dict(cu=[0, 5], cp=2, rank=0, align=8, bucket=12), "bucket must be a multiple of align=8"),
+        (dict(cu=[0, 5], cp=2, rank=0, bucket=0, layout="contiguous"), "bucket must be >= 1"),
+        (dict(cu=[0, 5], cp=2, rank=0, layout="ring"), "layout must be"),
+    ],
+)
+def test_bad_plan_args(kw, match):
+    cu = kw.pop("cu")
+    with pytest.raises(ValueError, match=match):
+        packcuda.shard_plan(cu, kw.pop("cp"), kw.pop("rank"), **kw)
+
+
+def test_bad_tensors(device):
+    cu = _cu([5, 0, 8])
+    plan = packcuda.shard_plan(cu, 2, 0, device=device)
+    with pytest.raises(ValueError, match="x has 12 rows along dim 0, expected 13"):
+        plan.shard(torch.zeros(12, 2, device=device))
+    with pytest.raises(ValueError, match="x has 3 rows along dim 0, expected 13"):
+        plan.shard(torch.zeros(3, 13, device=device), dim=0)
+    with pytest.raises(ValueError, match="dim=2 is out of range"):
+        plan.shard(torch.zeros(3, 13, device=device), dim=2)
+    with pytest.raises(ValueError, match="input_ids has 5 rows"):
+        plan.labels(torch.zeros(5, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="gathered has 7 rows along dim 0, expected 16"):
+        plan.unshard(torch.zeros(7, 3, device=device))
+    with pytest.raises(ValueError, match="gathered has 2 rows along dim 0, expected 16"):
+        plan.unshard(torch.zeros(2, 7, device=device))
+    with pytest.raises(TypeError, match="integer"):
+        packcuda.shard_plan(torch.tensor([0.0, 5.0]), 2, 0)
+    other = "cpu" if device == "cuda" else ("cuda" if HAS_CUDA else None)
+    if other is not None:
+        with pytest.raises(ValueError, match="is on"):
+            plan.shard(torch.zeros(13, device=other))
+
+
+def test_bad_op_metadata():
+    cu = torch.tensor([0, 5, 13])
+    lay = ops.shard_layout(cu, 2, 0, 0, 4, None)
+    with pytest.raises(ValueError, match="pieces\\[-1\\]=.* does not match total_local"):
+        ops.shard_plan_index(lay[0], lay[3], lay[4], lay[5], 99, None)
+    with pytest.raises(ValueError, match="piece_seq\\[0\\]=7 is out of range"):
+        ops.shard_plan_index(lay[0], lay[3], lay[4], torch.full_like(lay[5], 7), int(lay[6][2]), None)
+    with pytest.raises(ValueError, match="does not match the number of tokens"):
+        ops.shard_unshard_index(lay[0], lay[1], 2, 0, 5, None)
+    with pytest.raises(ValueError, match="padded segment 0 has 4 rows, fewer than its 5 tokens"):
+        ops.shard_unshard_index(lay[0], torch.tensor([0, 4, 16]), 2, 0, 8, None)
+    with pytest.raises(ValueError, match="not a multiple of 2\\*cp_size=4"):
+        ops.shard_unshard_index(lay[0], torch.tensor([0, 6, 16]), 2, 0, 8, None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# plan.gather across processes (gloo)
+# ---------------------------------------------------------------------------------------------------
+def _gather_worker(rank, world, init, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        cu = _cu([13, 0, 40, 7, 21])
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(cu[-1], 3, dtype=torch.float64, generator=g)
+        w = torch.randn(cu[-1], 3, dtype=torch.float64, generator=g)
+        res = {}
+        for layout in ["zigzag", "contiguous"]:
+            plan = packcuda.shard_plan(cu, world, rank, layout=layout, bucket=12 * world)
+            x_local = plan.shard(x).requires_grad_()
+            y = plan.gather(x_local)
+            (y * w).sum().backward()
+            res[layout] = dict(y=y.detach(), grad=x_local.grad, want_grad=world * plan.shard(w))
+        torch.save(res, os.path.join(out_dir, f"r{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_gloo():
+    import torch.multiprocessing as mp
+
+    world = 3
+    with tempfile.TemporaryDirectory() as d:
+        init = "file://" + os.path.join(d, "rendezvous")
+        # fork: the workers only use the CPU, and skip re-importing torch
+        mp.start_processes(_gather_worker, args=(world, init, d), nprocs=world, join=True, start_method="fork")
+        x = torch.randn(81, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        for r in range(world):
+            for layout, res in torch.load(os.path.join(d, f"r{r}.pt")).items():
+                assert torch.equal(res["y"], x), layout
+                # every rank used the same loss: the gradient is the sum over ranks (world x), pads get zero
+                assert torch.allclose(res["grad"], res["want_grad"]), layout
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: host metadata never syncs
+# ---------------------------------------------------------------------------------------------------
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_no_sync(layout):
+    cu = _cu([100, 0, 37, 512, 9])
+    x = torch.randn(cu[-1], 16, device="cuda")
+    ids = torch.randint(0, 1000, (cu[-1],), device="cuda")
+    pos = torch.randint(0, 1000, (3, cu[-1]), device="cuda")
+    with no_sync():
+        plans = [packcuda.shard_plan(cu, 4, r, layout=layout, bucket=64 if layout == "zigzag" else 10,
+                                     device="cuda") for r in range(4)]
+        shards = [p.shard(x) for p in plans]
+        [p.labels(ids) for p in plans]
+        [p.shard(pos, dim=1) for p in plans]
+        back = plans[2].unshard(torch.stack(shards))
+    assert torch.equal(back, x)
