@@ -28,6 +28,6 @@ __all__ = [
     "shard_plan",
 ]
 
-from .conv import causal_conv1d  # noqa: E402
+from .conv import causal_conv1d, conv_prefix, conv_prefix_schedule, ConvPrefixSchedule  # noqa: E402
 
-__all__ += ["causal_conv1d"]
+__all__ += ["causal_conv1d", "conv_prefix", "conv_prefix_schedule", "ConvPrefixSchedule"]
