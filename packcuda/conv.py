@@ -250,9 +250,9 @@ def _check_plans(sched, x_local, group):
     world = dist.get_world_size(group)
     dev = x_local.device if _group_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor([sched.fingerprint, sched.rank, x_local.shape[1]], dtype=torch.int64, device=dev)
-    allv = torch.empty(world, 3, dtype=torch.int64, device=dev)
-    dist.all_gather_into_tensor(allv.view(-1), mine, group=group)
-    rows = allv.cpu().tolist()  # host read: this mode syncs once per call
+    allv = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(allv, mine, group=group)
+    rows = torch.stack(allv).cpu().tolist()  # host read: this mode syncs once per call
     fps = {r[0] for r in rows}
     if len(fps) != 1 or [r[1] for r in rows] != list(range(world)) or len({r[2] for r in rows}) != 1:
         raise ValueError(

@@ -236,3 +236,167 @@ def test_causal_conv1d_host_metadata_does_not_sync():
         y = packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu")
         y.backward(torch.ones_like(y))
     torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------ conv-prefix exchange
+def _local_padded_rows(plan):
+    """Global padded row of every local slot of `plan` (from its pieces)."""
+    rows = []
+    P, off, seq, cup = plan.pieces_host, plan.piece_offset_host, plan.piece_seq_host, plan.cu_seqlens_padded_host
+    for k in range(len(P) - 1):
+        base = cup[seq[k]] + off[k]
+        rows.extend(range(base, base + P[k + 1] - P[k]))
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _exchange_cases():
+    import random
+
+    rng = random.Random(1234)
+    packs = {
+        "random": [rng.randint(0, 30) for _ in range(6)],
+        "short": [1, 2, 0, 3, 1, 5, 2, 1],  # shorter than 2*cp*(K-1): prefixes span several pieces / ranks
+        "long": [157],
+        "many_short": [rng.randint(1, 6) for _ in range(20)],
+    }
+    cases = []
+    for cp in (2, 3, 4):
+        for layout in ("zigzag", "contiguous"):
+            for K in (2, 3, 4):
+                for name, lens in packs.items():
+                    bucket = None
+                    if name == "random":  # bucket segment at the tail
+                        bucket = 8 * cp * (3 if layout == "zigzag" else 1)
+                    act = "silu" if (K + len(name)) % 2 else None
+                    cases.append((cp, layout, K, name, lens, bucket, act))
+    return cases
+
+
+def _dist_worker(rank, world, init, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        groups = {cp: (dist.new_group(list(range(cp))) if cp < world else dist.group.WORLD) for cp in (2, 3, 4)}
+        n = 0
+        for ci, (cp, layout, K, name, lens, bucket, act) in enumerate(_exchange_cases()):
+            if rank >= cp:
+                continue
+            group = groups[cp]
+            cu = _cu(lens)
+            plan = packcuda.shard_plan(cu, cp, rank, layout=layout, bucket=bucket)
+            g = torch.Generator().manual_seed(ci)
+            Tp, C = plan.total_padded, 3
+            X = torch.randn(Tp, C, generator=g, dtype=torch.float64)
+            w = torch.randn(C, K, generator=g, dtype=torch.float64)
+            b = torch.randn(C, generator=g, dtype=torch.float64)
+            G = torch.randn(Tp, C, generator=g, dtype=torch.float64)
+            # unsharded reference over the global padded stream, split at cu_seqlens_padded
+            Xr, wr, br = (t.clone().requires_grad_() for t in (X, w, b))
+            yr = ref.causal_conv1d(Xr, wr, br, plan.cu_seqlens_padded_host, None, act)
+            dXr, dwr, dbr = torch.autograd.grad(yr, (Xr, wr, br), G)
+            rows = _local_padded_rows(plan)
+            xl = X[rows].clone().requires_grad_()
+            wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+            prefix = packcuda.conv_prefix(xl, plan, K, group)
+            assert prefix.shape == (len(plan.pieces_host) - 1, K - 1, C)
+            y = packcuda.causal_conv1d(xl, wl, bl, cu_seqlens=plan.pieces, prefix=prefix, activation=act)
+            what = f"cp={cp} {layout} K={K} {name} rank={rank}"
+            assert torch.allclose(y, yr.detach()[rows], atol=1e-12, rtol=1e-10), f"outputs differ: {what}"
+            dx, dw, db = torch.autograd.grad(y, (xl, wl, bl), G[rows])
+            assert torch.allclose(dx, dXr[rows], atol=1e-12, rtol=1e-10), f"grad x differs: {what}"
+            dist.all_reduce(dw, group=group)
+            dist.all_reduce(db, group=group)
+            assert torch.allclose(dw, dwr, atol=1e-10, rtol=1e-10), f"grad weight differs: {what}"
+            assert torch.allclose(db, dbr, atol=1e-10, rtol=1e-10), f"grad bias differs: {what}"
+            if name != "short":
+                n += 1
+                continue
+            # the same call twice gives bit-identical results (deterministic)
+            dx2 = torch.autograd.grad(packcuda.causal_conv1d(
+                xl, wl, bl, cu_seqlens=plan.pieces, prefix=packcuda.conv_prefix(xl, plan, K, group),
+                activation=act), xl, G[rows])[0]
+            assert torch.equal(dx, dx2), what
+            n += 1
+        # debug-check mode: ranks holding different plans fail loudly instead of hanging
+        group = groups[2]
+        if rank < 2:
+            plan = packcuda.shard_plan([0, 10, 16 + 4 * rank], 2, rank)
+            x = torch.randn(plan.total_local, 4, dtype=torch.float64)
+            try:
+                packcuda.conv_prefix(x, plan, 4, group, check=True)
+                raise AssertionError("mismatched plans were not detected")
+            except ValueError as e:
+                assert "disagree on the plan" in str(e)
+            good = packcuda.shard_plan([0, 10, 20], 2, rank)
+            packcuda.conv_prefix(torch.randn(good.total_local, 4), good, 4, group, check=True)
+        results[rank] = n
+    finally:
+        dist.destroy_process_group()
+
+
+def test_conv_prefix_gloo_equivalence(tmp_path):
+    """cp in {2, 3, 4} (subgroups of one 4-process gloo job), zigzag and contiguous, K in {2, 3, 4}, random
+    packs with a bucket segment, sequences shorter than 2*cp*(K-1), one long sequence, many short ones: the
+    sharded conv equals the unsharded one on this rank's slots, outputs and all gradients."""
+    import torch.multiprocessing as mp
+
+    world = 4
+    mgr = mp.get_context("spawn").Manager()
+    results = mgr.dict()
+    mp.spawn(_dist_worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    n_cases = len(_exchange_cases())
+    per_rank = {r: sum(1 for c in _exchange_cases() if r < c[0]) for r in range(world)}
+    assert dict(results) == per_rank and n_cases == 72
+
+
+def test_conv_prefix_schedule_single_process():
+    """The schedules of all ranks are consistent: what rank p sends to q is what q expects from p, and the
+    exchange simulated by hand reproduces the unsharded prefix rows."""
+    for cp, layout, K, lens in [(2, "zigzag", 4, [3, 1, 40, 0, 7]), (4, "zigzag", 3, [1, 2, 3]),
+                                (3, "contiguous", 4, [2, 30, 1, 1, 9])]:
+        cu = _cu(lens)
+        plans = [packcuda.shard_plan(cu, cp, r, layout=layout) for r in range(cp)]
+        scheds = [packcuda.conv_prefix_schedule(p, K) for p in plans]
+        assert packcuda.conv_prefix_schedule(plans[0], K) is scheds[0]  # cached on the plan
+        X = torch.randn(plans[0].total_padded, 2, dtype=torch.float64)
+        xs = [X[_local_padded_rows(p)] for p in plans]
+        for q in range(cp):
+            recv = []
+            for p in range(cp):
+                off = sum(scheds[p].send_counts[:q])
+                assert scheds[p].send_counts[q] == scheds[q].recv_counts[p]
+                recv.append(xs[p][scheds[p].send_index[off:off + scheds[p].send_counts[q]]])
+            got = torch.ops.packcuda.conv_gather_sum(xs[q], torch.cat(recv), scheds[q].unpack[:, None])
+            # expected: rows at padded offsets [o-(K-1), o) of each piece's sequence
+            pl = plans[q]
+            want = torch.zeros_like(got)
+            for k in range(len(pl.pieces_host) - 1):
+                if pl.pieces_host[k + 1] == pl.pieces_host[k]:
+                    continue
+                start = pl.cu_seqlens_padded_host[pl.piece_seq_host[k]]
+                for j in range(K - 1):
+                    o = pl.piece_offset_host[k] - (K - 1) + j
+                    if o >= 0:
+                        want[k * (K - 1) + j] = X[start + o]
+            assert torch.equal(got, want), (cp, layout, K, q)
+
+
+def test_bad_conv_prefix_arguments(tmp_path):
+    import torch.distributed as dist
+
+    plan = packcuda.shard_plan([0, 10], 2, 0)
+    with pytest.raises(ValueError, match=r"kernel_size must be in \[1, 8\], got 0"):
+        packcuda.conv_prefix(torch.randn(plan.total_local, 2), plan, 0)
+    with pytest.raises(ValueError, match=r"x_local must be \[T_local, C\] with T_local = 6"):
+        packcuda.conv_prefix(torch.randn(5, 2), plan, 4)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="plan is for rank 0 of 2 but this process is rank 0 of 1"):
+            packcuda.conv_prefix(torch.randn(plan.total_local, 2), plan, 4)
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="zigzag align must be a multiple of 2\\*cp_size = 4, got 3"):
+        torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 0, 0, 3, None, 4)
+    with pytest.raises(ValueError, match=r"cp_rank must be in \[0, 2\), got 2"):
+        torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 2, 0, 4, None, 4)
