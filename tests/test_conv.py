@@ -400,3 +400,88 @@ def test_bad_conv_prefix_arguments(tmp_path):
         torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 0, 0, 3, None, 4)
     with pytest.raises(ValueError, match=r"cp_rank must be in \[0, 2\), got 2"):
         torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 2, 0, 4, None, 4)
+
+
+# ------------------------------------------------------------------------------------ two GPUs, NCCL
+def _nccl_worker(rank, world, init, results):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    try:
+        dev = torch.device("cuda", rank)
+        n = 0
+        for ci, (cp, layout, K, name, lens, bucket, act) in enumerate(_exchange_cases()):
+            if cp != world:
+                continue
+            plan = packcuda.shard_plan(_cu(lens), cp, rank, layout=layout, bucket=bucket, device=dev)
+            g = torch.Generator().manual_seed(ci)
+            Tp, C = plan.total_padded, 5
+            X = torch.randn(Tp, C, generator=g, dtype=torch.float64)
+            w = torch.randn(C, K, generator=g, dtype=torch.float64)
+            b = torch.randn(C, generator=g, dtype=torch.float64)
+            G = torch.randn(Tp, C, generator=g, dtype=torch.float64)
+            Xr, wr, br = (t.clone().requires_grad_() for t in (X, w, b))
+            yr = ref.causal_conv1d(Xr, wr, br, plan.cu_seqlens_padded_host, None, act)
+            dXr, dwr, dbr = torch.autograd.grad(yr, (Xr, wr, br), G)
+            rows = _local_padded_rows(plan)
+            for backend in ("nccl", "torch"):
+                xl = X[rows].to(dev).requires_grad_()
+                wl, bl = w.to(dev).requires_grad_(), b.to(dev).requires_grad_()
+                y = packcuda.causal_conv1d(xl, wl, bl, cu_seqlens=plan.pieces,
+                                           prefix=packcuda.conv_prefix(xl, plan, K, backend=backend), activation=act)
+                what = f"{backend} {layout} K={K} {name} rank={rank}"
+                assert torch.allclose(y.cpu(), yr.detach()[rows], atol=1e-12, rtol=1e-10), what
+                dx, dw, db = torch.autograd.grad(y, (xl, wl, bl), G[rows].to(dev))
+                assert torch.allclose(dx.cpu(), dXr[rows], atol=1e-12, rtol=1e-10), what
+                dist.all_reduce(dw)
+                dist.all_reduce(db)
+                assert torch.allclose(dw.cpu(), dwr, atol=1e-10) and torch.allclose(db.cpu(), dbr, atol=1e-10), what
+                n += 1
+        # no host sync on the NCCL path (host metadata, cached schedule), forward and backward
+        plan = packcuda.shard_plan(_cu([300, 7, 1, 2, 900]), world, rank, device=dev)
+        x = torch.randn(plan.total_local, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(256, 4, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+        def step():
+            p = packcuda.conv_prefix(x, plan, 4)
+            y = packcuda.causal_conv1d(x, w, cu_seqlens=plan.pieces, prefix=p, activation="silu")
+            y.backward(torch.ones_like(y))
+
+        step()
+        with no_sync():
+            step()
+        # CUDA graph: capture exchange + conv once, replay with new inputs
+        xs = torch.randn(plan.total_local, 256, device=dev)
+        ws = torch.randn(256, 4, device=dev)
+        eager = lambda: packcuda.causal_conv1d(  # noqa: E731
+            xs, ws, cu_seqlens=plan.pieces, prefix=packcuda.conv_prefix(xs, plan, 4, backend="nccl"))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager()  # warm-up: communicator, peer connections, cached schedule tensors
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_static = eager()
+        for _ in range(3):
+            xs.copy_(torch.randn_like(xs))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y_static, eager()), "graph replay differs from eager"
+        results[rank] = n
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
+                    reason="needs 2 CUDA devices, NCCL and a CUDA build of packcuda")
+def test_conv_prefix_nccl_two_gpus(tmp_path):
+    """cp=2 over NCCL: both the raw-NCCL path and the torch.distributed path equal the unsharded conv (outputs
+    and gradients); the NCCL path does not sync; exchange + conv capture into a CUDA graph and replay."""
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_nccl_worker, args=(2, f"file://{tmp_path}/init", results), nprocs=2, join=True)
+    assert dict(results) == {0: 48, 1: 48}

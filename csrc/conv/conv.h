@@ -11,6 +11,10 @@
 
 #include "common/stream.h"
 
+// ncclComm_t without including nccl.h (the same typedef nccl.h makes).
+struct ncclComm;
+typedef struct ncclComm* ncclComm_t;
+
 namespace packcuda::conv {
 
 constexpr int kMaxK = 8;  // largest supported kernel size
@@ -85,7 +89,6 @@ Schedule build_schedule(const int64_t* cu, int64_t nseq, int64_t cp, int64_t ran
 // Forward: src = x_local, send_index / counts / unpack of a Schedule. Backward: src = prefix gradient
 // [n_pieces*(K-1), C], bwd_send_index, the counts swapped, bwd_unpack. No host sync; capturable in a CUDA
 // graph once the communicator's peer connections exist (run one exchange before capture).
-typedef struct ncclComm* ncclComm_t;
 bool nccl_available();
 void nccl_unique_id(uint8_t* out128);                                     // ncclGetUniqueId
 void* nccl_comm_init(const uint8_t* id128, int nranks, int rank);         // ncclCommInitRank on the current device

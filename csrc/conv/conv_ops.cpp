@@ -263,7 +263,7 @@ Tensor conv_exchange_nccl(Tensor src, Tensor send_index, std::vector<int64_t> se
                              send_counts.data(), recv_counts.data(), send_buf.mutable_data_ptr(),
                              recv_buf.mutable_data_ptr(), unpack_index.const_data_ptr<int64_t>(),
                              static_cast<int>(unpack_index.size(1)), out.mutable_data_ptr(), out.size(0), C,
-                             conv_dtype(src.scalar_type()), cp, rank, reinterpret_cast<conv::ncclComm_t>(comm),
+                             conv_dtype(src.scalar_type()), cp, rank, reinterpret_cast<ncclComm_t>(comm),
                              cs.stream);
   });
   return out;
