@@ -9,8 +9,8 @@ from ._lib import load as _load
 _load()
 
 from .pack import gather_rows, next_token_labels, pad, position_ids, scatter_rows, unpad  # noqa: E402
-
 from .shard import ShardPlan, shard_plan  # noqa: E402
+from .balance import balance_across_ranks, plan_micro_batches, sequence_workloads  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -26,6 +26,9 @@ __all__ = [
     "next_token_labels",
     "ShardPlan",
     "shard_plan",
+    "plan_micro_batches",
+    "balance_across_ranks",
+    "sequence_workloads",
 ]
 
 from .conv import causal_conv1d, conv_prefix, conv_prefix_schedule, ConvPrefixSchedule  # noqa: E402

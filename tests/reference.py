@@ -115,6 +115,94 @@ def shard_rows(x, index, fill=0):
     return gather_rows(x, torch.tensor(index, dtype=torch.int64), fill)
 
 
+# ------------------------------------------------------------------------------------------ balance
+# Plain Python multi-way Karmarkar-Karp (largest differencing). A state is a list of exactly k subsets
+# (sum, smallest index, items), heaviest first (ties: smaller smallest index; empty subsets last). The two
+# states of largest spread (ties: oldest) are merged by joining the i-th heaviest subset of one with the
+# i-th lightest of the other, until one state is left.
+_EMPTY = (0, float("inf"), ())
+
+
+def workloads(seqlens, workload="attention", coef=24576):
+    return [n if workload == "tokens" else coef * n + n * n for n in seqlens]
+
+
+def _subset_key(s):
+    return (-s[0], s[1])
+
+
+def karmarkar_karp(weights, k, equal_count=False):
+    import heapq
+
+    states = []
+    if equal_count:
+        order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+        for g in range(len(weights) // k):
+            states.append([(weights[i], i, (i,)) for i in order[g * k:(g + 1) * k]])
+    else:
+        for i, w in enumerate(weights):
+            states.append([(w, i, (i,))] + [_EMPTY] * (k - 1))
+    heap = [(-(s[0][0] - s[-1][0]), sid) for sid, s in enumerate(states)]
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        _, a = heapq.heappop(heap)
+        _, b = heapq.heappop(heap)
+        A, B = states[a], states[b]
+        merged = []
+        for x, y in zip(A, reversed(B)):
+            if not x[2] and not y[2]:
+                merged.append(_EMPTY)
+            else:
+                merged.append((x[0] + y[0], min(x[1], y[1]), x[2] + y[2]))
+        merged.sort(key=_subset_key)
+        states[a] = states[b] = None
+        states.append(merged)
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), len(states) - 1))
+    if not heap:
+        return [[] for _ in range(k)]
+    return [sorted(s[2]) for s in states[heap[0][1]]]
+
+
+def plan_micro_batches(seqlens, max_tokens, min_micro_batches=1, multiple_of=1, workload="attention",
+                       coef=24576):
+    """KK micro-batches; while one exceeds max_tokens, add `multiple_of` micro-batches and partition again."""
+    assert all(n <= max_tokens for n in seqlens)
+    k = max(-(-sum(seqlens) // max_tokens), min_micro_batches)
+    k = -(-k // multiple_of) * multiple_of
+    w = workloads(seqlens, workload, coef)
+    while True:
+        parts = karmarkar_karp(w, k)
+        if all(sum(seqlens[i] for i in p) <= max_tokens for p in parts):
+            return parts
+        k += multiple_of
+
+
+def max_workload(parts, seqlens, workload="attention", coef=24576):
+    w = workloads(seqlens, workload, coef)
+    return max((sum(w[i] for i in p) for p in parts), default=0)
+
+
+def optimal_max_workload(seqlens, k, max_tokens=None, workload="attention", coef=24576):
+    """Exhaustive search over all assignments of sequences to k parts (small inputs only): the smallest
+    possible largest part workload with every part's token sum <= max_tokens (None: no cap)."""
+    import itertools
+
+    w = workloads(seqlens, workload, coef)
+    best = None
+    for assign in itertools.product(range(k), repeat=len(seqlens)):
+        if assign and assign[0] != 0:  # parts are interchangeable: fix the first sequence's part
+            continue
+        W, T = [0] * k, [0] * k
+        for i, p in enumerate(assign):
+            W[p] += w[i]
+            T[p] += seqlens[i]
+        if max_tokens is not None and max(T) > max_tokens:
+            continue
+        m = max(W)
+        if best is None or m < best:
+            best = m
+    return best
+
 # ------------------------------------------------------------------------------------------ conv (causal conv1d, conv-prefix)
 def causal_conv1d(x, weight, bias=None, cu_seqlens=None, prefix=None, activation=None):
     """torch.nn.functional.conv1d per segment, with the segment's K-1 prefix rows (or zeros) in front."""
