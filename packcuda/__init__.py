@@ -37,3 +37,6 @@ __all__ += ["apply_rope", "apply_rope_", "default_inv_freq", "rope_kwargs_from_c
 from .mrope import MRopeSpec, mrope_position_ids  # noqa: E402
 
 __all__ += ["MRopeSpec", "mrope_position_ids"]
+from .conv import causal_conv1d, conv_prefix, conv_prefix_schedule, ConvPrefixSchedule  # noqa: E402
+
+__all__ += ["causal_conv1d", "conv_prefix", "conv_prefix_schedule", "ConvPrefixSchedule"]

@@ -333,3 +333,25 @@ def mrope_position_ids(ids, cu, image_grid_thw=(), video_grid_thw=(), second_per
     assert used[image_token_id] == len(blocks[image_token_id]) and used[video_token_id] == len(blocks[video_token_id])
     text_pos = position_ids(cu)
     return torch.tensor(rows, dtype=torch.int64).reshape(3, -1), text_pos, torch.tensor(deltas, dtype=torch.int64)
+
+# ------------------------------------------------------------------------------------------ conv (causal conv1d, conv-prefix)
+def causal_conv1d(x, weight, bias=None, cu_seqlens=None, prefix=None, activation=None):
+    """torch.nn.functional.conv1d per segment, with the segment's K-1 prefix rows (or zeros) in front."""
+    T, C = x.shape
+    K = weight.shape[1]
+    cu = list(cu_seqlens) if cu_seqlens is not None else [0, T]
+    outs = []
+    for s in range(len(cu) - 1):
+        seg = x[cu[s]:cu[s + 1]]
+        if seg.shape[0] == 0:
+            continue
+        if prefix is not None:
+            head = prefix[s]
+        else:
+            head = x.new_zeros(K - 1, C)
+        full = torch.cat([head, seg], 0)  # [K-1+L, C]
+        y = torch.nn.functional.conv1d(full.t()[None], weight[:, None, :], bias, groups=C)[0].t()
+        if activation == "silu":
+            y = torch.nn.functional.silu(y)
+        outs.append(y)
+    return torch.cat(outs, 0) if outs else x[:0] * 1
