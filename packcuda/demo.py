@@ -48,6 +48,39 @@ def _packing(rep: _Report, device: torch.device, rng: random.Random):
     rep.check("next_token_labels never cross a sequence boundary", ok)
 
 
+def _shard(rep: _Report, device: torch.device, rng: random.Random):
+    print("shard plans (context parallelism)")
+    cp = 4
+    lens = [rng.randint(1, 40) for _ in range(5)] + [0]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    plans = [packcuda.shard_plan(cu, cp, r, device=device, bucket=64) for r in range(cp)]
+    print(f"  lengths {lens} -> padded {plans[0].cu_seqlens_padded_host} (bucket segment of {plans[0].pad_size})")
+    for p in plans:
+        runs = [f"s{q}[{o}:{o + b - a})" for a, b, o, q in
+                zip(p.pieces_host[:-1], p.pieces_host[1:], p.piece_offset_host, p.piece_seq_host) if b > a]
+        print(f"  rank {p.cp_rank}: {p.total_local} slots  " + " ".join(runs))
+    x = torch.randn(T, 8, device=device)
+    ids = torch.randint(0, 1000, (T,), device=device)
+    shards = [p.shard(x) for p in plans]
+    rep.check("every token on exactly one rank",
+              sorted(i for p in plans for i in p.index.tolist() if i >= 0) == list(range(T)))
+    rep.check("unshard(all ranks' shards) == x", all(torch.equal(p.unshard(torch.stack(shards)), x) for p in plans))
+    ok = True
+    for p in plans:
+        lab = p.labels(ids).tolist()
+        for s, (row, pos) in enumerate(zip(p.index.tolist(), p.position_ids.tolist())):
+            if row < 0:
+                ok &= lab[s] == -100
+                continue
+            i = max(j for j in range(len(lens)) if cu[j] <= row)  # plain: the sequence holding the row
+            ok &= pos == row - cu[i]
+            ok &= lab[s] == (ids[row + 1].item() if row + 1 < cu[i + 1] else -100)
+    rep.check("positions and labels match the per-sequence definition on every rank", ok)
+
+
 def run(device: str | None = None, seed: int = 0) -> int:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() and packcuda.built_with_cuda() else "cpu"))
     rng = random.Random(seed)
@@ -55,6 +88,7 @@ def run(device: str | None = None, seed: int = 0) -> int:
     print(f"packcuda demo on {dev} (torch {torch.__version__}, CUDA kernels: {packcuda.built_with_cuda()})")
     rep = _Report()
     _packing(rep, dev, rng)
+    _shard(rep, dev, rng)
     n_ok = sum(r[1] for r in rep.rows)
     print(f"demo: {n_ok}/{len(rep.rows)} checks passed")
     return 0 if rep.ok else 1

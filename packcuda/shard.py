@@ -17,6 +17,7 @@ from 0) so that the padded total is a multiple of ``bucket``; it is present only
 """
 from __future__ import annotations
 
+import array
 from typing import List, Optional, Union
 
 import torch
@@ -86,23 +87,16 @@ class ShardPlan:
         self.align, self.bucket, self.device = align, bucket, device
         self.total, self.total_padded, self.total_local, self.pad_size, self.max_seqlen_padded = (
             int(v) for v in info.tolist())
-        self._cu, self._cu_padded = cu, cu_padded
-        self.cu_seqlens_host: List[int] = cu.tolist()
-        self.cu_seqlens_padded_host: List[int] = cu_padded.tolist()
-        self.cu_seqlens_local_host: List[int] = cu_local.tolist()
-        self.pieces_host: List[int] = pieces.tolist()
-        self.piece_offset_host: List[int] = piece_offset.tolist()
-        self.piece_seq_host: List[int] = piece_seq.tolist()
-        lens = cu_local.diff()
-        self.max_seqlen_local = int(lens.max()) if lens.numel() else 0
+        self._cu, self._cu_padded, self._cu_local = cu, cu_padded, cu_local
+        self._pieces, self._piece_offset, self._piece_seq = pieces, piece_offset, piece_seq
         # one launch computes the three per-slot tables; host metadata is uploaded without a sync
         self.index, self.position_ids, self.label_index = ops.shard_plan_index(
             cu, pieces, piece_offset, piece_seq, self.total_local, device)
-        self.cu_seqlens_padded = to_device_async(cu_padded, device, torch.int32)
-        self.cu_seqlens_local = to_device_async(cu_local, device, torch.int32)
-        self.pieces = to_device_async(pieces, device, torch.int32)
-        self.piece_offset = to_device_async(piece_offset, device, torch.int64)
-        self.piece_seq = to_device_async(piece_seq, device, torch.int32)
+        # the int32 boundary tensors travel in one host-to-device copy
+        sizes = [cu_padded.numel(), cu_local.numel(), pieces.numel(), piece_seq.numel()]
+        packed = to_device_async(torch.cat([cu_padded, cu_local, pieces, piece_seq]), device, torch.int32)
+        self.cu_seqlens_padded, self.cu_seqlens_local, self.pieces, self.piece_seq = packed.split(sizes)
+        self.piece_offset = to_device_async(piece_offset, device)
         self._unshard_index: Optional[torch.Tensor] = None
 
     def __repr__(self) -> str:
@@ -110,6 +104,43 @@ class ShardPlan:
                 f"align={self.align}, bucket={self.bucket}, sequences={len(self.cu_seqlens_host) - 1}, "
                 f"total={self.total}, total_padded={self.total_padded}, total_local={self.total_local}, "
                 f"pad_size={self.pad_size}, device={self.device})")
+
+    # host copies (Python lists), made on first use
+    @property
+    def cu_seqlens_host(self) -> List[int]:
+        return self._host("_cu")
+
+    @property
+    def cu_seqlens_padded_host(self) -> List[int]:
+        return self._host("_cu_padded")
+
+    @property
+    def cu_seqlens_local_host(self) -> List[int]:
+        return self._host("_cu_local")
+
+    @property
+    def pieces_host(self) -> List[int]:
+        return self._host("_pieces")
+
+    @property
+    def piece_offset_host(self) -> List[int]:
+        return self._host("_piece_offset")
+
+    @property
+    def piece_seq_host(self) -> List[int]:
+        return self._host("_piece_seq")
+
+    @property
+    def max_seqlen_local(self) -> int:
+        """Longest local segment (host int)."""
+        lens = self._cu_local.diff()
+        return int(lens.max()) if lens.numel() else 0
+
+    def _host(self, name: str) -> List[int]:
+        cache = self.__dict__.setdefault("_host_lists", {})
+        if name not in cache:
+            cache[name] = getattr(self, name).tolist()
+        return cache[name]
 
     @property
     def unshard_index(self) -> torch.Tensor:
@@ -145,10 +176,17 @@ class ShardPlan:
         lead = 1
         for n in x.shape[:d]:
             lead *= n
-        offs = torch.arange(lead, device=self.index.device).mul_(self.total)[:, None]
-        index = torch.where(self.index >= 0, self.index + offs, -1).reshape(-1)
+        index = self._lead_index(lead)
         out = ops.gather_rows(x.reshape(lead * self.total, *x.shape[d + 1:]), index, float(fill))
         return out.view(*x.shape[:d], self.total_local, *x.shape[d + 1:])
+
+    def _lead_index(self, lead: int) -> torch.Tensor:
+        """Index of the local rows of a flattened ``[lead*T, ...]`` (cached per ``lead``)."""
+        cache = self.__dict__.setdefault("_lead_indices", {})
+        if lead not in cache:
+            offs = torch.arange(lead, device=self.index.device).mul_(self.total)[:, None]
+            cache[lead] = torch.where(self.index >= 0, self.index + offs, -1).reshape(-1)
+        return cache[lead]
 
     def labels(self, input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Local next-token labels of the original ``input_ids`` ``[T]``: the next token of the same sequence
@@ -245,7 +283,14 @@ def shard_plan(
         device = torch.device("cuda", torch.cuda.current_device())
     if is_device_tensor(cu_seqlens):
         cu_seqlens = cu_seqlens.cpu()  # the one documented sync of device metadata
-    cu = host_tensor(cu_seqlens, "cu_seqlens")
+    cu = None
+    if isinstance(cu_seqlens, (list, tuple)) and cu_seqlens:
+        try:  # fast path for a list of Python ints (array checks the element types)
+            cu = torch.frombuffer(array.array("q", cu_seqlens), dtype=torch.int64)
+        except (TypeError, OverflowError):
+            cu = None
+    if cu is None:
+        cu = host_tensor(cu_seqlens, "cu_seqlens")
     if align is None:
         align = 2 * cp_size if layout == "zigzag" else 1
     t = ops.shard_layout(cu, cp_size, cp_rank, _LAYOUTS[layout], int(align), None if bucket is None else int(bucket))

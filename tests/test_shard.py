@@ -199,14 +199,16 @@ def test_compile(device):
     x = torch.randn(cu[-1], 4, device=device)
     ids = torch.randint(0, 100, (cu[-1],), device=device)
 
-    def f(x, ids):
+    pos = torch.randint(0, 100, (3, cu[-1]), device=device)
+
+    def f(x, ids, pos):
         shards = [p.shard(x) * 2 for p in plans]
-        return plans[0].unshard(torch.stack(shards)), plans[1].labels(ids)
+        return plans[0].unshard(torch.stack(shards)), plans[1].labels(ids), plans[1].shard(pos, dim=1) + 1
 
     backend = "aot_eager" if device == "cpu" else "inductor"
-    got = torch.compile(f, fullgraph=True, backend=backend)(x, ids)
-    want = f(x, ids)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = torch.compile(f, fullgraph=True, backend=backend)(x, ids, pos)
+    want = f(x, ids, pos)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_deterministic(device):
@@ -256,10 +258,20 @@ def test_bad_tensors(device):
         plan.unshard(torch.zeros(2, 7, device=device))
     with pytest.raises(TypeError, match="integer"):
         packcuda.shard_plan(torch.tensor([0.0, 5.0]), 2, 0)
+    with pytest.raises(TypeError, match="integer"):
+        packcuda.shard_plan([0, 5.5], 2, 0)
+    assert packcuda.shard_plan((0, 5), 2, 0).index.tolist() == [0, 1, -1, -1]
     other = "cpu" if device == "cuda" else ("cuda" if HAS_CUDA else None)
     if other is not None:
         with pytest.raises(ValueError, match="is on"):
             plan.shard(torch.zeros(13, device=other))
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_op_rejects_device_metadata():
+    with pytest.raises(ValueError, match="must be host metadata"):
+        ops.shard_layout(torch.tensor([0, 5], device="cuda"), 2, 0, 0, 4, None)
 
 
 def test_bad_op_metadata():

@@ -175,8 +175,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
       "Device? device=None) -> Tensor");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
-  m.impl("shard_layout", TORCH_BOX(&packcuda::th::shard_layout));
-  m.impl("shard_plan_index", TORCH_BOX(&packcuda::th::shard_plan_index));
+// The ops take host metadata; the CUDA registration only exists to answer a device tensor with a clear error.
+#define PC_SHARD_IMPLS(m)                                                       \
+  m.impl("shard_layout", TORCH_BOX(&packcuda::th::shard_layout));               \
+  m.impl("shard_plan_index", TORCH_BOX(&packcuda::th::shard_plan_index));       \
   m.impl("shard_unshard_index", TORCH_BOX(&packcuda::th::shard_unshard_index));
-}
+
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_SHARD_IMPLS(m) }
+#ifdef USE_CUDA
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) { PC_SHARD_IMPLS(m) }
+#endif
