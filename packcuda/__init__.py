@@ -27,3 +27,7 @@ __all__ = [
     "ShardPlan",
     "shard_plan",
 ]
+
+from . import integrations  # noqa: E402  (framework integrations; importing it never imports transformers)
+
+__all__ += ["integrations"]
