@@ -93,7 +93,7 @@ def _hf(rep: _Report, device: torch.device, rng: random.Random):
     V = 200
     cfg = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=1, num_key_value_heads=1,
+                         num_attention_heads=1, num_key_value_heads=1, bos_token_id=None, eos_token_id=None,
                          rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
         vision_config=dict(depth=1, hidden_size=32, out_hidden_size=128, intermediate_size=64, num_heads=2),
         image_token_id=V - 4, video_token_id=V - 3, vision_start_token_id=V - 2, vision_end_token_id=V - 1)
