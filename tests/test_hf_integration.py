@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from packaging.version import Version
 
 import packcuda
 import reference as ref
@@ -20,7 +21,8 @@ HAS_SHARD = hasattr(packcuda, "shard_plan")
 needs_mrope = pytest.mark.skipif(not HAS_MROPE, reason="packcuda.mrope_position_ids not in this build")
 needs_rope = pytest.mark.skipif(not HAS_ROPE, reason="packcuda.apply_rope not in this build")
 needs_shard = pytest.mark.skipif(not HAS_SHARD, reason="packcuda.shard_plan not in this build")
-VERSION_OK = hf.SUPPORTED_TRANSFORMERS[0] <= transformers.__version__  # string compare is enough for 5.x here
+VERSION_OK = Version(hf.SUPPORTED_TRANSFORMERS[0]) <= Version(transformers.__version__) < Version(
+    hf.SUPPORTED_TRANSFORMERS[1])
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 
