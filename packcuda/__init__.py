@@ -40,3 +40,6 @@ __all__ += ["MRopeSpec", "mrope_position_ids"]
 from .conv import causal_conv1d, conv_prefix, conv_prefix_schedule, ConvPrefixSchedule  # noqa: E402
 
 __all__ += ["causal_conv1d", "conv_prefix", "conv_prefix_schedule", "ConvPrefixSchedule"]
+from . import integrations  # noqa: E402  (framework integrations; importing it never imports transformers)
+
+__all__ += ["integrations"]

@@ -254,6 +254,60 @@ def _conv(rep: _Report, device: torch.device, rng: random.Random):
         print(f"    rank {q}: {len(plans[q].pieces_host) - 1} pieces, receives {scheds[q].rows_moved} rows, "
               f"sends {sum(scheds[q].send_counts)}")
     rep.check("sharded conv (schedule exchange + prefix) == unsharded conv on every rank's slots", ok)
+def _hf(rep: _Report, device: torch.device, rng: random.Random):
+    print("transformers Qwen-VL drop-in (packed row, packcuda positions and rotary)")
+    try:
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        from .integrations import transformers as hf
+    except ImportError as e:
+        print(f"  skipped: {e}")
+        return
+    V = 200
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=1, num_key_value_heads=1, bos_token_id=None, eos_token_id=None,
+                         rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
+        vision_config=dict(depth=1, hidden_size=32, out_hidden_size=128, intermediate_size=64, num_heads=2),
+        image_token_id=V - 4, video_token_id=V - 3, vision_start_token_id=V - 2, vision_end_token_id=V - 1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(cfg).to(device).eval()
+    samples, grids = [], []
+    for n_img in (0, 1, 2):  # three samples, with 0, 1 and 2 images (placeholders + grids; no pixels)
+        ids = [rng.randrange(0, V - 8) for _ in range(rng.randint(2, 6))]
+        for _ in range(n_img):
+            h, w = 2 * rng.randint(1, 3), 2 * rng.randint(1, 3)
+            grids.append([1, h, w])
+            ids += [V - 2] + [V - 4] * (h * w // 4) + [V - 1] + [rng.randrange(0, V - 8) for _ in range(3)]
+        samples.append((torch.tensor(ids, device=device), grids[len(grids) - n_img:]))
+    cu = [0]
+    for ids, _ in samples:
+        cu.append(cu[-1] + ids.numel())
+    packed = torch.cat([ids for ids, _ in samples])
+    want = hf.hf_packed_position_ids(model, packed, cu, image_grid_thw=grids)
+    have_pos = hasattr(packcuda, "mrope_position_ids")
+    if have_pos:
+        pos = hf.packed_position_ids(packed, cu, cfg, image_grid_thw=grids)
+        rep.check("packed [4,1,T] positions == transformers' get_rope_index per sample", torch.equal(pos.cpu(),
+                                                                                                    want.cpu()))
+    else:
+        pos = want
+        print("  packcuda.mrope_position_ids not in this build: transformers' positions used")
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=ids[None], use_cache=False, image_grid_thw=torch.tensor(g).reshape(-1, 3)
+                                 if g else None, mm_token_type_ids=hf.mm_token_type_ids(ids[None], cfg)).logits[0]
+                           for ids, g in samples])
+        packed_logits = model(input_ids=packed[None], position_ids=pos, use_cache=False).logits[0]
+        rep.check("one packed row == each sample alone (logits)", torch.allclose(packed_logits, alone, atol=1e-4),
+                  f"{len(samples)} samples, {packed.numel()} tokens")
+        if hasattr(packcuda, "apply_rope"):
+            with hf.patch_qwen_vl_rope(model):
+                patched = model(input_ids=packed[None], position_ids=pos, use_cache=False).logits[0]
+            rep.check("rotary through packcuda.apply_rope == transformers' rotary (logits)",
+                      torch.allclose(patched, packed_logits, atol=1e-4))
+        else:
+            print("  packcuda.apply_rope not in this build: rotary patch not shown")
 
 
 def run(device: str | None = None, seed: int = 0) -> int:
@@ -268,6 +322,7 @@ def run(device: str | None = None, seed: int = 0) -> int:
     _rope(rep, dev, rng)
     _mrope(rep, dev, rng)
     _conv(rep, dev, rng)
+    _hf(rep, dev, rng)
     n_ok = sum(r[1] for r in rep.rows)
     print(f"demo: {n_ok}/{len(rep.rows)} checks passed")
     return 0 if rep.ok else 1

@@ -355,3 +355,41 @@ def causal_conv1d(x, weight, bias=None, cu_seqlens=None, prefix=None, activation
             y = torch.nn.functional.silu(y)
         outs.append(y)
     return torch.cat(outs, 0) if outs else x[:0] * 1
+# =====================================================================================================
+# HF integration (packcuda.integrations.transformers): plain rotary rotation driven by positions
+# =====================================================================================================
+def hf_rope_axes(n, mrope_section, interleaved):
+    """Which position row (0 t, 1 h, 2 w) drives frequency slot j < n."""
+    if mrope_section is None:
+        return [0] * n
+    sT, sH, sW = mrope_section
+    axes = []
+    for j in range(n):
+        if interleaved:
+            axes.append(1 if (j % 3 == 1 and j < 3 * sH) else 2 if (j % 3 == 2 and j < 3 * sW) else 0)
+        else:
+            axes.append(0 if j < sT else 1 if j < sT + sH else 2)
+    return axes
+
+
+def hf_rope_apply(q, k, positions, *, inv_freq, rotary_dim=None, mrope_section=None, mrope_interleaved=False,
+                  attention_scaling=1.0, **_):
+    """q [T, Hq, D], k [T, Hk, D] rotated (rotate-half pairs j, j + n) by per-token positions [T] or [3, T]:
+    angle = float32(pos) * inv_freq[j] in float32 as transformers computes it, rotation in the input dtype's
+    autograd-friendly torch ops; channels >= rotary_dim pass through."""
+    n = inv_freq.numel()
+    rotary_dim = rotary_dim or 2 * n
+    assert rotary_dim == 2 * n
+    pos = positions if positions.dim() == 2 else positions[None].expand(3, -1)
+    axes = torch.tensor(hf_rope_axes(n, mrope_section, mrope_interleaved), device=pos.device)
+    p = pos.float()[axes, :].T  # [T, n]
+    ang = p * inv_freq.float().to(pos.device)[None]
+    cos = (ang.cos() * attention_scaling)[:, None, :]
+    sin = (ang.sin() * attention_scaling)[:, None, :]
+
+    def rot(x):
+        x1, x2, rest = x[..., :n], x[..., n:2 * n], x[..., 2 * n:]
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+
+    return rot(q), rot(k)
