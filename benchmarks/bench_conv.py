@@ -175,19 +175,20 @@ def run_exchange(quick=False) -> list[dict]:
     return rows, notes
 
 
-def run(quick=False, device=None) -> list[dict]:
+def run(quick=False, device=None, write=False) -> list[dict]:
+    """Rows of both tables; `write` records them (the one-command report records its own table)."""
     import torch.distributed as dist
 
     rows, notes = run_conv(quick, device)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() >= 2:
         xr, xn = run_exchange(quick)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and write:
             record("conv-prefix exchange (cp=2)", xr, device=dev, notes=" ".join(sorted(set(xn))))
         rows += xr
     elif dev.type == "cuda":
         notes.append("exchange rows need `torch distributed launch`: torchrun --nproc_per_node=2 benchmarks/bench_conv.py")
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+    if write and (not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0):
         record("causal_conv1d fwd+bwd (varlen, silu)", [r for r in rows if not r["op"].startswith("conv_prefix")],
                device=dev, notes=" ".join(notes), write=not quick)
     return rows
@@ -203,8 +204,8 @@ if __name__ == "__main__":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
         try:
-            run(quick=quick)
+            run(quick=quick, write=True)
         finally:
             dist.destroy_process_group()
     else:
-        run(quick=quick)
+        run(quick=quick, write=True)
