@@ -39,3 +39,20 @@ class no_sync:
     def __exit__(self, *exc):
         torch.cuda.set_sync_debug_mode(self._prev)
         return False
+
+
+def hf_truncates_video_seconds() -> bool:
+    """Older transformers 5.x releases (e.g. 5.17) computed Qwen2.5-VL's video time interval as
+    ``tokens_per_second * int(second_per_grid_ts)``, dropping fractional seconds; later releases use the float
+    product, which is the rule packcuda implements. Oracle tests use whole seconds on the older releases."""
+    try:
+        import inspect
+
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+        return "int(next(second_per_grid_ts))" in inspect.getsource(m.Qwen2_5_VLModel.get_rope_index)
+    except Exception:
+        return False
+
+
+HF_INT_SECONDS = hf_truncates_video_seconds()

@@ -10,7 +10,7 @@ from packaging.version import Version
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, no_sync, requires_cuda
+from conftest import HAS_CUDA, HF_INT_SECONDS, no_sync, requires_cuda
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("packcuda.integrations.transformers")
@@ -110,7 +110,7 @@ def _sample(fam, rng, kinds, lead=None):
         else:
             t = rng.choice([2, 3])
             vids.append([t, h, w])
-            secs.append(rng.choice([0.5, 1.0, 1.5, 2.0]))
+            secs.append(rng.choice([1.0, 2.0] if HF_INT_SECONDS else [0.5, 1.0, 1.5, 2.0]))
             if per_frame:  # <timestamp> <vision_start> frame <vision_end>, per temporal patch
                 for _ in range(t):
                     text(1)

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, no_sync, requires_cuda
+from conftest import HAS_CUDA, HF_INT_SECONDS, no_sync, requires_cuda
 
 IMG, VID, VSTART, VEND = 900, 901, 902, 903  # text tokens are drawn from [0, 800)
 
@@ -61,7 +61,7 @@ def make_pack(rng, *, merge=2, per_frame=False, nseg=None, max_items=5, max_t=5,
             else:
                 t = rng.randint(1, max_t)
                 vids.append([t, h, w])
-                secs.append(rng.choice([0.5, 1.0 / 3.0, 0.7, 1.0, 2.0 / 3.0, 1.25]))
+                secs.append(rng.choice([1.0, 2.0] if HF_INT_SECONDS else [0.5, 1.0 / 3.0, 0.7, 1.0, 2.0 / 3.0, 1.25]))
                 frames = [(VID, hw)] if per_frame else [(VID, t * hw)]
                 if per_frame:
                     frames = frames * t
@@ -149,6 +149,7 @@ def test_matches_transformers_per_segment(device, family, seed):
         assert torch.equal(text_pos[a:b], torch.arange(b - a))
 
 
+@pytest.mark.skipif(HF_INT_SECONDS, reason="this transformers release truncates second_per_grid_ts to whole seconds")
 def test_qwen25_fractional_intervals_match_transformers(device):
     """Long videos with fractional second_per_grid_ts: the float32 truncations must match bit for bit."""
     pytest.importorskip("transformers")
@@ -329,8 +330,10 @@ def test_bad_runs_raise_naming_the_block(device, case):
 @pytest.mark.parametrize("case", range(len(BAD_RUNS)))
 def test_bad_runs_unvalidated_cuda_does_not_raise_or_sync(case):
     ids, cu, kw, _ = BAD_RUNS[case]
+    ids_dev = torch.tensor(ids, dtype=torch.int64, device="cuda")  # the upload itself is outside the check
+    args = dict(image_token_id=IMG, video_token_id=VID, spatial_merge_size=2, **kw)
     with no_sync():
-        pos, text_pos, deltas = _call(ids, cu, "cuda", validate=False, **kw)
+        pos, text_pos, deltas = packcuda.mrope_position_ids(ids_dev, cu, validate=False, **args)
     assert pos.shape == (3, len(ids))
 
 
