@@ -25,6 +25,9 @@ MERGE, TPS = 2, 2
 
 def make_batch(rng: random.Random, n: int, lo: int, hi: int):
     """Per sample: (ids, image grids, video grids, second_per_grid_ts), vision blocks wrapped in start/end."""
+    from packcuda.integrations.transformers import truncates_video_seconds
+
+    int_seconds = truncates_video_seconds()  # older transformers releases drop fractional seconds
     samples = []
     for _ in range(n):
         L = rng.randint(lo, hi)
@@ -52,7 +55,7 @@ def make_batch(rng: random.Random, n: int, lo: int, hi: int):
                 imgs.append(g)
             else:
                 vids.append(g)
-                secs.append(rng.choice([0.5, 1.0 / 3.0, 2.0 / 3.0, 1.0]))
+                secs.append(rng.choice([1.0, 2.0] if int_seconds else [0.5, 1.0 / 3.0, 2.0 / 3.0, 1.0]))
         ids += [rng.randrange(150000) for _ in range(text_left - prev)]
         samples.append((ids, imgs, vids, secs))
     return samples

@@ -41,18 +41,15 @@ class no_sync:
         return False
 
 
-def hf_truncates_video_seconds() -> bool:
-    """Older transformers 5.x releases (e.g. 5.17) computed Qwen2.5-VL's video time interval as
-    ``tokens_per_second * int(second_per_grid_ts)``, dropping fractional seconds; later releases use the float
-    product, which is the rule packcuda implements. Oracle tests use whole seconds on the older releases."""
+
+def _hf_int_seconds() -> bool:
     try:
-        import inspect
+        from packcuda.integrations.transformers import truncates_video_seconds
 
-        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
-
-        return "int(next(second_per_grid_ts))" in inspect.getsource(m.Qwen2_5_VLModel.get_rope_index)
+        return truncates_video_seconds()
     except Exception:
         return False
 
 
-HF_INT_SECONDS = hf_truncates_video_seconds()
+# Older transformers releases drop fractional video seconds (Qwen2.5-VL); oracle tests then use whole seconds.
+HF_INT_SECONDS = _hf_int_seconds()

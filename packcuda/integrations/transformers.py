@@ -553,3 +553,16 @@ def is_patched(model=None) -> bool:
     rot_cls = getattr(mod, fam.rotary)
     mods = [m for m in model.modules() if type(m) is rot_cls]
     return bool(mods) and all(getattr(m.forward, "__func__", m.forward) is _rotary_forward for m in mods)
+
+
+def truncates_video_seconds() -> bool:
+    """True when the installed transformers computes Qwen2.5-VL's video time interval as
+    ``tokens_per_second * int(second_per_grid_ts)`` (older 5.x releases, e.g. 5.17), dropping fractional
+    seconds. Later releases use the float product, which is the rule ``packcuda.mrope_position_ids``
+    implements; with whole-second ``second_per_grid_ts`` the two agree."""
+    try:
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+        return "int(next(second_per_grid_ts))" in inspect.getsource(m.Qwen2_5_VLModel.get_rope_index)
+    except Exception:
+        return False
