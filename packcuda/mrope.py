@@ -2,6 +2,8 @@
 ``get_rope_index`` run on every sample alone, computed for the whole pack in one pass on CPU or GPU."""
 from __future__ import annotations
 
+import struct
+from array import array
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -45,17 +47,57 @@ def _mrope_position_ids_fake(input_ids, cu_seqlens, image_grid_thw, video_grid_t
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
+# Host metadata arrives as Python lists in most trainers; torch.tensor on a nested list costs ~0.5 us per element,
+# so lists take a fast path (one C-level pass into an array buffer, wrapped without a copy) and fall back to the
+# general conversion, with its messages, on anything unusual.
+_EMPTY_GRID = torch.empty(0, 3, dtype=torch.int64)
+_EMPTY_SECS = torch.empty(0, dtype=torch.float32)
+
+
+def _ints_fast(values) -> Optional[torch.Tensor]:
+    """CPU int64 [n] of a non-empty list/tuple of plain ints, or None when the general path must decide."""
+    if (type(values) not in (list, tuple) or not values or set(map(type, values)) != {int}
+            or torch.compiler.is_compiling()):
+        return None
+    try:
+        return torch.frombuffer(array("q", values), dtype=torch.int64)
+    except OverflowError:
+        return None
+
+
+def _cu(cu_seqlens) -> torch.Tensor:
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type != "cpu" or (cu_seqlens.dim() == 1 and cu_seqlens.dtype in (torch.int32, torch.int64)):
+            return cu_seqlens  # the op checks it (device tensors: dtype/shape; host: every value)
+    fast = _ints_fast(cu_seqlens)
+    return fast if fast is not None else op_metadata(cu_seqlens)
+
+
 def _grid(g: GridLike, name: str) -> torch.Tensor:
-    """Host int64 [n, 3]; a device tensor is read back (one sync)."""
+    """Host int32/int64 [n, 3]; a device tensor is read back (one sync)."""
     if g is None:
-        return torch.empty(0, 3, dtype=torch.int64)
+        return _EMPTY_GRID
     if isinstance(g, torch.Tensor):
         if g.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"packcuda.mrope_position_ids: {name} must be an integer tensor, got {g.dtype}")
-        return g.detach().to("cpu", torch.int64).reshape(-1, 3) if g.numel() else torch.empty(0, 3, dtype=torch.int64)
+        if not g.numel():
+            return _EMPTY_GRID
+        if g.device.type != "cpu":
+            g = g.detach().to("cpu", torch.int64)
+        return g if g.dim() == 2 and g.shape[1] == 3 else g.reshape(-1, 3)
+    if type(g) in (list, tuple) and g and not torch.compiler.is_compiling():
+        try:
+            if set(map(len, g)) == {3}:
+                flat = []
+                for r in g:
+                    flat += r
+                packed = bytearray(struct.pack(f"{len(flat)}q", *flat))
+                return torch.frombuffer(packed, dtype=torch.int64).view(-1, 3)
+        except (TypeError, OverflowError, struct.error):
+            pass  # rows that are not sized sequences of ints: the general path below
     rows = [list(r) for r in g]
     if not rows:
-        return torch.empty(0, 3, dtype=torch.int64)
+        return _EMPTY_GRID
     for i, r in enumerate(rows):
         if len(r) != 3:
             raise ValueError(f"packcuda.mrope_position_ids: {name}[{i}] must be [t, h, w], got {r}")
@@ -65,9 +107,16 @@ def _grid(g: GridLike, name: str) -> torch.Tensor:
 def _seconds(s) -> torch.Tensor:
     """Host float32 [n] (the dtype the Qwen2.5-VL processor returns); a device tensor is read back."""
     if s is None:
-        return torch.empty(0, dtype=torch.float32)
+        return _EMPTY_SECS
     if isinstance(s, torch.Tensor):
+        if s.device.type == "cpu" and s.dtype == torch.float32 and s.dim() == 1:
+            return s
         return s.detach().to("cpu", torch.float32).reshape(-1)
+    if type(s) in (list, tuple) and s and set(map(type, s)) <= {int, float} and not torch.compiler.is_compiling():
+        try:  # array("f") rounds each double to float32 exactly as torch.tensor(..., dtype=float32) does
+            return torch.frombuffer(array("f", s), dtype=torch.float32)
+        except OverflowError:
+            pass
     return torch.tensor([float(v) for v in s], dtype=torch.float32)
 
 
@@ -128,7 +177,7 @@ def mrope_position_ids(
     if text_after_vision not in ("grid", "max"):
         raise ValueError(
             f"packcuda.mrope_position_ids: text_after_vision must be 'grid' or 'max', got {text_after_vision!r}")
-    meta = op_metadata(cu_seqlens)
+    meta = _cu(cu_seqlens)
     igrid = _grid(image_grid_thw, "image_grid_thw")
     vgrid = _grid(video_grid_thw, "video_grid_thw")
     secs = _seconds(second_per_grid_ts)

@@ -22,38 +22,54 @@ struct Grid {
   int64_t t, h, w;
 };
 
+// Row i of an [n, 3] host tensor of dtype I, read through its strides (no copy, no conversion). Tensor
+// accessors are calls across the stable ABI, so pointer and strides are read once per tensor.
+template <typename I>
+void read_rows(const Tensor& g, std::vector<Grid>& out) {
+  const I* p = g.const_data_ptr<I>();
+  const int64_t s0 = g.stride(0), s1 = g.stride(1);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const I* r = p + static_cast<int64_t>(i) * s0;
+    out[i] = Grid{static_cast<int64_t>(r[0]), static_cast<int64_t>(r[s1]), static_cast<int64_t>(r[2 * s1])};
+  }
+}
+
 std::vector<Grid> read_grid(const char* name, const Tensor& g, int64_t merge) {
   PC_ARG(g.is_cpu(), kOp, name, " must be host metadata (a list or CPU tensor), got a tensor on ", device_str(g));
   check_dtype(kOp, name, g, {ST::Int, ST::Long});
   if (g.numel() == 0) return {};
   check_dim(kOp, name, g, 2);
   PC_ARG(g.size(1) == 3, kOp, name, " must have shape [n, 3] (rows [t, h, w]), got ", shape_str(g));
-  Tensor c = torch::stable::contiguous(torch::stable::to(g, ST::Long));
-  const int64_t* p = c.const_data_ptr<int64_t>();
   std::vector<Grid> out(g.size(0));
-  for (int64_t i = 0; i < g.size(0); ++i) {
-    const Grid r{p[3 * i], p[3 * i + 1], p[3 * i + 2]};
+  if (g.scalar_type() == ST::Int)
+    read_rows<int32_t>(g, out);
+  else
+    read_rows<int64_t>(g, out);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const Grid& r = out[i];
     PC_ARG(r.t >= 1 && r.h >= 1 && r.w >= 1, kOp, name, "[", i, "] = [", r.t, ", ", r.h, ", ", r.w,
            "] must be positive");
     PC_ARG(r.h % merge == 0 && r.w % merge == 0, kOp, name, "[", i, "] = [", r.t, ", ", r.h, ", ", r.w,
            "]: h and w must be divisible by spatial_merge_size ", merge);
-    out[i] = r;
   }
   return out;
 }
 
-// Host description of the blocks: the table uploaded to the kernels, and where each block comes from.
+// Host description of the blocks: the table uploaded to the kernels (in one copy, after the host cu_seqlens when
+// there are any), and where each block comes from.
 struct Blocks {
-  std::vector<int64_t> table;  // [img rows][vid rows][px img (ni+1)][px vid (nv+1)]
+  std::vector<int64_t> table;  // [head (host cu_seqlens or nothing)][img rows][vid rows][px img (ni+1)][px vid (nv+1)]
+  int64_t head = 0;
   int64_t n[2] = {0, 0};
   std::vector<int64_t> row[2], frame[2];  // grid row and frame (per-frame videos) of each block
   std::vector<Grid> grid[2];
-  int64_t offset_blocks(int m) const { return m == 0 ? 0 : n[0] * kBlockCols; }
-  int64_t offset_px(int m) const { return (n[0] + n[1]) * kBlockCols + (m == 0 ? 0 : n[0] + 1); }
+  int64_t offset_blocks(int m) const { return head + (m == 0 ? 0 : n[0] * kBlockCols); }
+  int64_t offset_px(int m) const { return head + (n[0] + n[1]) * kBlockCols + (m == 0 ? 0 : n[0] + 1); }
 };
 
-Blocks build_blocks(const Tensor& image_grid, const Tensor& video_grid, const Tensor& spg, int64_t merge,
-                    std::optional<double> tps, bool per_frame, bool text_after_max) {
+Blocks build_blocks(std::vector<int64_t> head, const Tensor& image_grid, const Tensor& video_grid,
+                    const Tensor& spg, int64_t merge, std::optional<double> tps, bool per_frame,
+                    bool text_after_max) {
   Blocks b;
   b.grid[0] = read_grid(kGridName[0], image_grid, merge);
   b.grid[1] = read_grid(kGridName[1], video_grid, merge);
@@ -65,9 +81,9 @@ Blocks build_blocks(const Tensor& image_grid, const Tensor& video_grid, const Te
     PC_ARG(spg.numel() == nv_rows, kOp, "second_per_grid_ts has ", spg.numel(), " entries but video_grid_thw has ",
            nv_rows, " rows");
     PC_ARG(tps.has_value(), kOp, "second_per_grid_ts needs tokens_per_second");
-    Tensor c = torch::stable::contiguous(spg);
+    const Tensor c = spg.is_contiguous() ? spg : torch::stable::contiguous(spg);
     const float* p = c.const_data_ptr<float>();
-    secs.assign(p, p + spg.numel());
+    secs.assign(p, p + c.numel());
   }
   const int64_t mm = merge * merge;
   std::vector<int64_t> rows[2];
@@ -97,7 +113,10 @@ Blocks build_blocks(const Tensor& image_grid, const Tensor& video_grid, const Te
     }
   }
   for (int m = 0; m < 2; ++m) b.n[m] = static_cast<int64_t>(b.row[m].size());
-  b.table = rows[0];
+  b.head = static_cast<int64_t>(head.size());
+  b.table = std::move(head);
+  b.table.reserve(b.head + rows[0].size() + rows[1].size() + b.n[0] + b.n[1] + 2);
+  b.table.insert(b.table.end(), rows[0].begin(), rows[0].end());
   b.table.insert(b.table.end(), rows[1].begin(), rows[1].end());
   for (int m = 0; m < 2; ++m) {
     int64_t acc = 0;
@@ -154,6 +173,9 @@ std::string error_message(int64_t key, const Blocks& b, const I* ids, int64_t to
   }
 }
 
+// Host work per call, kept small because on CUDA it is most of the op's latency: the host metadata is read in
+// place (no conversions), cu_seqlens and the block table go to the device in ONE pinned non-blocking copy, and the
+// kernels take pointers into it. On CPU the kernels read the host vectors directly.
 std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, Tensor cu_seqlens,
                                                               Tensor image_grid_thw, Tensor video_grid_thw,
                                                               Tensor second_per_grid_ts, int64_t image_token_id,
@@ -165,11 +187,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
   PC_ARG(spatial_merge_size >= 1, kOp, "spatial_merge_size must be >= 1, got ", spatial_merge_size);
   PC_ARG(image_token_id != video_token_id, kOp, "image_token_id and video_token_id must differ, both are ",
          image_token_id);
-  input_ids = torch::stable::contiguous(input_ids);
+  if (!input_ids.is_contiguous()) input_ids = torch::stable::contiguous(input_ids);
   const int64_t total = input_ids.numel();
-  Segments seg = segments(kOp, "cu_seqlens", cu_seqlens, input_ids.device(), total);
-  Blocks b = build_blocks(image_grid_thw, video_grid_thw, second_per_grid_ts, spatial_merge_size, tokens_per_second,
-                          per_frame, text_after_max);
+  Segments seg = segments(kOp, "cu_seqlens", cu_seqlens, input_ids.device(), total, /*upload=*/false);
+  const bool cu_in_table = seg.on_host;
+  Blocks b = build_blocks(cu_in_table ? seg.host : std::vector<int64_t>{}, image_grid_thw, video_grid_thw,
+                          second_per_grid_ts, spatial_merge_size, tokens_per_second, per_frame, text_after_max);
   if (total == 0)
     for (int m = 0; m < 2; ++m)
       PC_ARG(b.n[m] == 0, kOp, kGridName[m], " describes ", b.n[m], " ", kModName[m],
@@ -178,26 +201,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
   Tensor pos = torch::stable::new_empty(input_ids, {3, total}, ST::Long);
   Tensor text_pos = torch::stable::new_empty(input_ids, {total}, ST::Long);
   Tensor deltas = torch::stable::new_empty(input_ids, {seg.count}, ST::Long);
+  Tensor status = torch::stable::new_empty(input_ids, {1}, ST::Long);
   const int esz = static_cast<int>(element_size(input_ids.scalar_type()));
 
-  Tensor table = upload_i64(b.table, input_ids.device());
-  MRopeTables tb;
-  tb.cu = seg.ptr();
-  tb.nseg = seg.count;
-  const int64_t* tp = table.const_data_ptr<int64_t>();
-  for (int m = 0; m < 2; ++m) {
-    tb.blocks[m] = tp + b.offset_blocks(m);
-    tb.px[m] = tp + b.offset_px(m);
-    tb.nblocks[m] = b.n[m];
-  }
-  tb.token_id[0] = image_token_id;
-  tb.token_id[1] = video_token_id;
+  auto tables = [&](const int64_t* tp) {
+    MRopeTables tb;
+    tb.cu = cu_in_table ? tp : seg.ptr();
+    tb.nseg = seg.count;
+    for (int m = 0; m < 2; ++m) {
+      tb.blocks[m] = tp + b.offset_blocks(m);
+      tb.px[m] = tp + b.offset_px(m);
+      tb.nblocks[m] = b.n[m];
+    }
+    tb.token_id[0] = image_token_id;
+    tb.token_id[1] = video_token_id;
+    return tb;
+  };
 
-  Tensor status;
   if (input_ids.is_cuda()) {
     PC_CUDA_ONLY({
       CudaScope cs(input_ids);
-      status = torch::stable::new_empty(input_ids, {1}, ST::Long);
+      const Tensor table = upload_i64(b.table, input_ids.device());  // the one host-to-device copy
+      const MRopeTables tb = tables(table.const_data_ptr<int64_t>());
       const size_t ws = rope::mrope_pos_cuda_workspace(total);
       Tensor work = torch::stable::new_empty(input_ids, {static_cast<int64_t>(ws)}, ST::Byte);
       rope::mrope_pos_cuda(pos.mutable_data_ptr<int64_t>(), text_pos.mutable_data_ptr<int64_t>(),
@@ -205,6 +230,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
                            work.mutable_data_ptr(), ws, input_ids.const_data_ptr(), esz, total, tb, cs.stream);
     });
   } else {
+    const MRopeTables tb = tables(b.table.data());
     std::vector<rope::MRopeScan> scratch(static_cast<size_t>(total));
     const int64_t key = rope::mrope_pos_cpu(pos.mutable_data_ptr<int64_t>(), text_pos.mutable_data_ptr<int64_t>(),
                                             deltas.mutable_data_ptr<int64_t>(), scratch.data(),
@@ -216,7 +242,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
                                                  image_token_id, video_token_id);
       PC_ARG(false, kOp, msg);
     }
-    status = upload_i64({rope::kMRopeOk}, input_ids.device());
+    *status.mutable_data_ptr<int64_t>() = rope::kMRopeOk;
   }
   return {pos, text_pos, deltas, status};
 }

@@ -84,8 +84,30 @@ Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Devic
   return torch::stable::to(host, target, /*non_blocking=*/true);
 }
 
+std::vector<int64_t> read_host_segments(const char* op, const char* name, const Tensor& cu, int64_t expected_total) {
+  // Tensor accessors cross the stable ABI: read numel, stride and pointer once.
+  const int64_t n = cu.numel();
+  std::vector<int64_t> host(n);
+  const int64_t stride = cu.stride(0);
+  if (cu.scalar_type() == ST::Int) {
+    const int32_t* p = cu.const_data_ptr<int32_t>();
+    for (int64_t i = 0; i < n; ++i) host[i] = p[i * stride];
+  } else {
+    const int64_t* p = cu.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) host[i] = p[i * stride];
+  }
+  PC_ARG(host[0] == 0, op, name, "[0] must be 0, got ", host[0]);
+  for (int64_t i = 1; i < n; ++i)
+    PC_ARG(host[i] >= host[i - 1], op, name, " must be non-decreasing, but ", name, "[", i, "]=", host[i], " < ",
+           name, "[", i - 1, "]=", host[i - 1]);
+  if (expected_total >= 0)
+    PC_ARG(host.back() == expected_total, op, name, "[-1]=", host.back(), " does not match the number of tokens (",
+           expected_total, ")");
+  return host;
+}
+
 Segments segments(const char* op, const char* name, const Tensor& cu, const torch::stable::Device& target,
-                  int64_t expected_total) {
+                  int64_t expected_total, bool upload) {
   check_dim(op, name, cu, 1);
   check_dtype(op, name, cu, {ST::Int, ST::Long});
   PC_ARG(cu.numel() >= 1, op, name, " must have at least one entry (it starts with 0)");
@@ -93,30 +115,16 @@ Segments segments(const char* op, const char* name, const Tensor& cu, const torc
   s.count = cu.numel() - 1;
   if (cu.is_cpu()) {
     s.on_host = true;
-    s.host.resize(cu.numel());
-    const int64_t stride = cu.stride(0);
-    if (cu.scalar_type() == ST::Int) {
-      const int32_t* p = cu.const_data_ptr<int32_t>();
-      for (int64_t i = 0; i < cu.numel(); ++i) s.host[i] = p[i * stride];
-    } else {
-      const int64_t* p = cu.const_data_ptr<int64_t>();
-      for (int64_t i = 0; i < cu.numel(); ++i) s.host[i] = p[i * stride];
-    }
-    PC_ARG(s.host[0] == 0, op, name, "[0] must be 0, got ", s.host[0]);
-    for (int64_t i = 1; i < cu.numel(); ++i)
-      PC_ARG(s.host[i] >= s.host[i - 1], op, name, " must be non-decreasing, but ", name, "[", i, "]=",
-             s.host[i], " < ", name, "[", i - 1, "]=", s.host[i - 1]);
-    if (expected_total >= 0)
-      PC_ARG(s.host.back() == expected_total, op, name, "[-1]=", s.host.back(),
-             " does not match the number of tokens (", expected_total, ")");
-    s.tensor = upload_i64(s.host, target);
+    s.host = read_host_segments(op, name, cu, expected_total);
+    if (upload) s.tensor = upload_i64(s.host, target);
   } else {
     PC_ARG(cu.is_cuda() && target.type() == torch::headeronly::DeviceType::CUDA &&
                cu.get_device_index() == target.index(),
            op, name, " is on ", device_str(cu), " but the data is on another device");
     Tensor t = cu;
     if (t.scalar_type() != ST::Long) t = torch::stable::to(t, ST::Long);
-    s.tensor = torch::stable::contiguous(t);
+    if (!t.is_contiguous()) t = torch::stable::contiguous(t);
+    s.tensor = t;
   }
   return s;
 }

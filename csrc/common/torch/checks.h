@@ -50,8 +50,12 @@ struct Segments {
   int64_t count = 0;           // number of segments
   const int64_t* ptr() const { return tensor.const_data_ptr<int64_t>(); }
 };
+// upload=false leaves `tensor` empty for host metadata (the caller uploads `host` itself, e.g. packed with other
+// host data in one copy).
 Segments segments(const char* op, const char* name, const Tensor& cu, const torch::stable::Device& target,
-                  int64_t expected_total);
+                  int64_t expected_total, bool upload = true);
+// The validated values of a host cu_seqlens (1-D int32/int64 CPU tensor; dim and dtype checked by the caller).
+std::vector<int64_t> read_host_segments(const char* op, const char* name, const Tensor& cu, int64_t expected_total);
 
 // Copy of host int64 values onto a device (non-blocking, no sync).
 Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Device& target);

@@ -50,10 +50,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// cub's temporary storage size depends only on the number of items and the device: cached per host thread for
+// the last (device, total), so repeated calls on a batch shape skip the size query.
 size_t cub_bytes(int64_t total) {
+  thread_local int last_device = -1;
+  thread_local int64_t last_total = -1;
+  thread_local size_t last_bytes = 0;
+  int device = 0;
+  PC_CUDA_CHECK(cudaGetDevice(&device));
+  if (device == last_device && total == last_total) return last_bytes;
   size_t bytes = 0;
   PC_CUDA_CHECK(cub::DeviceScan::InclusiveScan(nullptr, bytes, static_cast<MRopeScan*>(nullptr),
                                                static_cast<MRopeScan*>(nullptr), MRopeScanOp{}, total));
+  last_device = device;
+  last_total = total;
+  last_bytes = bytes;
   return bytes;
 }
 
