@@ -89,8 +89,9 @@ def _grid(g: GridLike, name: str) -> torch.Tensor:
         try:
             if set(map(len, g)) == {3}:
                 flat = []
+                extend = flat.extend
                 for r in g:
-                    flat += r
+                    extend(r)
                 packed = bytearray(struct.pack(f"{len(flat)}q", *flat))
                 return torch.frombuffer(packed, dtype=torch.int64).view(-1, 3)
         except (TypeError, OverflowError, struct.error):
@@ -184,7 +185,7 @@ def mrope_position_ids(
     tps = None if tokens_per_second is None else float(tokens_per_second)
     args = (igrid, vgrid, secs, int(image_token_id), int(video_token_id), int(spatial_merge_size), tps,
             video_frames == "per_frame", text_after_vision == "max")
-    pos, text_pos, deltas, status = ops.mrope_position_ids(input_ids, meta, *args)
+    pos, text_pos, deltas, status = ops.mrope_position_ids.default(input_ids, meta, *args)
     if validate and input_ids.device.type != "cpu":
         key = int(status.item())  # the one documented sync
         if key != _OK:

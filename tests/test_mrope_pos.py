@@ -337,6 +337,37 @@ def test_bad_runs_unvalidated_cuda_does_not_raise_or_sync(case):
     assert pos.shape == (3, len(ids))
 
 
+def test_host_metadata_forms_agree(device):
+    """Lists (fast path), tuples, numpy, int32 / strided CPU tensors and odd element types give the same result."""
+    np = pytest.importorskip("numpy")
+    p = None
+    for seed in range(100):  # a pack with images and videos
+        p = make_pack(random.Random(seed), nseg=5)
+        if p.images and p.videos:
+            break
+    want = reference(p, tps=2)
+    ig, vg = torch.tensor(p.images), torch.tensor(p.videos)
+    forms = [
+        (p.cu, p.images, p.videos, p.secs),
+        (tuple(p.cu), tuple(map(tuple, p.images)), [tuple(r) for r in p.videos], tuple(p.secs)),
+        (torch.tensor(p.cu, dtype=torch.int32), ig.int(), vg.int(), torch.tensor(p.secs, dtype=torch.float32)),
+        (torch.tensor(p.cu)[None], ig.t().contiguous().t(), vg.reshape(-1), torch.tensor(p.secs, dtype=torch.float64)),
+        (np.array(p.cu), [np.array(r) for r in p.images], [[np.int64(v) for v in r] for r in p.videos],
+         [np.float32(x) for x in p.secs]),
+        ([np.int32(v) for v in p.cu], [[float(v) for v in r] for r in p.images], [list(r) for r in vg],
+         [int(x) if x == int(x) else x for x in p.secs]),
+    ]
+    for cu, images, videos, secs in forms:
+        got = packcuda.mrope_position_ids(
+            torch.tensor(p.ids, device=device), cu, image_grid_thw=images, video_grid_thw=videos,
+            second_per_grid_ts=secs, image_token_id=IMG, video_token_id=VID, tokens_per_second=2)
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w)
+    for bad, err in [([0, True], TypeError), ([0.0, 6.0], TypeError), ([0, 2**70], (ValueError, RuntimeError))]:
+        with pytest.raises(err):
+            _call([1] * 6, bad)
+
+
 def test_bad_host_arguments():
     ids = [1] + [IMG] * 4 + [2]
     cases = [
