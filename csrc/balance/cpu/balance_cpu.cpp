@@ -257,9 +257,19 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
   auto singles = [&](int64_t q) {
     const auto& Q = bins.items[q];
     const int64_t lo = -bins.room(q), target = bins.W[q] - Wp;
+    // In the local search only the x with w(l_x) - w(l_x - room_q) above the needed gain can help (moved
+    // or swapped for a shorter j): a suffix of p, from s0.
+    int64_t s0 = 0;
+    if (!repairing) {
+      const int64_t need = Wp - std::min(limit, best.key);
+      s0 = std::partition_point(P.begin(), P.end(), [&](int64_t x) {
+             return w[x] - bins.wl(std::max<int64_t>(len[x] + lo, 0)) <= need;
+           }) - P.begin();
+      if (s0 == np) return;
+    }
     if (kinds.moves) {  // p gives x: dT = -l_x
-      const int64_t a = bins.first_len_at_least(P, 0, np, -hi), b = bins.first_len_at_least(P, a, np, -lo + 1);
-      const int64_t za = std::max(a, bins.first_len_at_least(P, 0, np, -z));
+      const int64_t a = bins.first_len_at_least(P, s0, np, -hi), b = bins.first_len_at_least(P, a, np, -lo + 1);
+      const int64_t za = std::max(a, bins.first_len_at_least(P, s0, np, -z));
       if (za < b) {
         const int64_t m = std::partition_point(P.begin() + za, P.begin() + b,
                                                [&](int64_t x) { return -2 * w[x] >= target; }) - P.begin();
@@ -270,21 +280,13 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
       }
     }
     // swaps: p takes j (ascending), gives x with l_x in [l_j - hi, l_j - lo], under the cap from l_j - z.
-    // All window ends and the crossing only move up with j: O(|p| + |q|). In the local search only the x
-    // with w(l_x) - w(l_x - room_q) above the needed gain can help (a suffix of p), and only the j at least
-    // that suffix's shortest length - room_q.
-    int64_t s0 = 0;
-    if (!repairing) {
-      const int64_t need = Wp - std::min(limit, best.key);
-      s0 = std::partition_point(P.begin(), P.end(), [&](int64_t x) {
-             return w[x] - bins.wl(std::max<int64_t>(len[x] + lo, 0)) <= need;
-           }) - P.begin();
-      if (s0 == np) return;
-    }
+    // All window ends and the crossing only move up with j: O(|p| + |q|); the j start at the suffix's
+    // shortest length - room_q.
     int64_t a = s0, b = s0, za = s0, c = s0;
     const int64_t j0 = repairing ? 0 : bins.first_len_at_least(Q, 0, static_cast<int64_t>(Q.size()), len[P[s0]] + lo);
     for (auto jt = Q.begin() + j0; jt != Q.end(); ++jt) {
       const int64_t j = *jt, lj = len[j];
+      if (!repairing && lj >= Lp) break;  // taking j for a shorter or equal x does not lower Wp
       while (a < np && len[P[a]] < lj - hi) ++a;
       while (b < np && len[P[b]] <= lj - lo) ++b;
       while (za < np && len[P[za]] < lj - z) ++za;
@@ -303,9 +305,16 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
   // One-for-two and two-for-one exchanges with q, found the same way through pair_windows.
   auto pairs = [&](int64_t q) {
     const auto& Q = bins.items[q];
+    if (Q.empty()) return;
     const int64_t lo = -bins.room(q), target = bins.W[q] - Wp;
-    for (int64_t i : P) {  // p gives i, takes Q[a] and Q[x]: dT = l_Qa + l_Qx - l_i
-      const int64_t li = len[i];
+    // Local search: p must gain more than `need`. Giving i for two items of total length >= l_i - room_q
+    // gains at most w(l_i) - 2 w((l_i - room_q) / 2) (convexity), which grows with l_i: a suffix of p.
+    const int64_t need = repairing ? std::numeric_limits<int64_t>::min() : Wp - std::min(limit, best.key);
+    const int64_t s1 = repairing ? 0 : std::partition_point(P.begin(), P.end(), [&](int64_t x) {
+                                         return w[x] - 2 * bins.wl(std::max<int64_t>(len[x] + lo, 0) / 2) <= need;
+                                       }) - P.begin();
+    for (auto it = P.begin() + s1; it != P.end(); ++it) {  // p gives i, takes Q[a] and Q[x]: dT = l_Qa + l_Qx - l_i
+      const int64_t i = *it, li = len[i];
       pair_windows(bins, Q, li + lo, li + z, [&](int64_t a, int64_t x0, int64_t x1) {
         const int64_t base = w[Q[a]] - w[i];
         const int64_t m = std::partition_point(Q.begin() + x0, Q.begin() + x1,
@@ -316,6 +325,10 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
       if (best.over > 0)  // repair, nothing clears the excess yet: the pair taking the fewest tokens
         pair_windows(bins, Q, li + lo, li + hi, [&](int64_t a, int64_t x0, int64_t) { offer(q, i, -1, Q[a], Q[x0]); });
     }
+    // Giving two items of total length <= l_j + room_q for j gains at most w(l_j + room_q) - w(l_j) (w is
+    // superadditive), which grows with l_j.
+    if (!repairing && -lo <= (int64_t{1} << 31) && bins.wl(len[Q.back()] - lo) - bins.wl(len[Q.back()]) <= need)
+      return;
     for (int64_t j : Q) {  // p gives P[a] and P[x], takes j: dT = l_j - l_Pa - l_Px
       const int64_t lj = len[j];
       pair_windows(bins, P, lj - z, lj - lo, [&](int64_t a, int64_t x0, int64_t x1) {
@@ -344,6 +357,8 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
       const int64_t room_q = bins.cap - Tq;
       if (repairing) {
         if (room_q <= 0 || excess - room_q > best.over || (best.over == 0 && room_q < excess)) break;
+        // a step clearing the excess moves l >= excess tokens net into q, which costs q at least w(excess)
+        if (best.over == 0 && bins.W[q] + bins.wl(excess) >= best.key) continue;
       } else if (Wp - single_gain(room_q) >= std::min(limit, best.key)) {
         break;
       }
