@@ -413,9 +413,17 @@ bool repair(Bins& bins, Kinds kinds) {
 // Local search on the heaviest bin: apply the step that lowers it most while both touched bins end strictly
 // below its old workload, until none exists (or max_steps). The sorted workload vector decreases
 // lexicographically at every step, so this ends.
+// It also stops once the heaviest is within 1/kTolerance of the mean, which no plan can beat: steps there
+// would cost time for no measurable balance.
+constexpr int64_t kTolerance = 10000;
+
 void refine(Bins& bins, Kinds kinds, int64_t max_steps) {
+  int64_t total = 0;
+  for (int64_t v : bins.W) total += v;
+  const int64_t mean = total / bins.k, slack = mean / kTolerance;
   for (int64_t step = 0; step < max_steps; ++step) {
     const int64_t p = bins.by_load.rbegin()->second;
+    if (bins.W[p] - mean <= slack) return;
     const Step c = best_step(bins, p, bins.W[p], kinds);
     if (!c.found()) return;
     apply(bins, p, c);
