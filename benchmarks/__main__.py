@@ -33,8 +33,10 @@ def chart(rows, path: Path, title: str) -> bool:
     except ImportError:
         print("matplotlib not installed: no chart")
         return False
+    # speedups over real baselines only: rows against the copy floor are fractions of bandwidth, not speedups
     pts = [(f"{r.get('op')} | {r.get('shape', '')}"[:70], float(r["speedup"]), r.get("baseline", ""))
-           for r in rows if isinstance(r.get("speedup"), (int, float)) and r["speedup"] == r["speedup"]]
+           for r in rows if isinstance(r.get("speedup"), (int, float)) and r["speedup"] == r["speedup"]
+           and "floor" not in str(r.get("baseline", ""))]
     if not pts:
         return False
     fig, ax = plt.subplots(figsize=(11, 0.32 * len(pts) + 1.5))

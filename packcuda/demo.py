@@ -101,6 +101,213 @@ def _balance(rep: _Report, device: torch.device, rng: random.Random):
               f"max/mean workload {max(loads) / (sum(loads) / len(loads)):.3f}")
     ranks = packcuda.balance_across_ranks(lens, 4, equal_count=True)
     rep.check("balance_across_ranks(equal_count) gives 50 sequences per rank", [len(r) for r in ranks] == [50] * 4)
+def _rope(rep: _Report, device: torch.device, rng: random.Random):
+    print("mRoPE application")
+    # a packed batch of 3 samples: text, an image block (t fixed, h/w over a grid), text; positions restart
+    rows = []
+    for _ in range(3):
+        n_text, gh, gw, n_tail = rng.randint(3, 20), rng.randint(2, 4), rng.randint(2, 5), rng.randint(1, 15)
+        t = list(range(n_text))
+        pos = [[p, p, p] for p in t]
+        st = n_text
+        pos += [[st, st + i, st + j] for i in range(gh) for j in range(gw)]
+        nxt = st + max(gh, gw)
+        pos += [[nxt + i] * 3 for i in range(n_tail)]
+        rows.append(pos)
+    lens = [len(r) for r in rows]
+    positions = torch.tensor([p for r in rows for p in r], dtype=torch.int64).T.contiguous().to(device)  # [3, T]
+    T, Hq, Hk, D = sum(lens), 4, 2, 64
+    section, theta = [8, 12, 12], 1e6
+    q = torch.randn(T, Hq, D, device=device)
+    k = torch.randn(T, Hk, D, device=device)
+    qo, ko = packcuda.apply_rope(q, k, positions, rope_theta=theta, mrope_section=section)
+
+    # plain computation (transformers' recipe): per-axis angles, sections picked per slot, rotate_half
+    inv = packcuda.default_inv_freq(theta, D).to(device)
+    freqs = positions[:, :, None].float() * inv  # [3, T, D/2]
+    axis = torch.tensor([0] * section[0] + [1] * section[1] + [2] * section[2], device=device)
+    f = freqs.gather(0, axis[None, None, :].expand(1, T, D // 2))[0]
+    cos, sin = torch.cat([f.cos(), f.cos()], -1)[:, None], torch.cat([f.sin(), f.sin()], -1)[:, None]
+
+    def rot(x):
+        return x * cos + torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1) * sin
+
+    err = max(float((qo - rot(q)).abs().max()), float((ko - rot(k)).abs().max()))
+    rep.check("apply_rope (sectioned mRoPE) == plain rotate_half computation", err < 1e-4, f"max |diff| {err:.1e}")
+
+    # the same batch sharded over 2 CP ranks (zigzag): each rank rotates its own tokens with its positions
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    plans = [packcuda.shard_plan(cu, 2, r, device=device) for r in range(2)]
+    outs_q, outs_k = [], []
+    for plan in plans:
+        ql, kl = plan.shard(q), plan.shard(k)
+        pl = plan.shard(positions, dim=1)
+        packcuda.apply_rope_(ql, kl, pl, rope_theta=theta, mrope_section=section)  # in place on the shard
+        outs_q.append(ql)
+        outs_k.append(kl)
+    sq = plans[0].unshard(torch.stack(outs_q))
+    sk = plans[0].unshard(torch.stack(outs_k))
+    rep.check("CP shards (2 ranks, zigzag) rotated locally == whole stream", torch.equal(sq, qo) and torch.equal(sk, ko),
+              f"{T} tokens, {plans[0].total_local} per rank")
+def _mrope(rep: _Report, device: torch.device, rng: random.Random):
+    print("mRoPE position ids")
+    IMG, VID, m, tps = 151655, 151656, 2, 2
+    ids, cu, images, videos, secs = [], [0], [], [], []
+    for _ in range(5):  # five samples: text, images, a video with fractional seconds per grid
+        for _ in range(rng.randint(0, 3)):
+            ids += [rng.randrange(1000) for _ in range(rng.randint(1, 8))]
+            if rng.random() < 0.6:
+                g = [1, m * rng.randint(1, 4), m * rng.randint(1, 4)]
+                images.append(g)
+                ids += [IMG] * (g[1] * g[2] // m**2)
+            else:
+                g = [rng.randint(1, 4), m * rng.randint(1, 3), m * rng.randint(1, 3)]
+                videos.append(g)
+                secs.append(rng.choice([0.5, 1.0, 2.0 / 3.0]))
+                ids += [VID] * (g[0] * g[1] * g[2] // m**2)
+        ids += [rng.randrange(1000) for _ in range(rng.randint(1, 8))]
+        cu.append(len(ids))
+    x = torch.tensor(ids, device=device)
+    pos, text_pos, deltas = packcuda.mrope_position_ids(
+        x, cu, image_grid_thw=images, video_grid_thw=videos, second_per_grid_ts=secs, image_token_id=IMG,
+        video_token_id=VID, spatial_merge_size=m, tokens_per_second=tps)
+
+    # plain version: walk every sample token by token
+    want, it = [], {IMG: iter(images), VID: iter(videos)}
+    si = iter(secs)
+    for a, b in zip(cu[:-1], cu[1:]):
+        cur, i = 0, a
+        while i < b:
+            if ids[i] not in it:
+                want.append((cur, cur, cur))
+                cur, i = cur + 1, i + 1
+                continue
+            t, h, w = next(it[ids[i]])
+            h, w = h // m, w // m
+            iv = torch.tensor(float(tps)) * torch.tensor(next(si)) if ids[i] == VID else torch.tensor(1.0)
+            for ti in range(t):
+                tt = int(torch.tensor(float(ti)) * iv)
+                want += [(cur + tt, cur + hi, cur + wi) for hi in range(h) for wi in range(w)]
+            i += t * h * w
+            cur += max(h, w)
+    want = torch.tensor(want).T
+    rep.check("mrope_position_ids == plain per-sample walk", torch.equal(pos.cpu(), want),
+              f"{len(cu) - 1} samples, {len(ids)} tokens, {len(images)} images, {len(videos)} videos")
+    rep.check("text_pos restarts per sample", torch.equal(text_pos.cpu(), packcuda.position_ids(cu)))
+    d = [int(want[:, a:b].max()) + 1 - (b - a) for a, b in zip(cu[:-1], cu[1:])]
+    rep.check("deltas = max position + 1 - length", deltas.cpu().tolist() == d)
+    if hasattr(packcuda, "shard_plan"):
+        pos4 = torch.cat([text_pos[None], pos])
+        parts = []
+        for r in range(2):
+            plan = packcuda.shard_plan(cu, 2, r, device=device)
+            local = plan.shard(pos4, dim=1)
+            keep = plan.index >= 0
+            parts.append(torch.equal(local[:, keep], pos4[:, plan.index[keep]]))
+        rep.check("cp=2 shards: plan.shard(pos, dim=1) gives each rank its tokens' positions", all(parts))
+
+def _conv(rep: _Report, device: torch.device, rng: random.Random):
+    print("conv-prefix exchange + varlen causal conv1d (cp=2 zigzag, K=4; the exchange is simulated in this one")
+    print("  process by moving rows exactly as each rank's schedule says, instead of through a process group)")
+    K, C, cp = 4, 16, 2
+    lens = [rng.randint(1, 40) for _ in range(5)] + [1, 2]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    x = torch.randn(cu[-1], C, device=device)
+    w, b = torch.randn(C, K, device=device), torch.randn(C, device=device)
+    y = packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, activation="silu")
+    want = torch.cat([torch.nn.functional.silu(torch.nn.functional.conv1d(
+        x[a:e].t()[None], w[:, None], b, padding=K - 1, groups=C)[0, :, :e - a].t()) for a, e in zip(cu[:-1], cu[1:])])
+    rep.check("causal_conv1d == F.conv1d per sequence", torch.allclose(y, want, atol=1e-5),
+              f"{len(lens)} sequences, {cu[-1]} tokens")
+    plans = [packcuda.shard_plan(cu, cp, r, layout="zigzag", device=device) for r in range(cp)]
+    scheds = [packcuda.conv_prefix_schedule(p, K) for p in plans]
+    # the global padded stream and every rank's local buffer
+    cup = plans[0].cu_seqlens_padded_host
+    X = torch.randn(cup[-1], C, device=device)
+
+    def local_rows(p):
+        rows = []
+        for k in range(len(p.pieces_host) - 1):
+            base = cup[p.piece_seq_host[k]] + p.piece_offset_host[k]
+            rows.extend(range(base, base + p.pieces_host[k + 1] - p.pieces_host[k]))
+        return torch.tensor(rows, device=device)
+
+    rows = [local_rows(p) for p in plans]
+    xs = [X[r] for r in rows]
+    Y = torch.cat([torch.nn.functional.conv1d(X[a:e].t()[None], w[:, None], b, padding=K - 1, groups=C)[0, :, :e - a].t()
+                   for a, e in zip(cup[:-1], cup[1:])])
+    ok = True
+    for q in range(cp):
+        recv = []
+        for p in range(cp):  # what rank p's schedule sends to rank q
+            off = sum(scheds[p].send_counts[:q])
+            idx = scheds[p].send_index[off:off + scheds[p].send_counts[q]].to(device)
+            recv.append(xs[p][idx])
+        prefix = torch.ops.packcuda.conv_gather_sum(xs[q], torch.cat(recv), scheds[q].on(device)[1])
+        prefix = prefix.view(scheds[q].n_pieces, K - 1, C)
+        yq = packcuda.causal_conv1d(xs[q], w, b, cu_seqlens=plans[q].pieces, prefix=prefix)
+        ok &= torch.allclose(yq, Y[rows[q]], atol=1e-5)
+        print(f"    rank {q}: {len(plans[q].pieces_host) - 1} pieces, receives {scheds[q].rows_moved} rows, "
+              f"sends {sum(scheds[q].send_counts)}")
+    rep.check("sharded conv (schedule exchange + prefix) == unsharded conv on every rank's slots", ok)
+def _hf(rep: _Report, device: torch.device, rng: random.Random):
+    print("transformers Qwen-VL drop-in (packed row, packcuda positions and rotary)")
+    try:
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        from .integrations import transformers as hf
+    except ImportError as e:
+        print(f"  skipped: {e}")
+        return
+    V = 200
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=1, num_key_value_heads=1, bos_token_id=None, eos_token_id=None,
+                         rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
+        vision_config=dict(depth=1, hidden_size=32, out_hidden_size=128, intermediate_size=64, num_heads=2),
+        image_token_id=V - 4, video_token_id=V - 3, vision_start_token_id=V - 2, vision_end_token_id=V - 1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(cfg).to(device).eval()
+    samples, grids = [], []
+    for n_img in (0, 1, 2):  # three samples, with 0, 1 and 2 images (placeholders + grids; no pixels)
+        ids = [rng.randrange(0, V - 8) for _ in range(rng.randint(2, 6))]
+        for _ in range(n_img):
+            h, w = 2 * rng.randint(1, 3), 2 * rng.randint(1, 3)
+            grids.append([1, h, w])
+            ids += [V - 2] + [V - 4] * (h * w // 4) + [V - 1] + [rng.randrange(0, V - 8) for _ in range(3)]
+        samples.append((torch.tensor(ids, device=device), grids[len(grids) - n_img:]))
+    cu = [0]
+    for ids, _ in samples:
+        cu.append(cu[-1] + ids.numel())
+    packed = torch.cat([ids for ids, _ in samples])
+    want = hf.hf_packed_position_ids(model, packed, cu, image_grid_thw=grids)
+    have_pos = hasattr(packcuda, "mrope_position_ids")
+    if have_pos:
+        pos = hf.packed_position_ids(packed, cu, cfg, image_grid_thw=grids)
+        rep.check("packed [4,1,T] positions == transformers' get_rope_index per sample", torch.equal(pos.cpu(),
+                                                                                                    want.cpu()))
+    else:
+        pos = want
+        print("  packcuda.mrope_position_ids not in this build: transformers' positions used")
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=ids[None], use_cache=False, image_grid_thw=torch.tensor(g).reshape(-1, 3)
+                                 if g else None, mm_token_type_ids=hf.mm_token_type_ids(ids[None], cfg)).logits[0]
+                           for ids, g in samples])
+        packed_logits = model(input_ids=packed[None], position_ids=pos, use_cache=False).logits[0]
+        rep.check("one packed row == each sample alone (logits)", torch.allclose(packed_logits, alone, atol=1e-4),
+                  f"{len(samples)} samples, {packed.numel()} tokens")
+        if hasattr(packcuda, "apply_rope"):
+            with hf.patch_qwen_vl_rope(model):
+                patched = model(input_ids=packed[None], position_ids=pos, use_cache=False).logits[0]
+            rep.check("rotary through packcuda.apply_rope == transformers' rotary (logits)",
+                      torch.allclose(patched, packed_logits, atol=1e-4))
+        else:
+            print("  packcuda.apply_rope not in this build: rotary patch not shown")
 
 
 def run(device: str | None = None, seed: int = 0) -> int:
@@ -112,6 +319,10 @@ def run(device: str | None = None, seed: int = 0) -> int:
     _packing(rep, dev, rng)
     _shard(rep, dev, rng)
     _balance(rep, dev, rng)
+    _rope(rep, dev, rng)
+    _mrope(rep, dev, rng)
+    _conv(rep, dev, rng)
+    _hf(rep, dev, rng)
     n_ok = sum(r[1] for r in rep.rows)
     print(f"demo: {n_ok}/{len(rep.rows)} checks passed")
     return 0 if rep.ok else 1

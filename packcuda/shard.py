@@ -98,6 +98,7 @@ class ShardPlan:
         self.cu_seqlens_padded, self.cu_seqlens_local, self.pieces, self.piece_seq = packed.split(sizes)
         self.piece_offset = to_device_async(piece_offset, device)
         self._unshard_index: Optional[torch.Tensor] = None
+        self._lead_indices: dict = {}
 
     def __repr__(self) -> str:
         return (f"ShardPlan(layout={self.layout!r}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "
@@ -182,7 +183,7 @@ class ShardPlan:
 
     def _lead_index(self, lead: int) -> torch.Tensor:
         """Index of the local rows of a flattened ``[lead*T, ...]`` (cached per ``lead``)."""
-        cache = self.__dict__.setdefault("_lead_indices", {})
+        cache = self._lead_indices
         if lead not in cache:
             offs = torch.arange(lead, device=self.index.device).mul_(self.total)[:, None]
             cache[lead] = torch.where(self.index >= 0, self.index + offs, -1).reshape(-1)

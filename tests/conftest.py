@@ -39,3 +39,17 @@ class no_sync:
     def __exit__(self, *exc):
         torch.cuda.set_sync_debug_mode(self._prev)
         return False
+
+
+
+def _hf_int_seconds() -> bool:
+    try:
+        from packcuda.integrations.transformers import truncates_video_seconds
+
+        return truncates_video_seconds()
+    except Exception:
+        return False
+
+
+# Older transformers releases drop fractional video seconds (Qwen2.5-VL); oracle tests then use whole seconds.
+HF_INT_SECONDS = _hf_int_seconds()

@@ -202,3 +202,194 @@ def optimal_max_workload(seqlens, k, max_tokens=None, workload="attention", coef
         if best is None or m < best:
             best = m
     return best
+# ------------------------------------------------------------------------------------ rotary application
+def rope_axis(j, mrope_section=None, mrope_interleaved=False):
+    """Position row (0 = t, 1 = h, 2 = w) of frequency slot j."""
+    if mrope_section is None:
+        return 0
+    s_t, s_h, s_w = mrope_section
+    if mrope_interleaved:
+        if j % 3 == 1 and j < 3 * s_h:
+            return 1
+        if j % 3 == 2 and j < 3 * s_w:
+            return 2
+        return 0
+    if j < s_t:
+        return 0
+    if j < s_t + s_h:
+        return 1
+    return 2
+
+
+def rope_inv_freq(theta, rotary_dim):
+    """transformers' default inverse frequencies (float32)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+def apply_rope(q, k, positions, inv_freq, rotary_dim=None, mrope_section=None, mrope_interleaved=False,
+               rotary_style="neox", attention_scaling=1.0, inverse=False):
+    """float64 rotary embedding of token-major q [T, Hq, D] and k [T, Hk, D] (any leading token dims).
+
+    positions: [T] (one row) or [3, T] (t, h, w). The angle of slot j at token t is the float32 product
+    float32(positions[axis(j), t]) * inv_freq[j] (as specified); cos, sin and the rotation are float64.
+    Channels >= rotary_dim are copied. inverse rotates by the negated angle."""
+    D = q.shape[-1]
+    rd = D if rotary_dim is None else rotary_dim
+    n = rd // 2
+    pos = positions.reshape(1 if positions.dim() == 1 or mrope_section is None else 3, -1)
+    T = pos.shape[1]
+    # angle table [T, n]: column j uses the position row of slot j
+    rows = [rope_axis(j, mrope_section, mrope_interleaved) for j in range(n)]
+    pos_sel = torch.stack([pos[r] for r in rows], dim=1) if n else torch.zeros(T, 0, dtype=pos.dtype)
+    angle = pos_sel.to(torch.float32) * inv_freq.to(torch.float32)[None, :]  # elementwise fp32 multiply
+    cos = torch.cos(angle.double()) * attention_scaling
+    sin = torch.sin(angle.double()) * attention_scaling
+    if inverse:
+        sin = -sin
+    if rotary_style == "gptj":
+        lo = [2 * j for j in range(n)]
+        hi = [2 * j + 1 for j in range(n)]
+    else:
+        lo = list(range(n))
+        hi = [j + n for j in range(n)]
+    outs = []
+    for x in (q, k):
+        x64 = x.double().reshape(T, x.shape[-2], D)
+        y = x64.clone()
+        c, s = cos[:, None, :], sin[:, None, :]
+        y[:, :, lo] = x64[:, :, lo] * c - x64[:, :, hi] * s
+        y[:, :, hi] = x64[:, :, hi] * c + x64[:, :, lo] * s
+        outs.append(y.reshape(x.shape))
+    return outs[0], outs[1]
+# ------------------------------------------------------------------------------------------ mRoPE position ids
+def mrope_interval(tokens_per_second, second_per_grid_t):
+    """float32(tokens_per_second) * float32(second_per_grid_t), one float32 multiply (Qwen2.5-VL videos)."""
+    return torch.tensor(float(tokens_per_second), dtype=torch.float32) * torch.tensor(
+        float(second_per_grid_t), dtype=torch.float32)
+
+
+def mrope_position_ids(ids, cu, image_grid_thw=(), video_grid_thw=(), second_per_grid_ts=None, *,
+                       image_token_id, video_token_id, spatial_merge_size=2, tokens_per_second=None,
+                       video_frames="whole", text_after_vision="grid"):
+    """Segment by segment, run by run, token by token.
+
+    Text token: (cur, cur, cur), cur += 1. Vision block starting at cur = s with merged grid (T', H', W'):
+    token (ti, hi, wi) -> (s + floor(ti * interval), s + hi, s + wi), ti computed as float32(ti) * interval in
+    float32 then truncated. Text after the block resumes at
+      "grid": s + max(H', W')
+      "max":  max(every position of the segment so far) + 1   (transformers 4.x rule)
+    deltas[i] = max position of segment i + 1 - length of segment i (0 when the segment is empty)."""
+    ids = [int(v) for v in ids]
+    cu = [int(v) for v in cu]
+    m = spatial_merge_size
+    blocks = {image_token_id: [], video_token_id: []}
+    for g in image_grid_thw:
+        blocks[image_token_id].append((int(g[0]), int(g[1]) // m, int(g[2]) // m, torch.tensor(1.0)))
+    for v, g in enumerate(video_grid_thw):
+        t, h, w = int(g[0]), int(g[1]) // m, int(g[2]) // m
+        if video_frames == "per_frame":
+            blocks[video_token_id].extend((1, h, w, torch.tensor(1.0)) for _ in range(t))
+        else:
+            iv = torch.tensor(1.0)
+            if tokens_per_second is not None:
+                sec = 1.0 if second_per_grid_ts is None else float(second_per_grid_ts[v])
+                iv = mrope_interval(tokens_per_second, sec)
+            blocks[video_token_id].append((t, h, w, iv))
+    used = {image_token_id: 0, video_token_id: 0}
+    rows = [[], [], []]
+    deltas = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        seg = []  # (t, h, w) of each token
+        cur = 0
+        i = a
+        while i < b:
+            tok = ids[i]
+            if tok not in blocks:
+                seg.append((cur, cur, cur))
+                cur += 1
+                i += 1
+                continue
+            j = i
+            while j < b and ids[j] == tok:
+                j += 1
+            T, H, W, iv = blocks[tok][used[tok]]
+            used[tok] += 1
+            assert j - i == T * H * W, "run length does not match its grid"
+            s = cur
+            for ti in range(T):
+                tpos = int((torch.tensor(float(ti), dtype=torch.float32) * iv.to(torch.float32)).item())
+                for hi in range(H):
+                    for wi in range(W):
+                        seg.append((s + tpos, s + hi, s + wi))
+            if text_after_vision == "grid":
+                cur = s + max(H, W)
+            else:
+                cur = max(max(p) for p in seg) + 1
+            i = j
+        for p in seg:
+            for r in range(3):
+                rows[r].append(p[r])
+        deltas.append(max(max(p) for p in seg) + 1 - len(seg) if seg else 0)
+    assert used[image_token_id] == len(blocks[image_token_id]) and used[video_token_id] == len(blocks[video_token_id])
+    text_pos = position_ids(cu)
+    return torch.tensor(rows, dtype=torch.int64).reshape(3, -1), text_pos, torch.tensor(deltas, dtype=torch.int64)
+
+# ------------------------------------------------------------------------------------------ conv (causal conv1d, conv-prefix)
+def causal_conv1d(x, weight, bias=None, cu_seqlens=None, prefix=None, activation=None):
+    """torch.nn.functional.conv1d per segment, with the segment's K-1 prefix rows (or zeros) in front."""
+    T, C = x.shape
+    K = weight.shape[1]
+    cu = list(cu_seqlens) if cu_seqlens is not None else [0, T]
+    outs = []
+    for s in range(len(cu) - 1):
+        seg = x[cu[s]:cu[s + 1]]
+        if seg.shape[0] == 0:
+            continue
+        if prefix is not None:
+            head = prefix[s]
+        else:
+            head = x.new_zeros(K - 1, C)
+        full = torch.cat([head, seg], 0)  # [K-1+L, C]
+        y = torch.nn.functional.conv1d(full.t()[None], weight[:, None, :], bias, groups=C)[0].t()
+        if activation == "silu":
+            y = torch.nn.functional.silu(y)
+        outs.append(y)
+    return torch.cat(outs, 0) if outs else x[:0] * 1
+# =====================================================================================================
+# HF integration (packcuda.integrations.transformers): plain rotary rotation driven by positions
+# =====================================================================================================
+def hf_rope_axes(n, mrope_section, interleaved):
+    """Which position row (0 t, 1 h, 2 w) drives frequency slot j < n."""
+    if mrope_section is None:
+        return [0] * n
+    sT, sH, sW = mrope_section
+    axes = []
+    for j in range(n):
+        if interleaved:
+            axes.append(1 if (j % 3 == 1 and j < 3 * sH) else 2 if (j % 3 == 2 and j < 3 * sW) else 0)
+        else:
+            axes.append(0 if j < sT else 1 if j < sT + sH else 2)
+    return axes
+
+
+def hf_rope_apply(q, k, positions, *, inv_freq, rotary_dim=None, mrope_section=None, mrope_interleaved=False,
+                  attention_scaling=1.0, **_):
+    """q [T, Hq, D], k [T, Hk, D] rotated (rotate-half pairs j, j + n) by per-token positions [T] or [3, T]:
+    angle = float32(pos) * inv_freq[j] in float32 as transformers computes it, rotation in the input dtype's
+    autograd-friendly torch ops; channels >= rotary_dim pass through."""
+    n = inv_freq.numel()
+    rotary_dim = rotary_dim or 2 * n
+    assert rotary_dim == 2 * n
+    pos = positions if positions.dim() == 2 else positions[None].expand(3, -1)
+    axes = torch.tensor(hf_rope_axes(n, mrope_section, mrope_interleaved), device=pos.device)
+    p = pos.float()[axes, :].T  # [T, n]
+    ang = p * inv_freq.float().to(pos.device)[None]
+    cos = (ang.cos() * attention_scaling)[:, None, :]
+    sin = (ang.sin() * attention_scaling)[:, None, :]
+
+    def rot(x):
+        x1, x2, rest = x[..., :n], x[..., n:2 * n], x[..., 2 * n:]
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+
+    return rot(q), rot(k)

@@ -1,0 +1,211 @@
+"""Conv-prefix exchange and varlen causal conv1d.
+
+Single process (any device): ``causal_conv1d`` forward+backward on a packed stream (T=32k, C=8192, K=4,
+bf16, 64 sequences) vs the pure-PyTorch reference (``F.conv1d`` per sequence), ``torch.compile`` of that
+reference, FLA's varlen causal conv (when ``fla`` is importable) and the copy floor.
+
+Two or more processes (``torchrun --nproc_per_node=2 benchmarks/bench_conv.py``, NCCL): the conv-prefix
+exchange of a cp=2 plan (C=8192 bf16, K=4, 64 sequences; zigzag and contiguous) — packcuda's raw-NCCL path
+and its torch.distributed path vs a bare ``batch_isend_irecv`` of the same bytes, and vs FLA's conv-prefix
+exchange (``conv_cp_send_recv_fwd``; contiguous layout only, skipped with a note when ``fla`` is missing).
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import packcuda  # noqa: E402
+from benchmarks.harness import Timer, record  # noqa: E402
+
+
+def _lengths(n, total, rng):
+    cuts = sorted(rng.sample(range(1, total), n - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
+
+
+def _cu(lens):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _reference_conv(x, w, b, cu):
+    outs = []
+    K = w.shape[1]
+    for s in range(len(cu) - 1):
+        seg = x[cu[s]:cu[s + 1]]
+        y = torch.nn.functional.conv1d(seg.t()[None], w[:, None], b, padding=K - 1, groups=w.shape[0])
+        outs.append(y[0, :, :seg.shape[0]].t())
+    return torch.cat(outs)
+
+
+def _fla_varlen_conv():
+    try:
+        from fla.modules.convolution import causal_conv1d as fla_conv  # noqa: F401
+
+        return fla_conv
+    except Exception:
+        return None
+
+
+def run_conv(quick=False, device=None) -> list[dict]:
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    T, C, K, nseq = (2048, 64, 4, 16) if quick or dev.type == "cpu" else (32768, 8192, 4, 64)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    rng = random.Random(0)
+    cu = _cu(_lengths(nseq, T, rng))
+    t = Timer(dev, warmup=2 if quick else 5, reps=5 if quick else 30)
+    x = torch.randn(T, C, device=dev, dtype=dtype, requires_grad=True)
+    w = torch.randn(C, K, device=dev, dtype=dtype, requires_grad=True)
+    b = torch.randn(C, device=dev, dtype=dtype, requires_grad=True)
+    dy = torch.randn(T, C, device=dev, dtype=dtype)
+
+    def fwd_bwd(f):
+        def go():
+            y = f()
+            torch.autograd.grad(y, (x, w, b), dy)
+        return go
+
+    ours = t.median_ms(fwd_bwd(lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, activation="silu")))
+    ours_f = t.median_ms(lambda: packcuda.causal_conv1d(x.detach(), w.detach(), b.detach(), cu_seqlens=cu,
+                                                        activation="silu"))
+    rows = []
+    nbytes = T * C * x.element_size()
+    # fwd reads x, writes y; bwd reads x, dy, writes dx: 5 passes over [T, C]
+    xd, dst = x.detach(), torch.empty_like(x.detach())
+    floor = t.median_ms(lambda: dst.copy_(xd)) * 2.5 if dev.type == "cuda" else float("nan")
+    rows.append(dict(op="causal_conv1d fwd", shape=f"T={T} C={C} K={K} {str(dtype)[6:]} seqs={nseq}",
+                     packcuda_ms=ours_f, baseline="-", baseline_ms=float("nan"), speedup=float("nan")))
+    ref = t.median_ms(fwd_bwd(lambda: torch.nn.functional.silu(_reference_conv(x, w, b, cu))), reps=3 if quick else 10)
+    rows.append(dict(op="causal_conv1d fwd+bwd", shape=f"T={T} C={C} K={K}", packcuda_ms=ours,
+                     baseline="F.conv1d per sequence (eager)", baseline_ms=ref, speedup=ref / ours))
+    if not quick:
+        try:
+            cref = torch.compile(lambda: torch.nn.functional.silu(_reference_conv(x, w, b, cu)))
+            ms = t.median_ms(fwd_bwd(cref), reps=10)
+            rows.append(dict(op="causal_conv1d fwd+bwd", shape=f"T={T} C={C} K={K}", packcuda_ms=ours,
+                             baseline="torch.compile(F.conv1d per sequence)", baseline_ms=ms, speedup=ms / ours))
+        except Exception as e:  # pragma: no cover
+            print(f"torch.compile baseline skipped: {type(e).__name__}: {e}")
+    fla_conv = _fla_varlen_conv()
+    notes = []
+    if fla_conv is not None and dev.type == "cuda":
+        try:
+            cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+            ms = t.median_ms(fwd_bwd(lambda: fla_conv(x[None], w, b, activation="silu", cu_seqlens=cu_t)[0][0]))
+            rows.append(dict(op="causal_conv1d fwd+bwd", shape=f"T={T} C={C} K={K}", packcuda_ms=ours,
+                             baseline="FLA causal_conv1d (varlen)", baseline_ms=ms, speedup=ms / ours))
+        except Exception as e:  # pragma: no cover
+            notes.append(f"FLA varlen conv failed: {type(e).__name__}: {e}")
+    else:
+        notes.append("FLA (flash-linear-attention) is not importable here: its varlen conv comparison is skipped.")
+    if dev.type == "cuda":
+        rows.append(dict(op="copy floor (5 passes of [T, C])", shape=f"{5 * nbytes / 2**20:.0f} MiB",
+                         packcuda_ms=ours, baseline="tensor.copy_", baseline_ms=floor, speedup=floor / ours))
+    return rows, notes
+
+
+def run_exchange(quick=False) -> list[dict]:
+    """Needs torch.distributed initialised (torchrun) with >= 2 ranks; uses ranks 0 and 1 as cp=2."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) if torch.cuda.is_available() else torch.device("cpu")
+    C, K, nseq = (64, 4, 8) if quick else (8192, 4, 64)
+    rng = random.Random(1)
+    lens = [rng.randint(64, 1024) for _ in range(nseq)]
+    cu = _cu(lens)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    t = Timer(dev, warmup=5, reps=20 if quick else 100)
+    rows, notes = [], []
+    for layout in ("zigzag", "contiguous"):
+        plan = packcuda.shard_plan(cu, world, rank, layout=layout, device=dev)
+        x = torch.randn(plan.total_local, C, device=dev, dtype=dtype)
+        sched = packcuda.conv_prefix_schedule(plan, K)
+        backends = ["torch"] + (["nccl"] if dev.type == "cuda" and bool(torch.ops.packcuda.conv_nccl_available()) else [])
+        res = {}
+        for be in backends:
+            packcuda.conv_prefix(x, plan, K, backend=be)  # warm-up: comm creation, peer connections
+            dist.barrier()
+            res[be] = t.median_ms(lambda: packcuda.conv_prefix(x, plan, K, backend=be))
+        # bare send/recv of the same rows
+        sb = x.new_empty(sum(sched.send_counts), C)
+        rb = x.new_empty(sum(sched.recv_counts), C)
+
+        def bare():
+            p2p, so, ro = [], 0, 0
+            for p in range(world):
+                if sched.send_counts[p]:
+                    p2p.append(dist.P2POp(dist.isend, sb[so:so + sched.send_counts[p]], p))
+                if sched.recv_counts[p]:
+                    p2p.append(dist.P2POp(dist.irecv, rb[ro:ro + sched.recv_counts[p]], p))
+                so += sched.send_counts[p]
+                ro += sched.recv_counts[p]
+            if p2p:
+                for r in dist.batch_isend_irecv(p2p):
+                    r.wait()
+
+        bare()
+        dist.barrier()
+        base = t.median_ms(bare)
+        best = res.get("nccl", res["torch"])
+        shape = f"{layout} cp={world} C={C} K={K} seqs={nseq} rows_in={sched.rows_moved}"
+        for be, ms in res.items():
+            rows.append(dict(op=f"conv_prefix ({be})", shape=shape, packcuda_ms=ms,
+                             baseline="bare batch_isend_irecv, same bytes", baseline_ms=base, speedup=base / ms))
+        if layout == "contiguous":
+            try:
+                from fla.ops.cp.comm import conv_cp_send_recv_fwd  # noqa: F401
+
+                tails = x[-(K - 1):].contiguous()
+                conv_cp_send_recv_fwd(tails, dist.group.WORLD)
+                ms = t.median_ms(lambda: conv_cp_send_recv_fwd(tails, dist.group.WORLD))
+                rows.append(dict(op="conv_prefix", shape=shape, packcuda_ms=best,
+                                 baseline="FLA conv_cp_send_recv_fwd", baseline_ms=ms, speedup=ms / best))
+            except Exception as e:
+                notes.append(f"FLA conv-prefix comparison skipped ({type(e).__name__}: {e}).")
+    return rows, notes
+
+
+def run(quick=False, device=None, write=False) -> list[dict]:
+    """Rows of both tables; `write` records them (the one-command report records its own table)."""
+    import torch.distributed as dist
+
+    rows, notes = run_conv(quick, device)
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() >= 2:
+        xr, xn = run_exchange(quick)
+        if dist.get_rank() == 0 and write:
+            record("conv-prefix exchange (cp=2)", xr, device=dev, notes=" ".join(sorted(set(xn))))
+        rows += xr
+    elif dev.type == "cuda":
+        notes.append("exchange rows need `torch distributed launch`: torchrun --nproc_per_node=2 benchmarks/bench_conv.py")
+    if write and (not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0):
+        record("causal_conv1d fwd+bwd (varlen, silu)", [r for r in rows if not r["op"].startswith("conv_prefix")],
+               device=dev, notes=" ".join(notes), write=not quick)
+    return rows
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    quick = "--quick" in sys.argv
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        try:
+            run(quick=quick, write=True)
+        finally:
+            dist.destroy_process_group()
+    else:
+        run(quick=quick, write=True)

@@ -1,0 +1,394 @@
+// Math of the varlen causal depthwise conv1d and of the conv-prefix exchange, shared by the CPU and CUDA
+// kernels. Every function here is written once and called per (channel, token tile) by both backends.
+//
+// Convention (x, y: [T, C] row-major; weight [C, K]; prefix [S, K-1, C]):
+//   z[t, c] = bias[c] + sum_k weight[c, k] * xin(t - (K-1) + k, c),   y = act(z)
+//   xin(u, c) = x[u, c] if u >= start of t's segment s, else prefix[s, K-1 + (u - start), c] (0 without prefix).
+// Windows are kept right-aligned in arrays of a compile-time size KM >= K: slot m holds tap k = m - (KM - K);
+// slots below KM - K carry no tap and are masked out (never multiplied, so inf/NaN cannot leak in).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "common/hd.h"
+#include "conv/conv.h"
+
+#if defined(__CUDACC__)
+#define PC_UNROLL _Pragma("unroll")
+#else
+#define PC_UNROLL
+#endif
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace packcuda::conv {
+
+// ---------------------------------------------------------------------------------------- scalar types
+// 16-bit storage types with host and device conversions (the core does not depend on torch).
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+
+PC_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+PC_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+PC_HD float to_f(float v) { return v; }
+PC_HD float to_f(bf16_t v) { return bits_f32(static_cast<uint32_t>(v.bits) << 16); }
+PC_HD float to_f(f16_t v) {
+#if defined(__CUDA_ARCH__)
+  __half_raw r;
+  r.x = v.bits;
+  return __half2float(__half(r));
+#else
+  const uint32_t h = v.bits;
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0) {
+    if (man == 0) return bits_f32(sign);
+    // subnormal: normalise
+    int e = -1;
+    do {
+      ++e;
+      man <<= 1;
+    } while ((man & 0x400) == 0);
+    man &= 0x3ff;
+    return bits_f32(sign | ((127 - 15 - e) << 23) | (man << 13));
+  }
+  if (exp == 31) return bits_f32(sign | 0x7f800000u | (man << 13));
+  return bits_f32(sign | ((exp + 127 - 15) << 23) | (man << 13));
+#endif
+}
+
+template <typename S> struct From;
+template <> struct From<float> {
+  static PC_HD float cvt(float v) { return v; }
+};
+template <> struct From<double> {
+  static PC_HD double cvt(double v) { return v; }
+};
+template <> struct From<bf16_t> {
+  static PC_HD bf16_t cvt(float f) {  // round to nearest even, NaN stays NaN
+    const uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{static_cast<uint16_t>((u >> 16) | 0x40)};
+    return bf16_t{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+  }
+};
+template <> struct From<f16_t> {
+  static PC_HD f16_t cvt(float f) {
+#if defined(__CUDA_ARCH__)
+    __half_raw r = __half(__float2half_rn(f));
+    return f16_t{r.x};
+#else
+    const uint32_t u = f32_bits(f);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    const uint32_t au = u & 0x7fffffffu;
+    if (au > 0x7f800000u) return f16_t{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+    if (au >= 0x477ff000u) return f16_t{static_cast<uint16_t>(sign | 0x7c00u)};  // overflow -> inf
+    if (au < 0x38800000u) {  // subnormal or zero in half
+      // value = au as float; half subnormal unit = 2^-24
+      const float a = bits_f32(au);
+      // scale to units of 2^-24 and round to nearest even
+      const float scaled = a * 16777216.0f;  // exact (power of two)
+      uint32_t q = static_cast<uint32_t>(scaled);
+      const float rem = scaled - static_cast<float>(q);
+      if (rem > 0.5f || (rem == 0.5f && (q & 1u))) ++q;
+      return f16_t{static_cast<uint16_t>(sign | q)};
+    }
+    const uint32_t exp = ((au >> 23) - 127 + 15);
+    uint32_t man = au & 0x7fffffu;
+    uint32_t h = (exp << 10) | (man >> 13);
+    const uint32_t rest = man & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // carries into the exponent correctly
+    return f16_t{static_cast<uint16_t>(sign | h)};
+#endif
+  }
+};
+template <typename S, typename A> PC_HD S from_acc(A v) { return From<S>::cvt(v); }
+
+// Accumulation type: fp32 for every storage type except fp64 (which accumulates in fp64).
+template <typename S> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+PC_HD float val(float v) { return v; }
+PC_HD double val(double v) { return v; }
+PC_HD float val(bf16_t v) { return to_f(v); }
+PC_HD float val(f16_t v) { return to_f(v); }
+
+PC_HD float sigmoid(float z) {
+#if defined(__CUDA_ARCH__)
+  return 1.f / (1.f + __expf(-z));
+#else
+  return 1.f / (1.f + std::exp(-z));
+#endif
+}
+PC_HD double sigmoid(double z) {
+#if defined(__CUDA_ARCH__)
+  return 1.0 / (1.0 + ::exp(-z));
+#else
+  return 1.0 / (1.0 + std::exp(-z));
+#endif
+}
+// Activation codes: 0 = identity, 1 = silu.
+template <typename A> PC_HD A activate(A z, int act) { return act == 1 ? z * sigmoid(z) : z; }
+template <typename A> PC_HD A activate_grad(A z, int act) {
+  if (act != 1) return A(1);
+  const A s = sigmoid(z);
+  return s * (A(1) + z * (A(1) - s));
+}
+
+// ---------------------------------------------------------------------------------------- conv shapes
+struct ConvShape {
+  int64_t T;     // tokens
+  int64_t C;     // channels
+  int K;         // kernel size, 1 <= K <= kMaxK
+  int64_t nseg;  // segments in cu (cu has nseg + 1 entries)
+  int act;       // 0 identity, 1 silu
+};
+
+// Input value seen by a token of segment s (starting at `start`) at stream position u (u may be < start).
+template <typename S, typename A>
+PC_HD A conv_input(const S* x, const S* prefix, const ConvShape& sh, int64_t s, int64_t start, int64_t u,
+                   int64_t c) {
+  if (u >= start) return val(x[u * sh.C + c]);
+  if (prefix == nullptr) return A(0);
+  const int64_t j = (sh.K - 1) + (u - start);  // 0 <= j < K-1
+  return val(prefix[(s * (sh.K - 1) + j) * sh.C + c]);
+}
+
+// Token tiles: tile i covers [i * len, min(T, (i + 1) * len)).
+struct Tiles {
+  int64_t count;
+  int64_t len;
+};
+PC_HD Tiles make_tiles(int64_t T, int64_t want_count) {
+  if (T <= 0) return Tiles{0, 1};
+  if (want_count < 1) want_count = 1;
+  if (want_count > T) want_count = T;
+  const int64_t len = ceil_div(T, want_count);
+  return Tiles{ceil_div(T, len), len};
+}
+
+// Tokens per batch of independent loads issued before the dependent arithmetic (memory-level parallelism).
+constexpr int kBatch = 8;
+
+// Forward over tokens [t0, t1) of channel c.
+template <typename S, int KM>
+PC_HD void conv_fwd_tile(const S* x, const S* w, const S* b, const S* prefix, const int64_t* cu,
+                         const ConvShape& sh, S* y, int64_t c, int64_t t0, int64_t t1) {
+  static_assert(KM >= 2 && KM <= kMaxK, "window size");
+  using A = typename Acc<S>::type;
+  const int off = KM - sh.K;
+  A wk[KM];
+PC_UNROLL
+  for (int m = 0; m < KM; ++m) wk[m] = m >= off ? val(w[c * sh.K + (m - off)]) : A(0);
+  const A bias = b ? val(b[c]) : A(0);
+  if (t1 <= t0) return;
+  int64_t s = find_segment(cu, sh.nseg, t0);
+  int64_t start = cu[s], end = cu[s + 1];
+  A win[KM];  // win[m] = xin(t - (KM-1) + m) for m < KM-1
+PC_UNROLL
+  for (int m = 0; m < KM - 1; ++m)
+    win[m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t0 - (KM - 1) + m, c) : A(0);
+  for (int64_t tb = t0; tb < t1; tb += kBatch) {
+    A xs[kBatch];
+PC_UNROLL
+    for (int i = 0; i < kBatch; ++i) xs[i] = tb + i < t1 ? val(x[(tb + i) * sh.C + c]) : A(0);
+PC_UNROLL
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t t = tb + i;
+      if (t >= t1) break;
+      if (t >= end) {  // entering the next non-empty segment, which starts at t
+        do ++s;
+        while (cu[s + 1] <= t);
+        start = cu[s];
+        end = cu[s + 1];
+PC_UNROLL
+        for (int m = 0; m < KM - 1; ++m)
+          win[m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c) : A(0);
+      }
+      const A xt = xs[i];
+      A z = bias;
+PC_UNROLL
+      for (int m = 0; m < KM - 1; ++m)
+        if (m >= off) z += wk[m] * win[m];
+      z += wk[KM - 1] * xt;
+PC_UNROLL
+      for (int m = 0; m < KM - 2; ++m) win[m] = win[m + 1];
+      win[KM - 2] = xt;
+      y[t * sh.C + c] = from_acc<S>(activate(z, sh.act));
+    }
+  }
+}
+
+// Pre-activation z at token t of segment s, computed from scratch (tile edges of the backward).
+template <typename S, int KM, typename A>
+PC_HD A conv_z_at(const S* x, const S* prefix, const A* wk, A bias, const ConvShape& sh, int64_t s,
+                  int64_t start, int64_t t, int64_t c) {
+  const int off = KM - sh.K;
+  A z = bias;
+PC_UNROLL
+  for (int m = 0; m < KM; ++m)
+    if (m >= off) z += wk[m] * conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c);
+  return z;
+}
+
+// Backward over tokens [t0, t1) of channel c, walking t downwards. Writes dx[t, c] for t in the tile,
+// dprefix[s, :, c] for every non-empty segment that starts in the tile (when dprefix is given), and this
+// tile's partial sums of dweight[c, :] and dbias[c] into part[0..K] (K + 1 accumulators).
+//   dx[u]         = sum_k w[k] * gz[u + K-1-k]      over taps inside u's segment
+//   dprefix[s, j] = sum_k w[k] * gz[start + j - k]  (prefix row j sits at u = start - (K-1) + j)
+//   dw[k]         = sum_t gz[t] * xin(t - (K-1) + k),  db = sum_t gz[t],  gz = dy * act'(z)
+template <typename S, int KM>
+PC_HD void conv_bwd_tile(const S* dy, const S* x, const S* w, const S* b, const S* prefix, const int64_t* cu,
+                         const ConvShape& sh, S* dx, S* dprefix, typename Acc<S>::type* part, int64_t c,
+                         int64_t t0, int64_t t1) {
+  static_assert(KM >= 2 && KM <= kMaxK, "window size");
+  using A = typename Acc<S>::type;
+  const int K = sh.K;
+  const int off = KM - K;
+  A wk[KM];
+PC_UNROLL
+  for (int m = 0; m < KM; ++m) wk[m] = m >= off ? val(w[c * K + (m - off)]) : A(0);
+  const A bias = b ? val(b[c]) : A(0);
+  A dw[KM];
+PC_UNROLL
+  for (int m = 0; m < KM; ++m) dw[m] = A(0);
+  A db = A(0);
+  if (t1 > t0) {
+    int64_t t = t1 - 1;
+    int64_t s = find_segment(cu, sh.nseg, t);
+    int64_t start = cu[s], end = cu[s + 1];
+    A g[KM];   // g[d] = gz(t + d) if t + d is in t's segment, else 0 (only d < K carry weight)
+    A xw[KM];  // xw[m] = xin(t - (KM-1) + m)
+    g[0] = A(0);
+PC_UNROLL
+    for (int d = 1; d < KM; ++d) {
+      g[d] = A(0);
+      if (d < K && t + d < end) {
+        const A z = conv_z_at<S, KM, A>(x, prefix, wk, bias, sh, s, start, t + d, c);
+        g[d] = val(dy[(t + d) * sh.C + c]) * activate_grad(z, sh.act);
+      }
+    }
+PC_UNROLL
+    for (int m = 0; m < KM; ++m)
+      xw[m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c) : A(0);
+    for (int64_t tb = t1 - 1; tb >= t0; tb -= kBatch) {
+      A dys[kBatch], xr[kBatch];  // dy[t], and raw x[t - K] (enters the window at the step to t - 1)
+PC_UNROLL
+      for (int i = 0; i < kBatch; ++i) {
+        const int64_t tt = tb - i;
+        dys[i] = tt >= t0 ? val(dy[tt * sh.C + c]) : A(0);
+        xr[i] = (tt >= t0 && tt - K >= 0) ? val(x[(tt - K) * sh.C + c]) : A(0);
+      }
+PC_UNROLL
+      for (int i = 0; i < kBatch; ++i) {
+        if (t < t0) break;
+        A z = bias;
+PC_UNROLL
+        for (int m = 0; m < KM; ++m)
+          if (m >= off) z += wk[m] * xw[m];
+        const A gz = dys[i] * activate_grad(z, sh.act);
+        g[0] = gz;
+        A gx = A(0);
+PC_UNROLL
+        for (int m = 0; m < KM; ++m)
+          if (m >= off) gx += wk[m] * g[KM - 1 - m];
+        dx[t * sh.C + c] = from_acc<S>(gx);
+PC_UNROLL
+        for (int m = 0; m < KM; ++m)
+          if (m >= off) dw[m] += gz * xw[m];
+        db += gz;
+        if (t == start && dprefix != nullptr) {
+          for (int j = 0; j < K - 1; ++j) {
+            A acc = A(0);
+PC_UNROLL
+            for (int m = 0; m < KM; ++m) {
+              const int d = j + off - m;  // tap t' = start + d
+              if (m >= off && d >= 0) acc += wk[m] * g[d];
+            }
+            dprefix[(s * (K - 1) + j) * sh.C + c] = from_acc<S>(acc);
+          }
+        }
+        --t;
+        if (t < t0) break;
+        if (t < start) {  // into the previous non-empty segment, which ends at t + 1
+          do --s;
+          while (cu[s] > t);
+          start = cu[s];
+          end = cu[s + 1];
+PC_UNROLL
+          for (int d = 0; d < KM; ++d) g[d] = A(0);
+PC_UNROLL
+          for (int m = 0; m < KM; ++m)
+            xw[m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c) : A(0);
+        } else {
+PC_UNROLL
+          for (int d = KM - 1; d > 0; --d) g[d] = g[d - 1];
+          // the row entering the window is u = t - (K-1), at slot off (the first slot carrying a tap)
+          const int64_t u = t - (K - 1);
+          const A in = u >= start ? xr[i] : conv_input<S, A>(x, prefix, sh, s, start, u, c);
+PC_UNROLL
+          for (int m = KM - 1; m > 0; --m) xw[m] = m == off ? in : xw[m - 1];
+          xw[0] = off == 0 ? in : A(0);
+        }
+      }
+    }
+  }
+  for (int k = 0; k < K; ++k) part[k] = dw[k + off];
+  part[K] = db;
+}
+
+// Fixed-order reduction of the per-tile partials part[tile][c][K+1] for channel c: dweight[c, :], dbias[c].
+template <typename S>
+PC_HD void conv_reduce_channel(const typename Acc<S>::type* part, int64_t ntiles, const ConvShape& sh,
+                               S* dweight, S* dbias, int64_t c) {
+  using A = typename Acc<S>::type;
+  const int K = sh.K;
+  for (int k = 0; k <= K; ++k) {
+    A acc = A(0);
+    for (int64_t i = 0; i < ntiles; ++i) acc += part[(i * sh.C + c) * (K + 1) + k];
+    if (k < K) dweight[c * K + k] = from_acc<S>(acc);
+    else if (dbias) dbias[c] = from_acc<S>(acc);
+  }
+}
+
+// ---------------------------------------------------------------------------------------- exchange
+// Two-source gather-sum of rows of C elements: out[r, c] = sum over m < M of src(index[r, m])[c], where an
+// index i in [0, na) reads a[i], [na, na + nb) reads b[i - na], and -1 contributes nothing (a row with no
+// source is zero). Sums run in the fixed order m = 0..M-1 (deterministic), accumulating in fp32.
+template <typename S>
+PC_HD void gather_sum_elem(S* out, const S* a, int64_t na, const S* b, const int64_t* index, int M, int64_t C,
+                           int64_t r, int64_t c) {
+  using A = typename Acc<S>::type;
+  A acc = A(0);
+  for (int m = 0; m < M; ++m) {
+    const int64_t i = index[r * M + m];
+    if (i < 0) continue;
+    acc += i < na ? val(a[i * C + c]) : val(b[(i - na) * C + c]);
+  }
+  out[r * C + c] = from_acc<S>(acc);
+}
+
+}  // namespace packcuda::conv

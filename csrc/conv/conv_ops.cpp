@@ -1,0 +1,309 @@
+// Torch layer of the causal conv1d and the conv-prefix exchange: schemas, argument checks, dispatch.
+#include <cstring>
+
+#include "common/torch/checks.h"
+#include "conv/conv.h"
+
+namespace packcuda::th {
+namespace {
+
+using torch::stable::Device;
+using conv::ConvArgs;
+using conv::DType;
+
+DType conv_dtype(ST t) {
+  switch (t) {
+    case ST::Float: return DType::F32;
+    case ST::Double: return DType::F64;
+    case ST::BFloat16: return DType::BF16;
+    case ST::Half: return DType::F16;
+    default: return DType::F32;
+  }
+}
+
+struct Prepared {
+  ConvArgs a;
+  Tensor x, weight, cu;
+  std::optional<Tensor> bias, prefix;
+};
+
+// Validates every argument of the conv (forward and backward) before anything is written.
+Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, const std::optional<Tensor>& bias,
+                 const std::optional<Tensor>& cu_seqlens, const std::optional<Tensor>& prefix, int64_t activation) {
+  check_dim(op, "x", x_in, 2);
+  check_dtype(op, "x", x_in, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
+  check_dim(op, "weight", weight_in, 2);
+  check_same_device(op, "weight", weight_in, "x", x_in);
+  const int64_t T = x_in.size(0), C = x_in.size(1);
+  PC_ARG(weight_in.scalar_type() == x_in.scalar_type(), op, "weight has dtype ",
+         dtype_name(weight_in.scalar_type()), " but x has dtype ", dtype_name(x_in.scalar_type()));
+  PC_ARG(weight_in.size(0) == C, op, "weight must be [C, K] with C = ", C, " (x is ", shape_str(x_in),
+         "), got ", shape_str(weight_in));
+  const int64_t K = weight_in.size(1);
+  PC_ARG(K >= 1 && K <= conv::kMaxK, op, "kernel size K = weight.size(1) must be in [1, ", conv::kMaxK,
+         "], got ", K);
+  PC_ARG(activation == 0 || activation == 1, op, "activation must be 0 (none) or 1 (silu), got ", activation);
+  Prepared p;
+  p.x = torch::stable::contiguous(x_in);
+  p.weight = torch::stable::contiguous(weight_in);
+  if (bias.has_value()) {
+    const Tensor& b = *bias;
+    check_same_device(op, "bias", b, "x", x_in);
+    PC_ARG(b.dim() == 1 && b.size(0) == C, op, "bias must be [C] with C = ", C, ", got ", shape_str(b));
+    PC_ARG(b.scalar_type() == x_in.scalar_type(), op, "bias has dtype ", dtype_name(b.scalar_type()),
+           " but x has dtype ", dtype_name(x_in.scalar_type()));
+    p.bias = torch::stable::contiguous(b);
+  }
+  int64_t nseg = 1;
+  if (cu_seqlens.has_value()) {
+    Segments seg = segments(op, "cu_seqlens", *cu_seqlens, x_in.device(), T);
+    p.cu = seg.tensor;
+    nseg = seg.count;
+  } else {
+    p.cu = upload_i64({0, T}, x_in.device());
+  }
+  if (prefix.has_value()) {
+    const Tensor& pf = *prefix;
+    check_same_device(op, "prefix", pf, "x", x_in);
+    PC_ARG(pf.dim() == 3 && pf.size(0) == nseg && pf.size(1) == K - 1 && pf.size(2) == C, op,
+           "prefix must be [S, K-1, C] = [", nseg, ", ", K - 1, ", ", C, "], got ", shape_str(pf));
+    PC_ARG(pf.scalar_type() == x_in.scalar_type(), op, "prefix has dtype ", dtype_name(pf.scalar_type()),
+           " but x has dtype ", dtype_name(x_in.scalar_type()));
+    p.prefix = torch::stable::contiguous(pf);
+  }
+  ConvArgs& a = p.a;
+  a.x = p.x.const_data_ptr();
+  a.weight = p.weight.const_data_ptr();
+  a.bias = p.bias.has_value() ? p.bias->const_data_ptr() : nullptr;
+  a.prefix = p.prefix.has_value() ? p.prefix->const_data_ptr() : nullptr;
+  a.cu = p.cu.const_data_ptr<int64_t>();
+  a.T = T;
+  a.C = C;
+  a.nseg = nseg;
+  a.K = static_cast<int>(K);
+  a.activation = static_cast<int>(activation);
+  a.dtype = conv_dtype(x_in.scalar_type());
+  return p;
+}
+
+Tensor causal_conv1d_fwd(Tensor x, Tensor weight, std::optional<Tensor> bias, std::optional<Tensor> cu_seqlens,
+                         std::optional<Tensor> prefix, int64_t activation) {
+  Prepared p = prepare("causal_conv1d", x, weight, bias, cu_seqlens, prefix, activation);
+  Tensor y = torch::stable::new_empty(p.x, {p.a.T, p.a.C});
+  if (p.a.T == 0 || p.a.C == 0) return y;
+  if (x.is_cuda()) {
+    PC_CUDA_ONLY({
+      CudaScope cs(x);
+      conv::causal_conv1d_fwd_cuda(p.a, y.mutable_data_ptr(), cs.stream);
+    });
+  } else {
+    conv::causal_conv1d_fwd_cpu(p.a, y.mutable_data_ptr());
+  }
+  return y;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor dy, Tensor x, Tensor weight,
+                                                             std::optional<Tensor> bias,
+                                                             std::optional<Tensor> cu_seqlens,
+                                                             std::optional<Tensor> prefix, int64_t activation) {
+  const char* op = "causal_conv1d_backward";
+  Prepared p = prepare(op, x, weight, bias, cu_seqlens, prefix, activation);
+  check_same_device(op, "grad_y", dy, "x", x);
+  PC_ARG(dy.dim() == 2 && dy.size(0) == p.a.T && dy.size(1) == p.a.C, op, "grad_y must have the shape of x ",
+         shape_str(x), ", got ", shape_str(dy));
+  PC_ARG(dy.scalar_type() == x.scalar_type(), op, "grad_y has dtype ", dtype_name(dy.scalar_type()),
+         " but x has dtype ", dtype_name(x.scalar_type()));
+  dy = torch::stable::contiguous(dy);
+  const conv::ConvArgs& a = p.a;
+  Tensor dx = torch::stable::new_empty(p.x, {a.T, a.C});
+  Tensor dw = torch::stable::new_empty(p.weight, {a.C, static_cast<int64_t>(a.K)});
+  Tensor db = torch::stable::new_empty(p.x, {a.C});
+  const int64_t S = p.prefix.has_value() ? a.nseg : 0;
+  Tensor dprefix = torch::stable::new_empty(p.x, {S, static_cast<int64_t>(a.K - 1), a.C});
+  const ST acc_t = a.dtype == DType::F64 ? ST::Double : ST::Float;
+  if (x.is_cuda()) {
+    PC_CUDA_ONLY({
+      CudaScope cs(x);
+      const int64_t tiles = conv::conv_bwd_tiles_cuda(a.T, a.C);
+      Tensor work = torch::stable::new_empty(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
+      conv::causal_conv1d_bwd_cuda(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
+                                   db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
+                                   work.mutable_data_ptr(), tiles, cs.stream);
+    });
+  } else {
+    const int64_t tiles = conv::conv_bwd_tiles_cpu(a.T);
+    Tensor work = torch::stable::new_empty(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
+    conv::causal_conv1d_bwd_cpu(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
+                                db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
+                                work.mutable_data_ptr(), tiles);
+  }
+  return {dx, dw, db, dprefix};
+}
+
+// out[r] = sum_m src(index[r, m]) with src(i) = a[i] for i < a.size(0), b[i - a.size(0)] above, nothing for -1.
+Tensor conv_gather_sum(Tensor a, Tensor b, Tensor index) {
+  const char* op = "conv_gather_sum";
+  check_dim(op, "a", a, 2);
+  check_dim(op, "b", b, 2);
+  check_dtype(op, "a", a, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
+  PC_ARG(b.scalar_type() == a.scalar_type(), op, "b has dtype ", dtype_name(b.scalar_type()), " but a has ",
+         dtype_name(a.scalar_type()));
+  PC_ARG(b.size(1) == a.size(1), op, "b has ", b.size(1), " columns but a has ", a.size(1));
+  check_same_device(op, "b", b, "a", a);
+  check_same_device(op, "index", index, "a", a);
+  check_dim(op, "index", index, 2);
+  check_dtype(op, "index", index, {ST::Long});
+  a = torch::stable::contiguous(a);
+  b = torch::stable::contiguous(b);
+  index = torch::stable::contiguous(index);
+  const int64_t na = a.size(0), nb = b.size(0), C = a.size(1), R = index.size(0);
+  const int M = static_cast<int>(index.size(1));
+  if (a.is_cpu()) check_index_range(op, "index", index, -1, na + nb, false);
+  Tensor out = torch::stable::new_empty(a, {R, C});
+  if (R == 0 || C == 0) return out;
+  const DType dt = conv_dtype(a.scalar_type());
+  if (a.is_cuda()) {
+    PC_CUDA_ONLY({
+      CudaScope cs(a);
+      conv::gather_sum_cuda(out.mutable_data_ptr(), R, a.const_data_ptr(), na, b.const_data_ptr(),
+                            index.const_data_ptr<int64_t>(), M, C, dt, cs.stream);
+    });
+  } else {
+    conv::gather_sum_cpu(out.mutable_data_ptr(), R, a.const_data_ptr(), na, b.const_data_ptr(),
+                         index.const_data_ptr<int64_t>(), M, C, dt);
+  }
+  return out;
+}
+
+
+Tensor host_i64(const std::vector<int64_t>& v) {
+  return upload_i64(v, Device(torch::headeronly::DeviceType::CPU));
+}
+
+// Host schedule of the conv-prefix exchange for rank cp_rank of a shard plan (parameters as shard_layout).
+std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout,
+                                         int64_t align, std::optional<int64_t> bucket, int64_t kernel_size) {
+  const char* op = "conv_prefix_schedule";
+  PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got ", device_str(cu_seqlens));
+  PC_ARG(cp_size >= 1, op, "cp_size must be >= 1, got ", cp_size);
+  PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, ", cp_size, "), got ", cp_rank);
+  PC_ARG(layout == 0 || layout == 1, op, "layout must be 0 (zigzag) or 1 (contiguous), got ", layout);
+  PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
+  PC_ARG(layout == 1 || align % (2 * cp_size) == 0, op, "zigzag align must be a multiple of 2*cp_size = ",
+         2 * cp_size, ", got ", align);
+  const int64_t bk = bucket.has_value() ? *bucket : 1;
+  PC_ARG(bk >= 1, op, "bucket must be >= 1, got ", bk);
+  PC_ARG(layout == 1 || bk % align == 0 || bk == 1, op, "zigzag bucket must be a multiple of align = ", align,
+         ", got ", bk);
+  PC_ARG(kernel_size >= 1 && kernel_size <= conv::kMaxK, op, "kernel_size must be in [1, ", conv::kMaxK, "], got ",
+         kernel_size);
+  Segments seg = segments(op, "cu_seqlens", cu_seqlens, Device(torch::headeronly::DeviceType::CPU), -1);
+  const conv::Schedule sc = conv::build_schedule(seg.host.data(), seg.count, cp_size, cp_rank,
+                                                 static_cast<int>(layout), align, bk, static_cast<int>(kernel_size));
+  Tensor bwd_unpack = torch::stable::reshape(host_i64(sc.bwd_unpack), {sc.n_local, sc.bwd_m});
+  return {host_i64(sc.send_index), host_i64(sc.send_counts), host_i64(sc.recv_counts), host_i64(sc.unpack),
+          host_i64(sc.bwd_send_index), bwd_unpack, host_i64({sc.n_pieces, sc.n_local})};
+}
+
+bool conv_nccl_available() { return conv::nccl_available(); }
+
+Tensor conv_nccl_unique_id() {
+  Tensor id = torch::stable::empty({128}, ST::Byte, std::nullopt, Device(torch::headeronly::DeviceType::CPU));
+  conv::nccl_unique_id(static_cast<uint8_t*>(id.mutable_data_ptr()));
+  return id;
+}
+
+int64_t conv_nccl_comm_init(Tensor unique_id, int64_t nranks, int64_t rank, int64_t device_index) {
+  const char* op = "conv_nccl_comm_init";
+  PC_ARG(unique_id.is_cpu() && unique_id.scalar_type() == ST::Byte && unique_id.numel() == 128, op,
+         "unique_id must be a CPU uint8 tensor of 128 bytes, got ", dtype_name(unique_id.scalar_type()), " ",
+         shape_str(unique_id));
+  PC_ARG(nranks >= 1 && rank >= 0 && rank < nranks, op, "rank ", rank, " is not in [0, ", nranks, ")");
+  unique_id = torch::stable::contiguous(unique_id);
+  torch::stable::accelerator::DeviceGuard guard(static_cast<int32_t>(device_index));
+  return reinterpret_cast<int64_t>(conv::nccl_comm_init(static_cast<const uint8_t*>(unique_id.const_data_ptr()),
+                                                        static_cast<int>(nranks), static_cast<int>(rank)));
+}
+
+// One grouped NCCL exchange + unpack (see conv.h). Counts are host lists (cp entries); index tensors on src's
+// device; returns the unpacked [n_out, C].
+Tensor conv_exchange_nccl(Tensor src, Tensor send_index, std::vector<int64_t> send_counts,
+                          std::vector<int64_t> recv_counts, Tensor unpack_index, int64_t comm, int64_t rank) {
+  const char* op = "conv_exchange_nccl";
+  PC_ARG(src.is_cuda(), op, "src must be a CUDA tensor, got ", device_str(src));
+  check_dim(op, "src", src, 2);
+  check_dtype(op, "src", src, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
+  check_same_device(op, "send_index", send_index, "src", src);
+  check_same_device(op, "unpack_index", unpack_index, "src", src);
+  check_dtype(op, "send_index", send_index, {ST::Long});
+  check_dtype(op, "unpack_index", unpack_index, {ST::Long});
+  check_dim(op, "unpack_index", unpack_index, 2);
+  const int64_t cp = static_cast<int64_t>(send_counts.size());
+  PC_ARG(static_cast<int64_t>(recv_counts.size()) == cp, op, "send_counts has ", cp, " entries but recv_counts has ",
+         recv_counts.size());
+  PC_ARG(rank >= 0 && rank < cp, op, "rank ", rank, " is not in [0, ", cp, ")");
+  PC_ARG(comm != 0, op, "comm must be a communicator handle (from conv_nccl_comm_init), got 0");
+  int64_t ns = 0, nr = 0;
+  for (int64_t p = 0; p < cp; ++p) {
+    PC_ARG(send_counts[p] >= 0 && recv_counts[p] >= 0, op, "counts must be >= 0");
+    ns += send_counts[p];
+    nr += recv_counts[p];
+  }
+  PC_ARG(send_index.numel() == ns, op, "send_index has ", send_index.numel(), " entries but send_counts sum to ", ns);
+  src = torch::stable::contiguous(src);
+  send_index = torch::stable::contiguous(send_index);
+  unpack_index = torch::stable::contiguous(unpack_index);
+  const int64_t C = src.size(1);
+  Tensor send_buf = torch::stable::new_empty(src, {ns, C});
+  Tensor recv_buf = torch::stable::new_empty(src, {nr, C});
+  Tensor out = torch::stable::new_empty(src, {unpack_index.size(0), C});
+  PC_CUDA_ONLY({
+    CudaScope cs(src);
+    conv::exchange_rows_nccl(src.const_data_ptr(), src.size(0), send_index.const_data_ptr<int64_t>(),
+                             send_counts.data(), recv_counts.data(), send_buf.mutable_data_ptr(),
+                             recv_buf.mutable_data_ptr(), unpack_index.const_data_ptr<int64_t>(),
+                             static_cast<int>(unpack_index.size(1)), out.mutable_data_ptr(), out.size(0), C,
+                             conv_dtype(src.scalar_type()), cp, rank, reinterpret_cast<ncclComm_t>(comm),
+                             cs.stream);
+  });
+  return out;
+}
+}  // namespace
+}  // namespace packcuda::th
+
+STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
+  m.def("causal_conv1d_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, Tensor? prefix, "
+        "int activation) -> Tensor");
+  m.def("causal_conv1d_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, "
+        "Tensor? prefix, int activation) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("conv_gather_sum(Tensor a, Tensor b, Tensor index) -> Tensor");
+  m.def("conv_prefix_schedule(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket, "
+        "int kernel_size) -> Tensor[]");
+  m.def("conv_nccl_available() -> bool");
+  m.def("conv_nccl_unique_id() -> Tensor");
+  m.def("conv_nccl_comm_init(Tensor unique_id, int nranks, int rank, int device_index) -> int");
+  m.def("conv_exchange_nccl(Tensor src, Tensor send_index, int[] send_counts, int[] recv_counts, "
+        "Tensor unpack_index, int comm, int rank) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
+  m.impl("conv_nccl_available", TORCH_BOX(&packcuda::th::conv_nccl_available));
+  m.impl("conv_nccl_unique_id", TORCH_BOX(&packcuda::th::conv_nccl_unique_id));
+  m.impl("conv_nccl_comm_init", TORCH_BOX(&packcuda::th::conv_nccl_comm_init));
+}
+
+#define PC_CONV_IMPLS(m)                                                    \
+  m.impl("causal_conv1d_fwd", TORCH_BOX(&packcuda::th::causal_conv1d_fwd)); \
+  m.impl("causal_conv1d_bwd", TORCH_BOX(&packcuda::th::causal_conv1d_bwd)); \
+  m.impl("conv_gather_sum", TORCH_BOX(&packcuda::th::conv_gather_sum));
+
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
+  PC_CONV_IMPLS(m)
+  m.impl("conv_prefix_schedule", TORCH_BOX(&packcuda::th::conv_prefix_schedule));
+}
+#ifdef USE_CUDA
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
+  PC_CONV_IMPLS(m)
+  m.impl("conv_exchange_nccl", TORCH_BOX(&packcuda::th::conv_exchange_nccl));
+}
+#endif

@@ -1,0 +1,95 @@
+// CPU kernels of the causal conv1d and the exchange's gather-sum: loops over (token tile, channel) calling
+// the shared per-tile math of conv_math.h.
+#include <stdexcept>
+#include <type_traits>
+
+#include "conv/conv.h"
+#include "conv/conv_math.h"
+
+namespace packcuda::conv {
+namespace {
+
+constexpr int64_t kCpuTile = 128;
+
+template <typename F>
+void dispatch_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::F32: f(float{}); break;
+    case DType::F64: f(double{}); break;
+    case DType::BF16: f(bf16_t{}); break;
+    case DType::F16: f(f16_t{}); break;
+    default: throw std::invalid_argument("packcuda conv: unsupported dtype");
+  }
+}
+
+template <typename F>
+void dispatch_k(int K, F&& f) {
+  if (K <= 2) f(std::integral_constant<int, 2>{});
+  else if (K == 3) f(std::integral_constant<int, 3>{});
+  else if (K == 4) f(std::integral_constant<int, 4>{});
+  else f(std::integral_constant<int, kMaxK>{});
+}
+
+ConvShape shape_of(const ConvArgs& a) { return ConvShape{a.T, a.C, a.K, a.nseg, a.activation}; }
+
+}  // namespace
+
+int64_t conv_bwd_tiles_cpu(int64_t T) { return make_tiles(T, ceil_div(T, kCpuTile)).count; }
+
+void causal_conv1d_fwd_cpu(const ConvArgs& a, void* y) {
+  const ConvShape sh = shape_of(a);
+  dispatch_dtype(a.dtype, [&](auto tag) {
+    using S = decltype(tag);
+    dispatch_k(a.K, [&](auto km) {
+      constexpr int KM = decltype(km)::value;
+      for (int64_t t0 = 0; t0 < a.T; t0 += kCpuTile) {
+        const int64_t t1 = t0 + kCpuTile < a.T ? t0 + kCpuTile : a.T;
+        for (int64_t c = 0; c < a.C; ++c)
+          conv_fwd_tile<S, KM>(static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
+                               static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh,
+                               static_cast<S*>(y), c, t0, t1);
+      }
+    });
+  });
+}
+
+void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias,
+                           void* dprefix, void* work, int64_t tiles) {
+  const ConvShape sh = shape_of(a);
+  const Tiles tl = make_tiles(a.T, tiles);
+  if (tl.count != tiles && a.T > 0) throw std::invalid_argument("packcuda conv: inconsistent tile count");
+  dispatch_dtype(a.dtype, [&](auto tag) {
+    using S = decltype(tag);
+    using A = typename Acc<S>::type;
+    A* part = static_cast<A*>(work);
+    if (dprefix)  // empty segments keep a zero prefix gradient
+      for (int64_t i = 0; i < a.nseg * (a.K - 1) * a.C; ++i) static_cast<S*>(dprefix)[i] = from_acc<S>(A(0));
+    dispatch_k(a.K, [&](auto km) {
+      constexpr int KM = decltype(km)::value;
+      for (int64_t i = 0; i < tl.count && a.T > 0; ++i) {
+        const int64_t t0 = i * tl.len, t1 = t0 + tl.len < a.T ? t0 + tl.len : a.T;
+        for (int64_t c = 0; c < a.C; ++c)
+          conv_bwd_tile<S, KM>(static_cast<const S*>(dy), static_cast<const S*>(a.x),
+                               static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
+                               static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(dx),
+                               static_cast<S*>(dprefix), part + (i * a.C + c) * (a.K + 1), c, t0, t1);
+      }
+    });
+    const int64_t n = a.T > 0 ? tl.count : 0;
+    for (int64_t c = 0; c < a.C; ++c)
+      conv_reduce_channel<S>(part, n, sh, static_cast<S*>(dweight), static_cast<S*>(dbias), c);
+  });
+}
+
+void gather_sum_cpu(void* out, int64_t n_out, const void* a, int64_t na, const void* b, const int64_t* index,
+                    int M, int64_t C, DType dtype) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using S = decltype(tag);
+    for (int64_t r = 0; r < n_out; ++r)
+      for (int64_t c = 0; c < C; ++c)
+        gather_sum_elem<S>(static_cast<S*>(out), static_cast<const S*>(a), na, static_cast<const S*>(b), index,
+                           M, C, r, c);
+  });
+}
+
+}  // namespace packcuda::conv

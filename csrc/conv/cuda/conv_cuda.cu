@@ -1,0 +1,156 @@
+// CUDA kernels of the causal conv1d and the exchange's gather-sum: one thread per (channel, token tile),
+// running the shared per-tile math of conv_math.h. Consecutive threads take consecutive channels, so every
+// token row is read and written with coalesced accesses.
+#include <type_traits>
+
+#include "common/cuda_utils.cuh"
+#include "conv/conv.h"
+#include "conv/conv_math.h"
+
+namespace packcuda::conv {
+namespace {
+
+constexpr int kThreads = 128;
+
+template <typename F>
+void dispatch_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::F32: f(float{}); break;
+    case DType::F64: f(double{}); break;
+    case DType::BF16: f(bf16_t{}); break;
+    case DType::F16: f(f16_t{}); break;
+    default: throw std::invalid_argument("packcuda conv: unsupported dtype");
+  }
+}
+
+template <typename F>
+void dispatch_k(int K, F&& f) {
+  if (K <= 2) f(std::integral_constant<int, 2>{});
+  else if (K == 3) f(std::integral_constant<int, 3>{});
+  else if (K == 4) f(std::integral_constant<int, 4>{});
+  else f(std::integral_constant<int, kMaxK>{});
+}
+
+ConvShape shape_of(const ConvArgs& a) { return ConvShape{a.T, a.C, a.K, a.nseg, a.activation}; }
+
+// Tiles along T so that about 16 resident threads per SM lane (2048 per SM) have work; at least 32 tokens per
+// tile so the K-row warm-up of a tile stays small.
+int64_t want_tiles(int64_t T, int64_t C) {
+  static int sms = [] {
+    int dev = 0, v = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    return v;
+  }();
+  const int64_t cblocks = ceil_div(C, kThreads);
+  int64_t want = ceil_div(static_cast<int64_t>(sms) * 2048, cblocks * kThreads) * 2;
+  const int64_t max_by_len = ceil_div(T, 32);
+  if (want > max_by_len) want = max_by_len;
+  if (want > 65535) want = 65535;
+  if (want < 1) want = 1;
+  return want;
+}
+
+template <typename S, int KM>
+__global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w,
+                                                           const S* __restrict__ b, const S* __restrict__ prefix,
+                                                           const int64_t* __restrict__ cu, ConvShape sh, S* y,
+                                                           Tiles tl) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (c >= sh.C) return;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * tl.len;
+  const int64_t t1 = t0 + tl.len < sh.T ? t0 + tl.len : sh.T;
+  conv_fwd_tile<S, KM>(x, w, b, prefix, cu, sh, y, c, t0, t1);
+}
+
+template <typename S, int KM>
+__global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x,
+                                                           const S* __restrict__ w, const S* __restrict__ b,
+                                                           const S* __restrict__ prefix,
+                                                           const int64_t* __restrict__ cu, ConvShape sh, S* dx,
+                                                           S* dprefix, typename Acc<S>::type* part, Tiles tl) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (c >= sh.C) return;
+  const int64_t i = blockIdx.y;
+  const int64_t t0 = i * tl.len;
+  const int64_t t1 = t0 + tl.len < sh.T ? t0 + tl.len : sh.T;
+  conv_bwd_tile<S, KM>(dy, x, w, b, prefix, cu, sh, dx, dprefix, part + (i * sh.C + c) * (sh.K + 1), c, t0,
+                       t1);
+}
+
+template <typename S>
+__global__ void conv_reduce_kernel(const typename Acc<S>::type* part, int64_t ntiles, ConvShape sh, S* dweight,
+                                   S* dbias) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c < sh.C) conv_reduce_channel<S>(part, ntiles, sh, dweight, dbias, c);
+}
+
+template <typename S>
+__global__ void gather_sum_kernel(S* out, int64_t n_out, const S* a, int64_t na, const S* b,
+                                  const int64_t* index, int M, int64_t C) {
+  const int64_t n = n_out * C;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x)
+    gather_sum_elem<S>(out, a, na, b, index, M, C, e / C, e % C);
+}
+
+}  // namespace
+
+int64_t conv_bwd_tiles_cuda(int64_t T, int64_t C) { return make_tiles(T, want_tiles(T, C)).count; }
+
+void causal_conv1d_fwd_cuda(const ConvArgs& a, void* y, cudaStream_t stream) {
+  if (a.T == 0 || a.C == 0) return;
+  const ConvShape sh = shape_of(a);
+  const Tiles tl = make_tiles(a.T, want_tiles(a.T, a.C));
+  const dim3 grid(static_cast<unsigned>(ceil_div(a.C, kThreads)), static_cast<unsigned>(tl.count));
+  dispatch_dtype(a.dtype, [&](auto tag) {
+    using S = decltype(tag);
+    dispatch_k(a.K, [&](auto km) {
+      constexpr int KM = decltype(km)::value;
+      conv_fwd_kernel<S, KM><<<grid, kThreads, 0, stream>>>(
+          static_cast<const S*>(a.x), static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
+          static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(y), tl);
+    });
+  });
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias,
+                            void* dprefix, void* work, int64_t tiles, cudaStream_t stream) {
+  const ConvShape sh = shape_of(a);
+  const Tiles tl = make_tiles(a.T, tiles);
+  if (a.T > 0 && tl.count != tiles) throw std::invalid_argument("packcuda conv: inconsistent tile count");
+  if (dprefix && a.nseg * (a.K - 1) * a.C > 0)
+    PC_CUDA_CHECK(cudaMemsetAsync(dprefix, 0, a.nseg * (a.K - 1) * a.C * dtype_size(a.dtype), stream));
+  if (a.C == 0) return;
+  dispatch_dtype(a.dtype, [&](auto tag) {
+    using S = decltype(tag);
+    using A = typename Acc<S>::type;
+    if (a.T > 0) {
+      const dim3 grid(static_cast<unsigned>(ceil_div(a.C, kThreads)), static_cast<unsigned>(tl.count));
+      dispatch_k(a.K, [&](auto km) {
+        constexpr int KM = decltype(km)::value;
+        conv_bwd_kernel<S, KM><<<grid, kThreads, 0, stream>>>(
+            static_cast<const S*>(dy), static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
+            static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(dx),
+            static_cast<S*>(dprefix), static_cast<A*>(work), tl);
+      });
+      PC_CUDA_LAUNCH_CHECK();
+    }
+    conv_reduce_kernel<S><<<static_cast<unsigned>(ceil_div(a.C, 256)), 256, 0, stream>>>(
+        static_cast<const A*>(work), a.T > 0 ? tl.count : 0, sh, static_cast<S*>(dweight),
+        static_cast<S*>(dbias));
+    PC_CUDA_LAUNCH_CHECK();
+  });
+}
+
+void gather_sum_cuda(void* out, int64_t n_out, const void* a, int64_t na, const void* b, const int64_t* index,
+                     int M, int64_t C, DType dtype, cudaStream_t stream) {
+  if (n_out == 0 || C == 0) return;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using S = decltype(tag);
+    gather_sum_kernel<S><<<cuda::grid_for(n_out * C, 256), 256, 0, stream>>>(
+        static_cast<S*>(out), n_out, static_cast<const S*>(a), na, static_cast<const S*>(b), index, M, C);
+  });
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace packcuda::conv

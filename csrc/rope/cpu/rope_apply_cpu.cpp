@@ -1,0 +1,131 @@
+#include <cstring>
+#include <vector>
+
+#include "rope/rope_apply.h"
+#include "rope/rope_math.h"
+
+namespace packcuda::rope {
+namespace {
+
+// Scalar conversions (round to nearest even), so the core does not depend on torch.
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+struct BF16 {
+  uint16_t x;
+  static float load(BF16 v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
+  static BF16 store(float f) {
+    uint32_t u = float_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{static_cast<uint16_t>((u >> 16) | 0x40)};  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return BF16{static_cast<uint16_t>(u >> 16)};
+  }
+};
+
+struct F16 {
+  uint16_t x;
+  static float load(F16 v) {
+    const uint32_t sign = static_cast<uint32_t>(v.x & 0x8000u) << 16;
+    const uint32_t e = (v.x >> 10) & 0x1fu, m = v.x & 0x3ffu;
+    if (e == 0) {
+      const float mag = static_cast<float>(m) * 5.9604644775390625e-8f;  // m * 2^-24, exact
+      return bits_to_float(float_to_bits(mag) | sign);
+    }
+    if (e == 31) return bits_to_float(sign | 0x7f800000u | (m << 13));
+    return bits_to_float(sign | ((e + 112) << 23) | (m << 13));
+  }
+  static F16 store(float f) {
+    uint32_t u = float_to_bits(f);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    u &= 0x7fffffffu;
+    uint32_t o;
+    if (u >= 0x47800000u) {  // >= 65536, inf or nan
+      o = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    } else if (u < 0x38800000u) {  // result is subnormal (or zero): let the FPU round
+      const float r = bits_to_float(u) + 0.5f;
+      o = float_to_bits(r) - 0x3f000000u;
+    } else {
+      const uint32_t odd = (u >> 13) & 1u;
+      u += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
+      o = u >> 13;             // values that round past 65504 carry into the inf encoding
+    }
+    return F16{static_cast<uint16_t>(o | sign)};
+  }
+};
+
+struct F32 {
+  float x;
+  static float load(F32 v) { return v.x; }
+  static F32 store(float f) { return F32{f}; }
+};
+
+struct F64 {
+  double x;
+  static double load(F64 v) { return v.x; }
+  static F64 store(double f) { return F64{f}; }
+};
+
+template <typename T> struct ComputeOf { using type = float; };
+template <> struct ComputeOf<F64> { using type = double; };
+
+template <typename T>
+void rotate_heads(const RopeArgs& a, const HeadsView& v, int64_t t, const typename ComputeOf<T>::type* cs) {
+  using F = typename ComputeOf<T>::type;
+  const int64_t n = a.rotary_dim / 2;
+  const T* in = static_cast<const T*>(v.in) + token_offset(t, a.seq, v.in_sb, v.in_ss);
+  T* out = static_cast<T*>(v.out) + token_offset(t, a.seq, v.out_sb, v.out_ss);
+  for (int64_t h = 0; h < v.heads; ++h) {
+    const T* x = in + h * v.in_sh;
+    T* y = out + h * v.out_sh;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t lo = pair_lo(j, n, a.gptj), hi = pair_hi(j, n, a.gptj);
+      F ylo, yhi;
+      rotate_pair(T::load(x[lo]), T::load(x[hi]), cs[2 * j], cs[2 * j + 1], &ylo, &yhi);
+      y[lo] = T::store(ylo);
+      y[hi] = T::store(yhi);
+    }
+    if (a.copy_passthrough && a.rotary_dim < a.head_dim && y != x)
+      std::memmove(y + a.rotary_dim, x + a.rotary_dim, (a.head_dim - a.rotary_dim) * sizeof(T));
+  }
+}
+
+template <typename T>
+void run(const RopeArgs& a) {
+  const int64_t n = a.rotary_dim / 2;
+  using F = typename ComputeOf<T>::type;
+  std::vector<F> cs(2 * n);
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    const int64_t pos_t = token_offset(t, a.seq, a.pos_sb, a.pos_ss);
+    for (int64_t j = 0; j < n; ++j) {
+      const int r = slot_axis(j, a.layout, a.section[0], a.section[1], a.section[2]);
+      const int64_t off = r * a.pos_row_stride + pos_t;
+      const int64_t pos = a.pos_int64 ? static_cast<const int64_t*>(a.pos)[off]
+                                      : static_cast<const int32_t*>(a.pos)[off];
+      rope_cos_sin(rope_angle(pos, a.inv_freq[j]), static_cast<F>(a.scaling), a.inverse, &cs[2 * j], &cs[2 * j + 1]);
+    }
+    rotate_heads<T>(a, a.q, t, cs.data());
+    rotate_heads<T>(a, a.k, t, cs.data());
+  }
+}
+
+}  // namespace
+
+void rope_apply_cpu(const RopeArgs& a) {
+  if (a.tokens == 0) return;
+  switch (a.dtype) {
+    case Dtype::kFloat32: run<F32>(a); break;
+    case Dtype::kFloat16: run<F16>(a); break;
+    case Dtype::kBFloat16: run<BF16>(a); break;
+    case Dtype::kFloat64: run<F64>(a); break;
+  }
+}
+
+}  // namespace packcuda::rope

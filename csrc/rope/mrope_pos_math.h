@@ -1,0 +1,198 @@
+// Index math of mRoPE position ids over a packed stream, shared by the CPU and CUDA kernels.
+//
+// Per segment (positions restart at 0 in each), with `cur` the next text position:
+//   text token            -> (cur, cur, cur), then cur += 1
+//   vision block at cur=s -> token (ti, hi, wi) of its merged grid (T', H', W'), t-major then h then w:
+//                            (s + floor(ti * interval), s + hi, s + wi) with the product in float32
+//                            then cur = s + advance, advance = max(H', W')               ("grid" rule)
+//                                                  or  max(floor((T'-1)*interval), H'-1, W'-1) + 1  ("max" rule)
+// So cur at a token = (offset in segment) - sum over earlier blocks of the segment of (len - advance). With the
+// per-modality prefix sums of (len - advance) over the host-known block table, and an inclusive scan of
+// (image runs started, video runs started, latest run start) over the tokens, every token's position is a
+// closed formula: no sequential dependency left.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "common/hd.h"
+
+namespace packcuda::rope {
+
+constexpr int64_t kMRopeOk = INT64_MAX;
+// Error codes inside a key (see mrope_error_key).
+constexpr int kRunLength = 1;       // the run of tokens of a block is shorter or longer than its grid says
+constexpr int kCrossesSegment = 2;  // the block runs to the end of its segment and would continue in the next
+constexpr int kExtraRun = 3;        // more runs than blocks (grid rows)
+constexpr int kMissingRun = 4;      // fewer runs than blocks
+
+// Columns of a block-table row.
+constexpr int kLen = 0, kT = 1, kH = 2, kW = 3, kInterval = 4, kAdvance = 5, kBlockCols = 6;
+
+struct MRopeScan {
+  int64_t counts;  // image runs started (low 32 bits) + video runs started (high 32 bits)
+  int64_t start;   // index of the latest run start (-1: none)
+};
+
+struct MRopeScanOp {
+  PC_HD MRopeScan operator()(const MRopeScan& a, const MRopeScan& b) const {
+    return MRopeScan{a.counts + b.counts, a.start > b.start ? a.start : b.start};
+  }
+};
+
+struct MRopeTables {
+  const int64_t* cu = nullptr;       // [nseg + 1] segment boundaries
+  int64_t nseg = 0;
+  const int64_t* blocks[2] = {nullptr, nullptr};  // per modality (0 image, 1 video): [n, kBlockCols]
+  const int64_t* px[2] = {nullptr, nullptr};      // per modality: [n + 1] prefix sums of (len - advance)
+  int64_t nblocks[2] = {0, 0};
+  int64_t token_id[2] = {-1, -1};    // image_token_id, video_token_id
+};
+
+// Error key: the smallest key over all errors is the one reported (the earliest in the stream).
+PC_HD int64_t mrope_error_key(int64_t token, int code, int modality, int64_t block) {
+  const int64_t b = block < 0xFFFFF ? block : 0xFFFFF;
+  return (token << 24) | (static_cast<int64_t>(code) << 21) | (static_cast<int64_t>(modality) << 20) | b;
+}
+PC_HD int64_t mrope_key_token(int64_t key) { return key >> 24; }
+PC_HD int mrope_key_code(int64_t key) { return static_cast<int>((key >> 21) & 7); }
+PC_HD int mrope_key_modality(int64_t key) { return static_cast<int>((key >> 20) & 1); }
+PC_HD int64_t mrope_key_block(int64_t key) { return key & 0xFFFFF; }
+
+// floor(ti * interval) exactly as torch computes `(arange(T') * float32 interval).long()`: ti rounded to
+// float32, one float32 multiply (round to nearest), truncation.
+PC_HD int64_t temporal_index(int64_t ti, float interval) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<int64_t>(__fmul_rn(__ll2float_rn(ti), interval));
+#else
+  const float p = static_cast<float>(ti) * interval;
+  return static_cast<int64_t>(p);
+#endif
+}
+
+PC_HD int64_t max3(int64_t a, int64_t b, int64_t c) {
+  const int64_t m = a > b ? a : b;
+  return m > c ? m : c;
+}
+
+// How far `cur` moves past a block of merged grid (t, h, w) that starts at cur.
+PC_HD int64_t block_advance(int64_t t, int64_t h, int64_t w, float interval, bool text_after_max) {
+  if (!text_after_max) return h > w ? h : w;
+  return max3(temporal_index(t - 1, interval), h - 1, w - 1) + 1;
+}
+
+PC_HD float interval_of(const int64_t* row) {
+  const uint32_t bits = static_cast<uint32_t>(row[kInterval]);
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+PC_HD int token_type(int64_t id, const MRopeTables& tb) {
+  return id == tb.token_id[0] ? 1 : (id == tb.token_id[1] ? 2 : 0);
+}
+
+PC_HD int64_t scan_count(const MRopeScan& s, int modality) {
+  return modality == 0 ? (s.counts & 0xFFFFFFFFll) : (s.counts >> 32);
+}
+
+PC_HD int64_t clamp_i64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// Sum of (len - advance) over the blocks counted in s (counts clamped to the table, for bad input).
+PC_HD int64_t excess_before(const MRopeScan& s, const MRopeTables& tb) {
+  return tb.px[0][clamp_i64(scan_count(s, 0), 0, tb.nblocks[0])] +
+         tb.px[1][clamp_i64(scan_count(s, 1), 0, tb.nblocks[1])];
+}
+
+// Scan input of token t: a run start (first vision token of its type after a different type or after the
+// start of its segment) counts one run of its modality and records its index.
+template <typename I>
+PC_HD MRopeScan mrope_scan_input(const I* ids, int64_t t, const MRopeTables& tb) {
+  const int ty = token_type(static_cast<int64_t>(ids[t]), tb);
+  if (ty == 0) return MRopeScan{0, -1};
+  if (t > 0 && token_type(static_cast<int64_t>(ids[t - 1]), tb) == ty) {
+    const int64_t seg = find_segment(tb.cu, tb.nseg, t);
+    if (tb.cu[seg] != t) return MRopeScan{0, -1};
+  }
+  return MRopeScan{ty == 1 ? int64_t(1) : (int64_t(1) << 32), t};
+}
+
+// Validity of the run starting at t (a token whose scan input is a start; scan = inclusive scan).
+template <typename I>
+PC_HD int64_t mrope_check_start(const I* ids, const MRopeScan* scan, const MRopeTables& tb, int64_t t,
+                                int64_t total) {
+  const int ty = token_type(static_cast<int64_t>(ids[t]), tb);
+  const int m = ty - 1;
+  const int64_t k = scan_count(scan[t], m) - 1;
+  if (k >= tb.nblocks[m]) return mrope_error_key(t, kExtraRun, m, k);
+  const int64_t seg = find_segment(tb.cu, tb.nseg, t);
+  const int64_t end = tb.cu[seg + 1];
+  const int64_t e = t + tb.blocks[m][k * kBlockCols + kLen];
+  auto in_run = [&](int64_t u) {
+    return token_type(static_cast<int64_t>(ids[u]), tb) == ty && scan[u].start == t;
+  };
+  if (e > end) {
+    if (in_run(end - 1) && end < total && token_type(static_cast<int64_t>(ids[end]), tb) == ty)
+      return mrope_error_key(t, kCrossesSegment, m, k);
+    return mrope_error_key(t, kRunLength, m, k);
+  }
+  if (!in_run(e - 1)) return mrope_error_key(t, kRunLength, m, k);
+  if (e < end && token_type(static_cast<int64_t>(ids[e]), tb) == ty) return mrope_error_key(t, kRunLength, m, k);
+  return kMRopeOk;
+}
+
+// Fewer runs than blocks: checked once with the scan of the last token.
+PC_HD int64_t mrope_check_counts(const MRopeScan& last, const MRopeTables& tb, int64_t total) {
+  for (int m = 0; m < 2; ++m)
+    if (scan_count(last, m) < tb.nblocks[m]) return mrope_error_key(total, kMissingRun, m, scan_count(last, m));
+  return kMRopeOk;
+}
+
+struct MRopeToken {
+  int64_t p[3];   // t, h, w positions
+  int64_t local;  // offset in the segment
+  int64_t seg;
+  int64_t seg_len;
+  bool run_end;   // last token of its run (text or vision) in its segment: holds the run's maximum position
+};
+
+template <typename I>
+PC_HD MRopeToken mrope_token(const I* ids, const MRopeScan* scan, const MRopeTables& tb, int64_t t,
+                             int64_t total) {
+  MRopeToken o;
+  o.seg = find_segment(tb.cu, tb.nseg, t);
+  const int64_t a = tb.cu[o.seg];
+  const int64_t end = tb.cu[o.seg + 1];
+  o.local = t - a;
+  o.seg_len = end - a;
+  const MRopeScan base = a > 0 ? scan[a - 1] : MRopeScan{0, -1};
+  const int64_t e0 = excess_before(base, tb);
+  const MRopeScan sv = scan[t];
+  const int ty = token_type(static_cast<int64_t>(ids[t]), tb);
+  o.run_end = t + 1 >= end || token_type(static_cast<int64_t>(ids[t + 1]), tb) != ty;
+  if (ty == 0 || tb.nblocks[ty - 1] == 0 || sv.start < a) {
+    const int64_t cur = o.local - (excess_before(sv, tb) - e0);
+    o.p[0] = o.p[1] = o.p[2] = cur;
+    return o;
+  }
+  const int m = ty - 1;
+  const int64_t k = clamp_i64(scan_count(sv, m) - 1, 0, tb.nblocks[m] - 1);
+  const int64_t b0 = sv.start;
+  const int64_t eb = tb.px[m][k] + tb.px[1 - m][clamp_i64(scan_count(sv, 1 - m), 0, tb.nblocks[1 - m])];
+  const int64_t s = (b0 - a) - (eb - e0);
+  const int64_t* row = tb.blocks[m] + k * kBlockCols;
+  const int64_t h = row[kH], w = row[kW];
+  const int64_t off = t - b0;
+  const int64_t ti = off / (h * w);
+  const int64_t r = off - ti * (h * w);
+  const int64_t hi = r / w;
+  o.p[0] = s + temporal_index(ti, interval_of(row));
+  o.p[1] = s + hi;
+  o.p[2] = s + (r - hi * w);
+  return o;
+}
+
+}  // namespace packcuda::rope

@@ -1,0 +1,71 @@
+// Rotary-embedding math shared by the CPU and CUDA kernels of apply_rope: the slot -> position-axis map
+// (plain / sectioned / interleaved mRoPE), the channel pairing (neox / gptj), the angle, cos/sin and the
+// rotation of one pair. The angle is always fp32; cos/sin and the rotation are fp32 (fp64 for fp64 data);
+// callers round once to the output dtype.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "common/hd.h"
+
+namespace packcuda::rope {
+
+// Axis layouts of the frequency slots (values match RopeArgs::layout).
+enum : int { kPlain = 0, kSectioned = 1, kInterleaved = 2 };
+
+// Position row (0 = t, 1 = h, 2 = w) that drives frequency slot j.
+//  plain:       always row 0 (one row of positions).
+//  sectioned:   j < s0 -> t, j < s0 + s1 -> h, else w                  (Qwen2/2.5-VL, [16, 24, 24]).
+//  interleaved: h if j % 3 == 1 and j < 3 * s1, w if j % 3 == 2 and j < 3 * s2, else t
+//               (Qwen3-VL [24, 20, 20], Qwen3.5 [11, 11, 10]).
+PC_HD int slot_axis(int64_t j, int layout, int64_t s0, int64_t s1, int64_t s2) {
+  (void)s2;
+  if (layout == kSectioned) return j < s0 ? 0 : (j < s0 + s1 ? 1 : 2);
+  if (layout == kInterleaved) {
+    const int64_t r = j % 3;
+    if (r == 1 && j < 3 * s1) return 1;
+    if (r == 2 && j < 3 * s2) return 2;
+    return 0;
+  }
+  return 0;
+}
+
+// Channels of the pair rotated by slot j (n = rotary_dim / 2).
+//  neox (rotate_half): (j, j + n);   gptj: (2j, 2j + 1).
+PC_HD int64_t pair_lo(int64_t j, int64_t n, bool gptj) { return gptj ? 2 * j : j; }
+PC_HD int64_t pair_hi(int64_t j, int64_t n, bool gptj) { return gptj ? 2 * j + 1 : j + n; }
+
+// angle = float32(pos) * inv_freq[j], one fp32 multiply (never a reduced-precision matmul).
+PC_HD float rope_angle(int64_t pos, float inv_freq) { return static_cast<float>(pos) * inv_freq; }
+
+// cos/sin of the angle with accurate library functions (no fast intrinsics), times attention_scaling.
+// F is the compute type: float for bf16/fp16/fp32 data, double for fp64 data (the angle itself is always the
+// fp32 product above). inverse = rotation by the negated angle (the backward pass: R(-a) = R(a)^T).
+template <typename F>
+PC_HD void rope_cos_sin(float angle, F scaling, bool inverse, F* c, F* s) {
+  F sn, cs;
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(F) == 4) sincosf(angle, &sn, &cs);
+  else sincos(static_cast<double>(angle), &sn, &cs);
+#else
+  sn = std::sin(static_cast<F>(angle));
+  cs = std::cos(static_cast<F>(angle));
+#endif
+  *c = cs * scaling;
+  *s = inverse ? -(sn * scaling) : sn * scaling;
+}
+
+// Rotation of one pair in the compute type: (lo, hi) -> (lo*c - hi*s, hi*c + lo*s).
+template <typename F>
+PC_HD void rotate_pair(F lo, F hi, F c, F s, F* out_lo, F* out_hi) {
+  *out_lo = lo * c - hi * s;
+  *out_hi = hi * c + lo * s;
+}
+
+// Offset (in elements) of token t of a [B, S, H, D] / [T, H, D] view: t = b * seq + s.
+PC_HD int64_t token_offset(int64_t t, int64_t seq, int64_t stride_b, int64_t stride_s) {
+  const int64_t b = t / seq;
+  return b * stride_b + (t - b * seq) * stride_s;
+}
+
+}  // namespace packcuda::rope

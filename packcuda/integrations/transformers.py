@@ -1,0 +1,568 @@
+"""Packed training of transformers' Qwen-VL models with packcuda mRoPE positions and rotary application.
+
+Two pieces, usable separately:
+
+1. :func:`packed_position_ids` — the ``position_ids`` input of a **packed row** (many samples in one row of
+   batch size 1) for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5: the 4-row form ``[4, 1, T]`` (text positions
+   restarting at 0 in every sample, then the t/h/w mRoPE rows) with which transformers detects packed
+   sequences (sdpa / eager build a block-causal mask, flash-attention finds ``cu_seqlens``). Computed by
+   :func:`packcuda.mrope_position_ids` for the whole pack in one pass, equal to transformers' own
+   ``get_rope_index`` run on every sample alone (:func:`hf_packed_position_ids` is that slow path).
+
+2. :func:`patch_qwen_vl_rope` — an opt-in patch that routes the text attention's rotary application through
+   :func:`packcuda.apply_rope`, driven by the positions themselves: the rotary module no longer builds the
+   ``[3, B, S, D]`` cos/sin tables, and each attention layer rotates q and k in one fused kernel (forward and
+   backward). It checks the transformers version and the structure of the code it replaces and refuses
+   (:class:`UnsupportedTransformersError`, :class:`UnsupportedModelError`) instead of silently patching nothing.
+
+The two lines a trainer changes::
+
+    from packcuda.integrations.transformers import packed_position_ids, patch_qwen_vl_rope
+    patch_qwen_vl_rope(model)                                   # once, after building the model
+    ...
+    position_ids = packed_position_ids(input_ids, cu_seqlens, model.config,
+                                       image_grid_thw=..., video_grid_thw=...)   # per packed batch
+    out = model(input_ids=input_ids[None], position_ids=position_ids, pixel_values=..., ...)
+
+Under context parallelism compute the positions on the global stream, then shard them with the plan
+(:func:`shard_position_ids`); the patched rotary consumes whatever per-token positions it is given.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import threading
+import types
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import packcuda
+
+__all__ = [
+    "SUPPORTED_TRANSFORMERS",
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedTransformersError",
+    "UnsupportedModelError",
+    "RopePatch",
+    "packed_position_ids",
+    "hf_packed_position_ids",
+    "shard_position_ids",
+    "mm_token_type_ids",
+    "patch_qwen_vl_rope",
+    "unpatch_qwen_vl_rope",
+    "is_patched",
+]
+
+# transformers versions whose Qwen-VL modeling code was read and tested with this patch: [low, high)
+SUPPORTED_TRANSFORMERS = ("5.17.0", "5.25.0")
+
+
+class UnsupportedTransformersError(RuntimeError):
+    """The installed transformers is not a version (or not the code) this integration knows how to patch."""
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not one of the families this integration supports."""
+
+
+@dataclass(frozen=True)
+class _Family:
+    model_type: str
+    module: str
+    text_model: str
+    rotary: str
+    attention: str
+    interleaved: bool  # mRoPE frequency layout: interleaved (Qwen3-VL, Qwen3.5) or sectioned (Qwen2/2.5-VL)
+    video_frames: str  # "whole" (one block per video) or "per_frame" (one block per temporal patch)
+    video_seconds: bool  # get_rope_index takes second_per_grid_ts (Qwen2.5-VL)
+
+
+_M = "transformers.models."
+_FAMILIES: Dict[str, _Family] = {
+    f.model_type: f
+    for f in (
+        _Family("qwen2_vl", _M + "qwen2_vl.modeling_qwen2_vl", "Qwen2VLTextModel", "Qwen2VLRotaryEmbedding",
+                "Qwen2VLAttention", False, "whole", False),
+        _Family("qwen2_5_vl", _M + "qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLTextModel",
+                "Qwen2_5_VLRotaryEmbedding", "Qwen2_5_VLAttention", False, "whole", True),
+        _Family("qwen3_vl", _M + "qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextModel", "Qwen3VLTextRotaryEmbedding",
+                "Qwen3VLTextAttention", True, "per_frame", False),
+        _Family("qwen3_5", _M + "qwen3_5.modeling_qwen3_5", "Qwen3_5TextModel", "Qwen3_5TextRotaryEmbedding",
+                "Qwen3_5Attention", True, "per_frame", False),
+    )
+}
+# text-only configs of the same families (their models use the same text modules)
+_ALIASES = {"qwen2_vl_text": "qwen2_vl", "qwen2_5_vl_text": "qwen2_5_vl", "qwen3_vl_text": "qwen3_vl",
+            "qwen3_5_text": "qwen3_5"}
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+
+# rope types whose inverse frequencies change during a forward (dynamic_rope_update): not supported
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+# ---------------------------------------------------------------------------------------------------
+# version / model checks
+# ---------------------------------------------------------------------------------------------------
+def _vtuple(v: str) -> Tuple[int, ...]:
+    from packaging.version import Version
+
+    return Version(v).release
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _check_version(allow_unverified_version: bool) -> str:
+    from packaging.version import Version
+
+    v = transformers_version()
+    lo, hi = SUPPORTED_TRANSFORMERS
+    ok = Version(lo) <= Version(v) < Version(hi)
+    if not ok and not allow_unverified_version:
+        raise UnsupportedTransformersError(
+            f"packcuda.integrations.transformers: transformers {v} is not a supported version "
+            f"(supported: >= {lo}, < {hi}); pass allow_unverified_version=True to try anyway (the code it "
+            "patches is still checked)")
+    return v
+
+
+def _config_of(model_or_config):
+    cfg = getattr(model_or_config, "config", None)
+    return cfg if cfg is not None else model_or_config
+
+
+def _get(obj, name, default=None):
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def _family_of(model_or_config) -> _Family:
+    cfg = _config_of(model_or_config)
+    mt = _get(cfg, "model_type", None)
+    mt = _ALIASES.get(mt, mt)
+    if mt not in _FAMILIES:
+        what = type(model_or_config).__name__
+        raise UnsupportedModelError(
+            f"packcuda.integrations.transformers: model_type {mt!r} ({what}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return _FAMILIES[mt]
+
+
+def _text_after_vision_default() -> str:
+    # transformers >= 5.3 resumes text after a vision block at s + max(H', W'); 4.x at max(position) + 1
+    try:
+        return "grid" if _vtuple(transformers_version()) >= (5, 3) else "max"
+    except ImportError:  # pragma: no cover - positions do not need transformers itself
+        return "grid"
+
+
+def _require(name: str):
+    fn = getattr(packcuda, name, None)
+    if fn is None:
+        raise RuntimeError(f"packcuda.integrations.transformers: packcuda.{name} is not available in this build")
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------------
+# positions
+# ---------------------------------------------------------------------------------------------------
+def _flat_ids(input_ids: torch.Tensor, fn: str) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"packcuda.integrations.transformers.{fn}: input_ids must be a tensor")
+    if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1:
+        raise ValueError(f"packcuda.integrations.transformers.{fn}: input_ids must be [T] or [1, T] (one packed "
+                         f"row), got shape {tuple(input_ids.shape)}")
+    return input_ids
+
+
+def packed_position_ids(input_ids: torch.Tensor, cu_seqlens, config, *, image_grid_thw=None, video_grid_thw=None,
+                        second_per_grid_ts=None, text_after_vision: Optional[str] = None,
+                        validate: bool = True) -> torch.Tensor:
+    """``position_ids`` int64 ``[4, 1, T]`` of one packed row for a Qwen-VL model.
+
+    ``input_ids`` ``[T]`` (or ``[1, T]``) is the packed stream, ``cu_seqlens`` ``[N + 1]`` its samples (host
+    list / CPU tensor, or device tensor), ``config`` the model's config (or the model). Grids are the rows of
+    all samples in stream order, as the processor returns them; ``second_per_grid_ts`` (Qwen2.5-VL videos)
+    likewise. Row 0 is the text position (0, 1, 2, ... in every sample: transformers' packed-sequence signal),
+    rows 1-3 the t/h/w mRoPE positions, identical to transformers' ``get_rope_index`` on each sample alone.
+
+    ``text_after_vision`` defaults to the rule of the installed transformers ("grid" for >= 5.3, "max" for
+    4.x). Syncs: none on the GPU with host ``cu_seqlens`` and grids when ``validate=False``; with
+    ``validate=True`` one read of the kernel's status word (see :func:`packcuda.mrope_position_ids`).
+    """
+    ids = _flat_ids(input_ids, "packed_position_ids")
+    cfg = _config_of(config)
+    _family_of(cfg)
+    spec_cls = _require("MRopeSpec")
+    spec = spec_cls.from_hf_config(cfg, text_after_vision=text_after_vision or _text_after_vision_default())
+    pos, text_pos, _ = spec.position_ids(ids, cu_seqlens, image_grid_thw=image_grid_thw,
+                                         video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts,
+                                         validate=validate)
+    return torch.cat([text_pos[None], pos], dim=0)[:, None, :]
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, config) -> torch.Tensor:
+    """transformers' ``mm_token_type_ids`` (0 text, 1 image, 2 video) of ``input_ids``, int32, same shape."""
+    cfg = _config_of(config)
+    img, vid = _get(cfg, "image_token_id"), _get(cfg, "video_token_id")
+    t = torch.zeros_like(input_ids, dtype=torch.int32)
+    t = t.masked_fill(input_ids == img, 1)
+    return t.masked_fill(input_ids == vid, 2)
+
+
+def _as_grid(g) -> Optional[torch.Tensor]:
+    if g is None:
+        return None
+    g = torch.as_tensor(g, dtype=torch.int64).reshape(-1, 3)
+    return g if g.shape[0] else None
+
+
+def hf_packed_position_ids(model, input_ids: torch.Tensor, cu_seqlens, *, image_grid_thw=None, video_grid_thw=None,
+                           second_per_grid_ts=None) -> torch.Tensor:
+    """The same ``[4, 1, T]`` positions computed the way trainers do today: the model's own
+    ``get_rope_index`` called on every sample alone (a Python loop with host syncs), then concatenated.
+    The reference path of :func:`packed_position_ids` (and its benchmark baseline)."""
+    fam = _family_of(model)
+    base = model.model if hasattr(getattr(model, "model", None), "get_rope_index") else model
+    if not hasattr(base, "get_rope_index"):
+        raise UnsupportedModelError(f"packcuda.integrations.transformers: {type(model).__name__} has no get_rope_index")
+    ids = _flat_ids(input_ids, "hf_packed_position_ids")
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    tt = mm_token_type_ids(ids, model)
+    igrid, vgrid = _as_grid(image_grid_thw), _as_grid(video_grid_thw)
+    secs = None if second_per_grid_ts is None else torch.as_tensor(second_per_grid_ts).reshape(-1)
+    ii = vi = 0
+    frames_left = 0
+    rows, text = [], []
+    for a, b in zip(cu[:-1], cu[1:]):
+        seg_ids, seg_tt = ids[a:b], tt[a:b]
+        n_img = n_vid = 0
+        for key, _ in itertools.groupby(seg_tt.tolist()):
+            if key == 1:
+                n_img += 1
+            elif key == 2:
+                if fam.video_frames == "whole":
+                    n_vid += 1
+                else:
+                    if frames_left == 0:
+                        frames_left = int(vgrid[vi + n_vid, 0])
+                        n_vid += 1
+                    frames_left -= 1
+        if frames_left:
+            raise ValueError(f"hf_packed_position_ids: a video's frames cross the end of sample [{a}, {b})")
+        L = b - a
+        if n_img == 0 and n_vid == 0:
+            pos = torch.arange(L, device=ids.device).expand(3, L)
+        else:
+            kw = dict(image_grid_thw=igrid[ii:ii + n_img] if n_img else None,
+                      video_grid_thw=vgrid[vi:vi + n_vid] if n_vid else None)
+            if fam.video_seconds and n_vid and secs is not None:
+                kw["second_per_grid_ts"] = secs[vi:vi + n_vid]
+            pos, _ = base.get_rope_index(seg_ids[None], mm_token_type_ids=seg_tt[None], **kw)
+            pos = pos[:, 0]
+        ii += n_img
+        vi += n_vid
+        rows.append(pos.to(torch.int64))
+        text.append(torch.arange(L, device=ids.device))
+    pos = torch.cat(rows, dim=1) if rows else ids.new_zeros(3, 0, dtype=torch.int64)
+    txt = torch.cat(text) if text else ids.new_zeros(0, dtype=torch.int64)
+    return torch.cat([txt[None].to(pos.device), pos], dim=0)[:, None, :]
+
+
+def shard_position_ids(position_ids: torch.Tensor, plan) -> torch.Tensor:
+    """This CP rank's ``[R, 1, T_local]`` (R = 3 or 4) positions from the global ``[R, 1, T]`` ones, with a
+    :func:`packcuda.shard_plan` of the same packed stream. Padding slots get 0."""
+    if position_ids.dim() != 3 or position_ids.shape[1] != 1:
+        raise ValueError(f"shard_position_ids: position_ids must be [R, 1, T], got {tuple(position_ids.shape)}")
+    return plan.shard(position_ids[:, 0, :], dim=1)[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------------------
+# rotary patch
+# ---------------------------------------------------------------------------------------------------
+class _RopePositions:
+    """What the patched rotary module returns in place of (cos, sin): the positions and the rotary constants.
+    The patched ``apply_rotary_pos_emb`` recognizes it and calls packcuda.apply_rope."""
+
+    __slots__ = ("positions", "inv_freq", "mrope_section", "interleaved", "attention_scaling")
+
+    def __init__(self, positions, inv_freq, mrope_section, interleaved, attention_scaling):
+        self.positions = positions  # int64 [3, B*S]
+        self.inv_freq = inv_freq  # fp32 [rotary_dim / 2]
+        self.mrope_section = mrope_section
+        self.interleaved = interleaved
+        self.attention_scaling = attention_scaling
+
+
+def _default_rope(q, k, positions, **kw):
+    return packcuda.apply_rope(q, k, positions, **kw)
+
+
+# the rotary kernel the patched attention calls (tests can point it to a plain reference)
+_rope_impl = _default_rope
+
+
+def _rotary_forward(self, x, position_ids):
+    """Replacement of the text rotary module's forward: no cos/sin tables, just the positions."""
+    rope_type = getattr(self, "rope_type", "default")
+    if rope_type in _DYNAMIC_ROPE_TYPES:
+        raise UnsupportedModelError(f"packcuda rotary patch: rope_type {rope_type!r} (dynamic frequencies) is not "
+                                    "supported; unpatch the model")
+    if position_ids.dim() == 2:
+        position_ids = position_ids[None]
+    pos = position_ids.expand(3, -1, -1)  # [3, B, S]
+    fam = self._packcuda_family
+    carrier = _RopePositions(pos.reshape(3, -1), self.inv_freq.float(), list(self.mrope_section), fam.interleaved,
+                             float(self.attention_scaling))
+    return carrier, carrier
+
+
+def _make_apply(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if not isinstance(cos, _RopePositions):
+            return original(q, k, cos, sin, unsqueeze_dim)
+        if unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4:
+            raise RuntimeError("packcuda rotary patch: expected q, k of shape [B, H, S, D] (unsqueeze_dim=1)")
+        B, Hq, S, D = q.shape
+        Hk = k.shape[1]
+        qt = q.transpose(1, 2).reshape(B * S, Hq, D)  # views for the [B, S, H, D] projections
+        kt = k.transpose(1, 2).reshape(B * S, Hk, D)
+        qo, ko = _rope_impl(qt, kt, cos.positions, inv_freq=cos.inv_freq, rotary_dim=2 * cos.inv_freq.numel(),
+                            mrope_section=cos.mrope_section, mrope_interleaved=cos.interleaved,
+                            attention_scaling=cos.attention_scaling)
+        return qo.reshape(B, S, Hq, D).transpose(1, 2), ko.reshape(B, S, Hk, D).transpose(1, 2)
+
+    apply_rotary_pos_emb.__packcuda_original__ = original
+    apply_rotary_pos_emb.__doc__ = "packcuda.apply_rope for positions from the patched rotary module; otherwise " \
+                                   "the original transformers function."
+    return apply_rotary_pos_emb
+
+
+def _src(obj) -> str:
+    try:
+        return inspect.getsource(inspect.unwrap(obj))
+    except (OSError, TypeError):
+        return ""
+
+
+def _import_family(fam: _Family):
+    import importlib
+
+    try:
+        return importlib.import_module(fam.module)
+    except ImportError as e:
+        raise UnsupportedTransformersError(
+            f"packcuda.integrations.transformers: transformers {transformers_version()} has no {fam.module} ({e})")
+
+
+def _check_code(fam: _Family, mod) -> None:
+    """The patch relies on these facts about the modeling code; refuse if any is not true."""
+    v = transformers_version()
+    problems = []
+    for name in (fam.text_model, fam.rotary, fam.attention):
+        if not isinstance(getattr(mod, name, None), type):
+            problems.append(f"class {name} is missing")
+    fn = getattr(mod, "apply_rotary_pos_emb", None)
+    if fn is None:
+        problems.append("apply_rotary_pos_emb is missing")
+    if problems:
+        raise UnsupportedTransformersError(f"packcuda rotary patch: {fam.model_type} in transformers {v}: "
+                                           + "; ".join(problems))
+    original = getattr(fn, "__packcuda_original__", fn)
+    expect = [
+        (original, "apply_rotary_pos_emb", ["rotate_half(", "cos.unsqueeze(unsqueeze_dim)"]),
+        (getattr(mod, fam.attention).forward, f"{fam.attention}.forward",
+         ["cos, sin = position_embeddings", "apply_rotary_pos_emb(query_states, key_states, cos, sin)"]),
+        (getattr(mod, fam.text_model).forward, f"{fam.text_model}.forward",
+         ["text_position_ids = position_ids[0]", "position_embeddings = self.rotary_emb(hidden_states, position_ids)"]),
+        (getattr(mod, fam.rotary).forward, f"{fam.rotary}.forward",
+         ["self.inv_freq", "self.attention_scaling", "recomposition_frequencies"]),
+        (getattr(getattr(mod, fam.rotary), "recomposition_frequencies", None), f"{fam.rotary}.recomposition_frequencies",
+         ["slice(offset, length, 3)"] if fam.interleaved else ["split(self.mrope_section"]),
+    ]
+    for obj, name, needles in expect:
+        if getattr(obj, "__name__", "") == "_rotary_forward":
+            continue  # already patched by us
+        src = _src(obj) if obj is not None else ""
+        missing = [n for n in needles if n not in src]
+        if missing:
+            raise UnsupportedTransformersError(
+                f"packcuda rotary patch: {fam.model_type} in transformers {v}: {name} is not the code this patch "
+                f"was written for (missing {missing}); refusing to patch")
+    if getattr(original, "__module__", None) != mod.__name__:
+        raise UnsupportedTransformersError(
+            f"packcuda rotary patch: {fam.model_type}: {fam.module}.apply_rotary_pos_emb was replaced by "
+            f"{getattr(original, '__module__', '?')} (another kernel library?); refusing to patch over it")
+
+
+_LOCK = threading.Lock()
+_FN_REFS: Dict[str, int] = {}  # module name -> handles that patched its apply_rotary_pos_emb
+_ACTIVE: List["RopePatch"] = []
+
+
+class RopePatch:
+    """Handle of an applied rotary patch: ``unpatch()`` (or leaving a ``with`` block) restores the originals."""
+
+    def __init__(self, families: Sequence[_Family], model=None):
+        self.families = tuple(families)
+        self.model_types = tuple(f.model_type for f in families)
+        self.model = model
+        self._saved: List[Tuple[object, str, object, bool]] = []  # (owner, attr, previous, had_own_attr)
+        self._modules: List[str] = []
+        self.active = False
+
+    def _set(self, owner, attr, value):
+        had = attr in vars(owner)
+        self._saved.append((owner, attr, vars(owner).get(attr), had))
+        setattr(owner, attr, value)
+
+    def unpatch(self) -> None:
+        with _LOCK:
+            if not self.active:
+                return
+            for owner, attr, prev, had in reversed(self._saved):
+                if had:
+                    setattr(owner, attr, prev)
+                else:
+                    delattr(owner, attr)
+            self._saved.clear()
+            import importlib
+
+            for name in self._modules:
+                _FN_REFS[name] -= 1
+                if _FN_REFS[name] == 0:
+                    del _FN_REFS[name]
+                    mod = importlib.import_module(name)
+                    mod.apply_rotary_pos_emb = mod.apply_rotary_pos_emb.__packcuda_original__
+            self._modules.clear()
+            self.active = False
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.unpatch()
+        return False
+
+    def __repr__(self):
+        scope = type(self.model).__name__ if self.model is not None else "all models"
+        return f"RopePatch({', '.join(self.model_types)}; {scope}; {'active' if self.active else 'removed'})"
+
+
+def patch_qwen_vl_rope(model=None, *, model_types: Optional[Sequence[str]] = None,
+                       allow_unverified_version: bool = False) -> RopePatch:
+    """Route the text attention's rotary application of Qwen-VL models through :func:`packcuda.apply_rope`.
+
+    - ``patch_qwen_vl_rope(model)``: patches this model only (its text rotary module(s)); the model's
+      ``config.model_type`` must be one of :data:`SUPPORTED_MODEL_TYPES`.
+    - ``patch_qwen_vl_rope()`` (or ``model_types=[...]``): patches the classes, so every model of those
+      families built afterwards (or before) uses packcuda.
+
+    Checks first, patches nothing on failure: the transformers version is in :data:`SUPPORTED_TRANSFORMERS`
+    (``allow_unverified_version=True`` skips only this one), the modeling code has the structure the patch
+    replaces, ``apply_rotary_pos_emb`` was not replaced by another library, the rope type has static
+    frequencies. Returns a :class:`RopePatch`; ``unpatch()`` (or :func:`unpatch_qwen_vl_rope`) restores.
+
+    What changes: the text rotary module returns the positions instead of cos/sin tables and the module's
+    ``apply_rotary_pos_emb`` calls ``packcuda.apply_rope`` on q/k viewed as ``[B*S, H, D]`` (no copy). The
+    vision towers and everything else run unchanged. Numerics: angles and rotation in fp32, rounded once to
+    the activation dtype (transformers rounds cos/sin to it first), so bf16 results differ by rounding.
+    """
+    _check_version(allow_unverified_version)
+    if model is not None:
+        if model_types is not None:
+            raise ValueError("patch_qwen_vl_rope: give a model or model_types, not both")
+        fams = [_family_of(model)]
+    else:
+        names = list(model_types) if model_types is not None else list(_FAMILIES)
+        fams = []
+        for n in names:
+            n2 = _ALIASES.get(n, n)
+            if n2 not in _FAMILIES:
+                raise UnsupportedModelError(f"patch_qwen_vl_rope: model_type {n!r} is not supported; supported: "
+                                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+            fams.append(_FAMILIES[n2])
+    _require("apply_rope")
+    mods = {}
+    for fam in fams:
+        mod = _import_family(fam)
+        _check_code(fam, mod)
+        mods[fam.model_type] = mod
+    targets = []
+    if model is not None:
+        fam = fams[0]
+        rot_cls = getattr(mods[fam.model_type], fam.rotary)
+        targets = [m for m in model.modules() if type(m) is rot_cls]
+        if not targets:
+            raise UnsupportedModelError(f"patch_qwen_vl_rope: {type(model).__name__} has no {fam.rotary} module")
+        for m in targets:
+            rt = getattr(m, "rope_type", "default")
+            if rt in _DYNAMIC_ROPE_TYPES:
+                raise UnsupportedModelError(f"patch_qwen_vl_rope: rope_type {rt!r} (dynamic frequencies) is not "
+                                            "supported")
+    handle = RopePatch(fams, model)
+    with _LOCK:
+        for fam in fams:
+            mod = mods[fam.model_type]
+            rot_cls = getattr(mod, fam.rotary)
+            if model is not None:
+                for m in targets:
+                    handle._set(m, "_packcuda_family", fam)
+                    handle._set(m, "forward", types.MethodType(_rotary_forward, m))
+            else:
+                handle._set(rot_cls, "_packcuda_family", fam)
+                handle._set(rot_cls, "forward", _rotary_forward)
+            if mod.__name__ not in _FN_REFS:
+                mod.apply_rotary_pos_emb = _make_apply(mod.apply_rotary_pos_emb)
+                _FN_REFS[mod.__name__] = 0
+            _FN_REFS[mod.__name__] += 1
+            handle._modules.append(mod.__name__)
+        handle.active = True
+        _ACTIVE.append(handle)
+    return handle
+
+
+def unpatch_qwen_vl_rope(handle: Optional[RopePatch] = None) -> None:
+    """Undo one patch (``handle``) or, without an argument, every active one."""
+    if handle is not None:
+        handle.unpatch()
+        return
+    for h in list(reversed(_ACTIVE)):
+        h.unpatch()
+
+
+def is_patched(model=None) -> bool:
+    """Whether ``model`` (or, without an argument, any model) currently runs the packcuda rotary path."""
+    if model is None:
+        return bool(_ACTIVE)
+    try:
+        fam = _family_of(model)
+    except UnsupportedModelError:
+        return False
+    mod = _import_family(fam)
+    rot_cls = getattr(mod, fam.rotary)
+    mods = [m for m in model.modules() if type(m) is rot_cls]
+    return bool(mods) and all(getattr(m.forward, "__func__", m.forward) is _rotary_forward for m in mods)
+
+
+def truncates_video_seconds() -> bool:
+    """True when the installed transformers computes Qwen2.5-VL's video time interval as
+    ``tokens_per_second * int(second_per_grid_ts)`` (older 5.x releases, e.g. 5.17), dropping fractional
+    seconds. Later releases use the float product, which is the rule ``packcuda.mrope_position_ids``
+    implements; with whole-second ``second_per_grid_ts`` the two agree."""
+    try:
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+        return "int(next(second_per_grid_ts))" in inspect.getsource(m.Qwen2_5_VLModel.get_rope_index)
+    except Exception:
+        return False

@@ -1,0 +1,196 @@
+"""mRoPE (Qwen-VL 3D rotary) position ids over a packed multimodal stream, equal to transformers'
+``get_rope_index`` run on every sample alone, computed for the whole pack in one pass on CPU or GPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _lib
+from ._meta import IntsLike, is_device_tensor, op_metadata
+
+_lib.load()
+ops = torch.ops.packcuda
+
+__all__ = ["MRopeSpec", "mrope_position_ids"]
+
+GridLike = Union[torch.Tensor, Sequence[Sequence[int]], None]
+_OK = (1 << 63) - 1
+
+# model_type -> (video_frames, reads vision_config.tokens_per_second)
+_FAMILIES = {
+    "qwen2_vl": ("whole", False),
+    "qwen2_5_vl": ("whole", True),
+    "qwen3_vl": ("per_frame", False),
+    "qwen3_vl_moe": ("per_frame", False),
+    "qwen3_5": ("per_frame", False),
+    "qwen3_5_moe": ("per_frame", False),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# fake (meta) kernel
+# ---------------------------------------------------------------------------------------------------
+@torch.library.register_fake("packcuda::mrope_position_ids")
+def _mrope_position_ids_fake(input_ids, cu_seqlens, image_grid_thw, video_grid_thw, second_per_grid_ts,
+                             image_token_id, video_token_id, spatial_merge_size=2, tokens_per_second=None,
+                             per_frame=False, text_after_max=False):
+    T = input_ids.shape[0]
+    N = cu_seqlens.shape[0] - 1
+    e = lambda *s: input_ids.new_empty(s, dtype=torch.int64)  # noqa: E731
+    return e(3, T), e(T), e(N), e(1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# facade
+# ---------------------------------------------------------------------------------------------------
+def _grid(g: GridLike, name: str) -> torch.Tensor:
+    """Host int64 [n, 3]; a device tensor is read back (one sync)."""
+    if g is None:
+        return torch.empty(0, 3, dtype=torch.int64)
+    if isinstance(g, torch.Tensor):
+        if g.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"packcuda.mrope_position_ids: {name} must be an integer tensor, got {g.dtype}")
+        return g.detach().to("cpu", torch.int64).reshape(-1, 3) if g.numel() else torch.empty(0, 3, dtype=torch.int64)
+    rows = [list(r) for r in g]
+    if not rows:
+        return torch.empty(0, 3, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if len(r) != 3:
+            raise ValueError(f"packcuda.mrope_position_ids: {name}[{i}] must be [t, h, w], got {r}")
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _seconds(s) -> torch.Tensor:
+    """Host float32 [n] (the dtype the Qwen2.5-VL processor returns); a device tensor is read back."""
+    if s is None:
+        return torch.empty(0, dtype=torch.float32)
+    if isinstance(s, torch.Tensor):
+        return s.detach().to("cpu", torch.float32).reshape(-1)
+    return torch.tensor([float(v) for v in s], dtype=torch.float32)
+
+
+def mrope_position_ids(
+    input_ids: torch.Tensor,
+    cu_seqlens: IntsLike,
+    *,
+    image_grid_thw: GridLike = None,
+    video_grid_thw: GridLike = None,
+    second_per_grid_ts=None,
+    image_token_id: int,
+    video_token_id: int,
+    spatial_merge_size: int = 2,
+    tokens_per_second: Optional[float] = None,
+    video_frames: str = "whole",
+    text_after_vision: str = "grid",
+    validate: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen-VL mRoPE positions of a packed stream: ``(pos int64 [3, T], text_pos int64 [T], deltas int64 [N])``.
+
+    ``input_ids`` int ``[T]`` is the packed stream and ``cu_seqlens`` ``[N + 1]`` its segments (host or device,
+    see :mod:`packcuda._meta`); every segment is its own sample and its positions start at 0.
+
+    A *vision block* is a maximal run of ``image_token_id`` (or ``video_token_id``) tokens inside a segment.
+    Blocks take the rows ``[t, h, w]`` of ``image_grid_thw`` / ``video_grid_thw`` in stream order across all
+    segments; with ``video_frames="per_frame"`` (Qwen3-VL, Qwen3.5) a video row stands for t blocks of grid
+    ``[1, h, w]`` (one per frame, separated by timestamp text). A block has ``t*h*w / spatial_merge_size**2``
+    tokens.
+
+    - text token: ``(cur, cur, cur)``, then ``cur += 1``;
+    - block starting at ``cur = s`` with merged grid ``(T', H', W') = (t, h/m, w/m)``, tokens in t-major, h, w
+      order: ``(s + floor(ti * interval), s + hi, s + wi)``. ``interval`` is 1, except for whole videos when
+      ``tokens_per_second`` is given (Qwen2.5-VL): ``float32(tokens_per_second) * float32(second_per_grid_ts[v])``
+      (1.0 when ``second_per_grid_ts`` is None), multiplied by ``ti`` in float32 and truncated, as transformers
+      does with the float32 ``second_per_grid_ts`` its processor returns;
+    - text after a block resumes at ``s + max(H', W')`` with ``text_after_vision="grid"`` (transformers >= 5.3)
+      or at ``max(all positions so far) + 1`` with ``"max"`` (transformers <= 4.57, verl, ROLL).
+
+    ``text_pos`` is the offset of each token in its segment (the 4th "text position" row transformers uses to
+    find packed sequence boundaries) and ``deltas[i] = max position of segment i + 1 - its length`` (0 for an
+    empty segment).
+
+    Bad input (a run whose length does not match its grid, more or fewer runs than blocks, a block crossing a
+    segment boundary, h or w not divisible by ``spatial_merge_size``) raises ``ValueError`` naming the block.
+
+    Syncs: grids, ``second_per_grid_ts`` and ``cu_seqlens`` given on the host (lists or CPU tensors, as every
+    trainer has them) are checked on the host and uploaded without a sync. On CPU every check runs before
+    anything is written. On CUDA the run structure of ``input_ids`` is device data: the kernel records errors in
+    a status word and ``validate=True`` reads it back once (the one sync of this function; on an error the host
+    reruns the check to name the block). ``validate=False`` never syncs (bad input then yields unspecified
+    positions); use it inside ``torch.compile`` regions and in the training loop once the data is trusted.
+    Grids given as device tensors are read back (one sync each).
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+        raise ValueError("packcuda.mrope_position_ids: input_ids must be a 1-D integer tensor (the packed stream)")
+    if video_frames not in ("whole", "per_frame"):
+        raise ValueError(f"packcuda.mrope_position_ids: video_frames must be 'whole' or 'per_frame', got {video_frames!r}")
+    if text_after_vision not in ("grid", "max"):
+        raise ValueError(
+            f"packcuda.mrope_position_ids: text_after_vision must be 'grid' or 'max', got {text_after_vision!r}")
+    meta = op_metadata(cu_seqlens)
+    igrid = _grid(image_grid_thw, "image_grid_thw")
+    vgrid = _grid(video_grid_thw, "video_grid_thw")
+    secs = _seconds(second_per_grid_ts)
+    tps = None if tokens_per_second is None else float(tokens_per_second)
+    args = (igrid, vgrid, secs, int(image_token_id), int(video_token_id), int(spatial_merge_size), tps,
+            video_frames == "per_frame", text_after_vision == "max")
+    pos, text_pos, deltas, status = ops.mrope_position_ids(input_ids, meta, *args)
+    if validate and input_ids.device.type != "cpu":
+        key = int(status.item())  # the one documented sync
+        if key != _OK:
+            cu_host = meta.cpu() if is_device_tensor(meta) else meta
+            ops.mrope_position_ids(input_ids.cpu(), cu_host, *args)  # raises the message naming the block
+            raise ValueError(f"packcuda.mrope_position_ids: invalid run structure near token {key >> 24}")
+    return pos, text_pos, deltas
+
+
+def _get(obj, name, default=None):
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+@dataclass(frozen=True)
+class MRopeSpec:
+    """The constants of a model family that mRoPE positions need, usually read from a transformers config."""
+
+    image_token_id: int
+    video_token_id: int
+    spatial_merge_size: int = 2
+    tokens_per_second: Optional[float] = None
+    video_frames: str = "whole"
+    text_after_vision: str = "grid"
+    model_type: str = ""
+
+    @classmethod
+    def from_hf_config(cls, config, *, text_after_vision: str = "grid") -> "MRopeSpec":
+        """Reads ``image_token_id``, ``video_token_id``, ``vision_config.spatial_merge_size`` and (Qwen2.5-VL)
+        ``vision_config.tokens_per_second`` from a transformers config (object or dict) of Qwen2-VL,
+        Qwen2.5-VL, Qwen3-VL(-MoE) or Qwen3.5(-MoE); the family sets ``video_frames``. ``text_after_vision``
+        is the rule of the transformers version the model trains with ("grid" for >= 5.3, "max" for 4.x)."""
+        model_type = _get(config, "model_type", "")
+        if model_type not in _FAMILIES:
+            raise ValueError(f"packcuda.MRopeSpec: unsupported model_type {model_type!r}; known: {sorted(_FAMILIES)}")
+        frames, uses_tps = _FAMILIES[model_type]
+        vision = _get(config, "vision_config")
+        if vision is None:
+            raise ValueError("packcuda.MRopeSpec: the config has no vision_config")
+        image_id, video_id = _get(config, "image_token_id"), _get(config, "video_token_id")
+        if image_id is None or video_id is None:
+            raise ValueError("packcuda.MRopeSpec: the config has no image_token_id / video_token_id")
+        tps = _get(vision, "tokens_per_second") if uses_tps else None
+        return cls(image_token_id=int(image_id), video_token_id=int(video_id),
+                   spatial_merge_size=int(_get(vision, "spatial_merge_size", 2)),
+                   tokens_per_second=None if tps is None else float(tps), video_frames=frames,
+                   text_after_vision=text_after_vision, model_type=model_type)
+
+    def position_ids(self, input_ids: torch.Tensor, cu_seqlens: IntsLike, *, image_grid_thw: GridLike = None,
+                     video_grid_thw: GridLike = None, second_per_grid_ts=None, validate: bool = True):
+        """:func:`mrope_position_ids` with this spec's constants."""
+        return mrope_position_ids(
+            input_ids, cu_seqlens, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+            second_per_grid_ts=second_per_grid_ts, image_token_id=self.image_token_id,
+            video_token_id=self.video_token_id, spatial_merge_size=self.spatial_merge_size,
+            tokens_per_second=self.tokens_per_second, video_frames=self.video_frames,
+            text_after_vision=self.text_after_vision, validate=validate)

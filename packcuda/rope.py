@@ -1,0 +1,288 @@
+"""Fused rotary position embeddings: 1D RoPE and mRoPE (sectioned, interleaved, partial) applied to q and k
+in one pass, forward and backward, out of place or in place."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from . import _lib
+
+_lib.load()
+ops = torch.ops.packcuda
+
+__all__ = ["apply_rope", "apply_rope_", "default_inv_freq", "rope_kwargs_from_config"]
+
+_STYLES = {"neox": False, "gptj": True}
+
+
+# ---------------------------------------------------------------------------------------------------
+# fake (meta) kernels
+# ---------------------------------------------------------------------------------------------------
+@torch.library.register_fake("packcuda::apply_rope")
+def _apply_rope_fake(q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved=False, gptj=False,
+                     attention_scaling=1.0, inverse=False):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("packcuda::apply_rope_")
+def _apply_rope_inplace_fake(q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved=False,
+                             gptj=False, attention_scaling=1.0, inverse=False):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# autograd: the backward of a rotation by angle a is the rotation by -a (it saves only the positions and
+# the frequencies, never activations)
+# ---------------------------------------------------------------------------------------------------
+def _last_dim_contiguous(g: torch.Tensor) -> torch.Tensor:
+    return g if g.shape[-1] <= 1 or g.stride(-1) == 1 else g.contiguous()
+
+
+def _rope_setup(ctx, inputs, output):
+    q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse = inputs
+    ctx.save_for_backward(positions, inv_freq)
+    ctx.cfg = (rotary_dim, list(section), interleaved, gptj, scaling, inverse)
+
+
+def _rope_backward(ctx, gq, gk):
+    positions, inv_freq = ctx.saved_tensors
+    rotary_dim, section, interleaved, gptj, scaling, inverse = ctx.cfg
+    dq, dk = ops.apply_rope(_last_dim_contiguous(gq), _last_dim_contiguous(gk), positions, inv_freq, rotary_dim,
+                            section, interleaved, gptj, scaling, not inverse)
+    return dq, dk, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("packcuda::apply_rope", _rope_backward, setup_context=_rope_setup)
+
+
+class _ApplyRopeInplace(torch.autograd.Function):
+    """In-place rotation with mark-dirty semantics: q and k are modified and returned; the backward rotates
+    the incoming gradients by the negated angle."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling):
+        ops.apply_rope_(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, False)
+        ctx.mark_dirty(q, k)
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling)
+        return q, k
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        positions, inv_freq = ctx.saved_tensors
+        rotary_dim, section, interleaved, gptj, scaling = ctx.cfg
+        dq, dk = ops.apply_rope(_last_dim_contiguous(gq), _last_dim_contiguous(gk), positions, inv_freq,
+                                rotary_dim, section, interleaved, gptj, scaling, True)
+        return dq, dk, None, None, None, None, None, None, None
+
+
+class _ApplyRopeInplaceOne(torch.autograd.Function):
+    """The same for a single tensor: autograd lets a Function that modifies a view in place return only one
+    tensor, so views (e.g. q and k slices of a fused QKV buffer) are rotated one Function each."""
+
+    @staticmethod
+    def forward(ctx, x, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling):
+        ops.apply_rope_(x, x.narrow(-2, 0, 0), positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling,
+                        False)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        positions, inv_freq = ctx.saved_tensors
+        rotary_dim, section, interleaved, gptj, scaling = ctx.cfg
+        g = _last_dim_contiguous(g)
+        dx, _ = ops.apply_rope(g, g.narrow(-2, 0, 0), positions, inv_freq, rotary_dim, section, interleaved, gptj,
+                               scaling, True)
+        return dx, None, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# facade
+# ---------------------------------------------------------------------------------------------------
+_INV_FREQ_CACHE: dict = {}
+
+
+def default_inv_freq(rope_theta: float, rotary_dim: int) -> torch.Tensor:
+    """fp32 ``[rotary_dim // 2]`` CPU tensor ``1 / rope_theta ** (arange(0, rotary_dim, 2) / rotary_dim)``,
+    computed with the same float32 torch ops, in the same order, as transformers' default rope init (so the
+    frequencies are bit-identical to the model's ``inv_freq`` buffer)."""
+    return 1.0 / (rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+def _inv_freq_for(rope_theta, rotary_dim, device) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return default_inv_freq(rope_theta, rotary_dim)
+    key = (float(rope_theta), int(rotary_dim), device)
+    t = _INV_FREQ_CACHE.get(key)
+    if t is None:
+        t = default_inv_freq(rope_theta, rotary_dim)
+        if device.type != "cpu":
+            t = t.to(device, non_blocking=True)
+        _INV_FREQ_CACHE[key] = t
+    return t
+
+
+def _resolve(name, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
+             rotary_style, attention_scaling):
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        raise TypeError(f"packcuda.{name}: q and k must be tensors")
+    if q.dim() < 3:
+        raise ValueError(f"packcuda.{name}: q must be [..., H, D] with at least one token dim, got shape "
+                         f"{tuple(q.shape)}")
+    if rotary_style not in _STYLES:
+        raise ValueError(f"packcuda.{name}: rotary_style must be 'neox' or 'gptj', got {rotary_style!r}")
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+    D = q.shape[-1]
+    if inv_freq is None:
+        if rope_theta is None:
+            raise ValueError(f"packcuda.{name}: give rope_theta or inv_freq")
+        rd = D if rotary_dim is None else int(rotary_dim)
+        inv = _inv_freq_for(rope_theta, rd if rd > 0 and rd % 2 == 0 else max(rd, 0), q.device)
+    else:
+        if not isinstance(inv_freq, torch.Tensor):
+            inv_freq = torch.as_tensor(inv_freq, dtype=torch.float32)
+        inv = inv_freq
+        rd = 2 * inv.numel() if rotary_dim is None else int(rotary_dim)
+    section = [] if mrope_section is None else [int(s) for s in mrope_section]
+    if mrope_section is not None and len(section) != 3:
+        raise ValueError(f"packcuda.{name}: mrope_section must have 3 entries (t, h, w), got {list(mrope_section)}")
+    return positions, inv, rd, section, bool(mrope_interleaved), _STYLES[rotary_style], float(attention_scaling)
+
+
+def _flatten_tokens(name, x, inplace):
+    """q/k with more than one leading token dim beyond [B, S]: flatten them (a view for the in-place op)."""
+    if x.dim() <= 4:
+        return x
+    shape = (-1, x.shape[-2], x.shape[-1])
+    if inplace:
+        try:
+            return x.view(shape)
+        except RuntimeError as e:
+            raise ValueError(f"packcuda.{name}: the leading dims of a tensor of shape {tuple(x.shape)} cannot be "
+                             f"flattened into tokens without a copy") from e
+    return x.reshape(shape)
+
+
+def _flatten_positions(positions, section, ndim):
+    if ndim <= 4:
+        return positions
+    rows = 1 if section else 0
+    return positions.reshape(*positions.shape[:rows], -1)
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    rope_theta: Optional[float] = None,
+    inv_freq: Optional[torch.Tensor] = None,
+    rotary_dim: Optional[int] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
+    rotary_style: str = "neox",
+    attention_scaling: float = 1.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embeddings of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` in one fused pass (out of place).
+
+    - ``q``/``k``: bf16, fp16 or fp32; any strides on the token and head dims (views into a fused QKV
+      buffer are fine, no copies), last dim contiguous. ``[B, S, H, D]`` works too (then positions may be
+      ``[B, S]`` / ``[3, B, S]``); more leading token dims are flattened.
+    - ``positions``: int32/int64, ``[T]`` for plain RoPE or ``[3, T]`` (t, h, w rows) with ``mrope_section``.
+      Per token: packed sequences restart wherever the positions restart; CP shards pass their own.
+      Host (CPU) positions with CUDA q/k are uploaded without a sync.
+    - ``inv_freq``: fp32 ``[rotary_dim / 2]``; by default computed from ``rope_theta`` over ``rotary_dim``
+      (default ``D``) exactly as transformers does. Channels ``>= rotary_dim`` are copied unchanged.
+    - ``mrope_section`` ``[sT, sH, sW]`` (sum ``rotary_dim / 2``): sectioned (Qwen2/2.5-VL) or, with
+      ``mrope_interleaved=True``, interleaved (Qwen3-VL, Qwen3.5) slot -> axis map.
+    - ``rotary_style``: ``"neox"`` pairs channel j with j + rotary_dim/2 (rotate_half), ``"gptj"`` pairs 2j
+      with 2j+1. ``attention_scaling`` multiplies cos and sin.
+
+    Math in fp32 (angle = float32(pos) * inv_freq[j], accurate sin/cos), one rounding to the output dtype.
+    Differentiable in q and k; the backward is the same kernel with the negated angle. No sync with device
+    positions/inv_freq; CUDA-graph capturable then. Returns ``(q_out, k_out)``.
+    """
+    positions, inv, rd, section, inter, gptj, scale = _resolve(
+        "apply_rope", q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
+        rotary_style, attention_scaling)
+    if q.dim() > 4 or k.dim() > 4:
+        qf, kf = _flatten_tokens("apply_rope", q, False), _flatten_tokens("apply_rope", k, False)
+        qo, ko = ops.apply_rope(qf, kf, _flatten_positions(positions, section, q.dim()), inv, rd, section, inter,
+                                gptj, scale, False)
+        return qo.view(q.shape), ko.view(k.shape)
+    return ops.apply_rope(q, k, positions, inv, rd, section, inter, gptj, scale, False)
+
+
+def apply_rope_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    rope_theta: Optional[float] = None,
+    inv_freq: Optional[torch.Tensor] = None,
+    rotary_dim: Optional[int] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
+    rotary_style: str = "neox",
+    attention_scaling: float = 1.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """In-place twin of :func:`apply_rope`: rotates ``q`` and ``k`` where they are and returns them.
+
+    Only the rotated channels are read and written: with partial rotary (``rotary_dim < D``) the
+    passthrough channels are never touched, and on views into a fused QKV buffer every other byte of the
+    buffer stays as it was. Differentiable (mark-dirty semantics, like other in-place torch ops: q and k
+    must not be leaves that require grad)."""
+    positions, inv, rd, section, inter, gptj, scale = _resolve(
+        "apply_rope_", q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
+        rotary_style, attention_scaling)
+    qf, kf = _flatten_tokens("apply_rope_", q, True), _flatten_tokens("apply_rope_", k, True)
+    pos = _flatten_positions(positions, section, q.dim())
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        if qf is not q or kf is not k:
+            raise ValueError("packcuda.apply_rope_: differentiable in-place rotation needs q and k with at most "
+                             "4 dims")
+        if q._is_view() or k._is_view():
+            q = _ApplyRopeInplaceOne.apply(q, pos, inv, rd, section, inter, gptj, scale)
+            k = _ApplyRopeInplaceOne.apply(k, pos, inv, rd, section, inter, gptj, scale)
+            return q, k
+        return _ApplyRopeInplace.apply(q, k, pos, inv, rd, section, inter, gptj, scale)
+    ops.apply_rope_(qf, kf, pos, inv, rd, section, inter, gptj, scale, False)
+    return q, k
+
+
+# model type prefix -> (default mrope_section, interleaved), as the models' rotary modules use them
+_MROPE_MODELS = {
+    "qwen2_vl": ([16, 24, 24], False),
+    "qwen2_5_vl": ([16, 24, 24], False),
+    "qwen3_vl": ([24, 20, 20], True),
+    "qwen3_5": ([11, 11, 10], True),
+}
+
+
+def rope_kwargs_from_config(config) -> dict:
+    """Keyword arguments of :func:`apply_rope` for a transformers text config: ``rope_theta``,
+    ``rotary_dim`` (``head_dim * partial_rotary_factor``) and, for the Qwen-VL / Qwen3.5 families, the
+    ``mrope_section`` and layout their rotary modules use (the config's section, else the module's default;
+    Qwen2/2.5-VL sectioned, Qwen3-VL and Qwen3.5 interleaved). Other models: ``mrope_section`` from
+    ``rope_parameters`` if present, with its ``mrope_interleaved`` flag. Default rope type only."""
+    rp = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rp.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"packcuda.rope_kwargs_from_config: rope_type {rope_type!r} is not supported (pass "
+                         "inv_freq and attention_scaling from the model's rotary module instead)")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor = rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    kw = dict(rope_theta=rp["rope_theta"], rotary_dim=int(head_dim * factor))
+    mt = getattr(config, "model_type", "") or ""
+    family = next((v for k, v in _MROPE_MODELS.items() if mt == k or mt.startswith(k + "_")), None)
+    section = rp.get("mrope_section")
+    if family is not None:
+        kw.update(mrope_section=list(section if section is not None else family[0]), mrope_interleaved=family[1])
+    elif section is not None:
+        kw.update(mrope_section=list(section), mrope_interleaved=bool(rp.get("mrope_interleaved", False)))
+    return kw

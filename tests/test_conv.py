@@ -1,0 +1,487 @@
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import packcuda
+import reference as ref
+from conftest import HAS_CUDA, no_sync, requires_cuda
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def _seed(*key):
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _cu(lens):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _close(got, want, dtype, what):
+    got = got.detach().double().cpu()
+    want = want.detach().double().cpu()
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    err = (got - want).abs().max().item() / scale if want.numel() else 0.0
+    assert err <= TOL[dtype], f"{what}: max error {err:.3g} (scaled) > {TOL[dtype]}"
+
+
+def _run_vs_reference(device, dtype, lens, K, C, act, with_prefix, with_bias, g):
+    cu = _cu(lens)
+    T = cu[-1]
+    x = torch.randn(T, C, generator=g, dtype=torch.float64)
+    w = torch.randn(C, K, generator=g, dtype=torch.float64) / K
+    b = torch.randn(C, generator=g, dtype=torch.float64) if with_bias else None
+    p = torch.randn(len(lens), K - 1, C, generator=g, dtype=torch.float64) if with_prefix else None
+    dy = torch.randn(T, C, generator=g, dtype=torch.float64)
+    leaves = [t.to(dtype) if t is not None else None for t in (x, w, b, p)]
+    # reference in fp64 on the values rounded to dtype
+    rl = [t.double().requires_grad_() if t is not None else None for t in leaves]
+    yr = ref.causal_conv1d(rl[0], rl[1], rl[2], cu, rl[3], act)
+    gr = torch.autograd.grad(yr, [t for t in rl if t is not None], dy, allow_unused=True, materialize_grads=True)
+    dl = [t.to(device).requires_grad_() if t is not None else None for t in leaves]
+    y = packcuda.causal_conv1d(dl[0], dl[1], dl[2], cu_seqlens=cu, prefix=dl[3], activation=act)
+    assert y.dtype == dtype and y.shape == (T, C) and y.device.type == device
+    _close(y, yr, dtype, "y")
+    gs = torch.autograd.grad(y, [t for t in dl if t is not None], dy.to(dtype).to(device))
+    for name, a, r in zip(["dx", "dweight", "dbias" if with_bias else "dprefix", "dprefix"], gs, gr):
+        _close(a, r, dtype, name)
+    return y, gs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [2, 3, 4])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_causal_conv1d_matches_reference(device, dtype, K, act):
+    g = _seed(dtype, K, act)
+    # empty segments, segments shorter than K-1, one long segment spanning several tiles
+    lens = [5, 0, 1, 2, 300, 0, 3, 700, 1]
+    _run_vs_reference(device, dtype, lens, K, 33, act, True, True, g)
+    _run_vs_reference(device, dtype, lens, K, 8, act, False, False, g)
+
+
+@pytest.mark.parametrize("K", [1, 5, 8])
+def test_causal_conv1d_other_kernel_sizes(device, K):
+    g = _seed(K)
+    _run_vs_reference(device, torch.float32, [9, 0, 2, 130], K, 5, "silu", True, True, g)
+    _run_vs_reference(device, torch.float32, [1, 40], K, 3, None, False, True, g)
+
+
+def test_causal_conv1d_no_cu_seqlens_equals_conv1d(device):
+    g = _seed("plain")
+    x = torch.randn(257, 16, generator=g).to(device)
+    w = torch.randn(16, 4, generator=g).to(device)
+    b = torch.randn(16, generator=g).to(device)
+    y = packcuda.causal_conv1d(x, w, b)
+    want = torch.nn.functional.conv1d(x.t()[None], w[:, None], b, padding=3, groups=16)[0, :, :257].t()
+    assert torch.allclose(y, want, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    K=st.integers(1, 6),
+    C=st.integers(1, 9),
+    act=st.sampled_from([None, "silu"]),
+    with_prefix=st.booleans(),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_causal_conv1d_hypothesis(lens, K, C, act, with_prefix, with_bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    for device in ["cpu"] + (["cuda"] if HAS_CUDA else []):
+        _run_vs_reference(device, torch.float64, lens, K, C, act, with_prefix, with_bias, g)
+
+
+def test_causal_conv1d_gradcheck():
+    g = _seed("gradcheck")
+    cu = [0, 3, 3, 4, 11]
+    K, C = 3, 3
+    x = torch.randn(11, C, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(C, K, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(C, dtype=torch.float64, generator=g, requires_grad=True)
+    p = torch.randn(4, K - 1, C, dtype=torch.float64, generator=g, requires_grad=True)
+    for act in [None, "silu"]:
+        torch.autograd.gradcheck(
+            lambda x, w, b, p: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation=act),
+            (x, w, b, p))
+    torch.autograd.gradcheck(lambda x, w: packcuda.causal_conv1d(x, w, cu_seqlens=cu), (x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_causal_conv1d_backward_is_deterministic(device, dtype):
+    g = _seed("det", dtype)
+    cu = _cu([1000, 17, 0, 2, 1500])
+    x = torch.randn(cu[-1], 64, generator=g).to(device, dtype)
+    w = torch.randn(64, 4, generator=g).to(device, dtype)
+    b = torch.randn(64, generator=g).to(device, dtype)
+    p = torch.randn(5, 3, 64, generator=g).to(device, dtype)
+    dy = torch.randn(cu[-1], 64, generator=g).to(device, dtype)
+    outs = [torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, torch.tensor(cu), p, 1) for _ in range(3)]
+    for o in outs[1:]:
+        for a, b_ in zip(outs[0], o):
+            assert torch.equal(a, b_)
+
+
+def test_causal_conv1d_device_cu_seqlens(device):
+    g = _seed("devcu")
+    cu = _cu([4, 0, 9, 2])
+    x = torch.randn(cu[-1], 6, generator=g).to(device)
+    w = torch.randn(6, 4, generator=g).to(device)
+    p = torch.randn(4, 3, 6, generator=g).to(device)
+    a = packcuda.causal_conv1d(x, w, cu_seqlens=cu, prefix=p)
+    b = packcuda.causal_conv1d(x, w, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device), prefix=p)
+    assert torch.equal(a, b)
+
+
+def test_opcheck(device):
+    from torch.library import opcheck
+
+    g = _seed("opcheck")
+    cu = torch.tensor([0, 3, 3, 10])
+    x = torch.randn(10, 4, generator=g).to(device).requires_grad_()
+    w = torch.randn(4, 3, generator=g).to(device).requires_grad_()
+    b = torch.randn(4, generator=g).to(device).requires_grad_()
+    p = torch.randn(3, 2, 4, generator=g).to(device).requires_grad_()
+    opcheck(torch.ops.packcuda.causal_conv1d_fwd.default, (x, w, b, cu, p, 1))
+    opcheck(torch.ops.packcuda.causal_conv1d_fwd.default, (x, w, None, None, None, 0))
+    dy = torch.randn(10, 4, generator=g).to(device)
+    opcheck(torch.ops.packcuda.causal_conv1d_bwd.default, (dy, x.detach(), w.detach(), b.detach(), cu,
+                                                           p.detach(), 1))
+    a, bb = torch.randn(5, 4).to(device), torch.randn(3, 4).to(device)
+    idx = torch.tensor([[0, 7], [-1, -1], [5, 2]], device=device)
+    opcheck(torch.ops.packcuda.conv_gather_sum.default, (a, bb, idx))
+
+
+def test_compile_fullgraph(device):
+    g = _seed("compile")
+    x = torch.randn(20, 8, generator=g).to(device).requires_grad_()
+    w = torch.randn(8, 4, generator=g).to(device).requires_grad_()
+    p = torch.randn(3, 3, 8, generator=g).to(device).requires_grad_()
+    cu = torch.tensor([0, 5, 6, 20])
+
+    def f(x, w, p):
+        return packcuda.causal_conv1d(x * 2, w, None, cu_seqlens=cu, prefix=p, activation="silu").sin()
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    y1, y2 = f(x, w, p), cf(x, w, p)
+    assert torch.allclose(y1, y2, atol=1e-6)
+    g1 = torch.autograd.grad(y1.sum(), (x, w, p))
+    g2 = torch.autograd.grad(y2.sum(), (x, w, p))
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_gather_sum_matches_reference(device):
+    g = _seed("gsum")
+    for dtype in [torch.float32, torch.bfloat16]:
+        a = torch.randn(6, 5, generator=g).to(dtype)
+        b = torch.randn(4, 5, generator=g).to(dtype)
+        idx = torch.tensor([[0, 9, -1], [-1, -1, -1], [6, 6, 2], [3, -1, 1]])
+        got = torch.ops.packcuda.conv_gather_sum(a.to(device), b.to(device), idx.to(device)).cpu()
+        both = torch.cat([a, b]).float()
+        want = torch.stack([sum((both[i] for i in row if i >= 0), torch.zeros(5)) for row in idx.tolist()])
+        assert torch.allclose(got.float(), want.to(dtype).float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def test_bad_causal_conv1d():
+    x = torch.randn(10, 4)
+    w = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"causal_conv1d: weight must be \[C, K\] with C = 4"):
+        packcuda.causal_conv1d(x, torch.randn(5, 3))
+    with pytest.raises(ValueError, match=r"kernel size K = weight.size\(1\) must be in \[1, 8\], got 9"):
+        packcuda.causal_conv1d(x, torch.randn(4, 9))
+    with pytest.raises(ValueError, match="weight has dtype float64 but x has dtype float32"):
+        packcuda.causal_conv1d(x, w.double())
+    with pytest.raises(ValueError, match=r"bias must be \[C\] with C = 4, got \[3\]"):
+        packcuda.causal_conv1d(x, w, torch.randn(3))
+    with pytest.raises(ValueError, match=r"prefix must be \[S, K-1, C\] = \[2, 2, 4\], got \[2, 3, 4\]"):
+        packcuda.causal_conv1d(x, w, cu_seqlens=[0, 4, 10], prefix=torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=9 does not match the number of tokens \(10\)"):
+        packcuda.causal_conv1d(x, w, cu_seqlens=[0, 4, 9])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        packcuda.causal_conv1d(x, w, cu_seqlens=[0, 6, 4, 10])
+    with pytest.raises(ValueError, match="activation must be None or 'silu', got 'relu'"):
+        packcuda.causal_conv1d(x, w, activation="relu")
+    with pytest.raises(ValueError, match="x must have dtype in"):
+        packcuda.causal_conv1d(x.int(), w.int())
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        packcuda.causal_conv1d(x[None], w)
+    with pytest.raises(ValueError, match=r"index\[0\]=10 is out of range"):
+        torch.ops.packcuda.conv_gather_sum(x, x[:0], torch.tensor([[10]]))
+
+
+@requires_cuda
+def test_cuda_device_mismatch():
+    x = torch.randn(10, 4, device="cuda")
+    with pytest.raises(ValueError, match="weight is on cpu but x is on cuda"):
+        packcuda.causal_conv1d(x, torch.randn(4, 3))
+
+
+# ------------------------------------------------------------------------------------ no syncs
+@requires_cuda
+def test_causal_conv1d_host_metadata_does_not_sync():
+    cu = _cu([1000, 3, 0, 999, 1])
+    x = torch.randn(cu[-1], 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    p = torch.randn(5, 3, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu").sum().backward()  # warm-up
+    with no_sync():
+        y = packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu")
+        y.backward(torch.ones_like(y))
+    torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------ conv-prefix exchange
+def _local_padded_rows(plan):
+    """Global padded row of every local slot of `plan` (from its pieces)."""
+    rows = []
+    P, off, seq, cup = plan.pieces_host, plan.piece_offset_host, plan.piece_seq_host, plan.cu_seqlens_padded_host
+    for k in range(len(P) - 1):
+        base = cup[seq[k]] + off[k]
+        rows.extend(range(base, base + P[k + 1] - P[k]))
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _exchange_cases():
+    import random
+
+    rng = random.Random(1234)
+    packs = {
+        "random": [rng.randint(0, 30) for _ in range(6)],
+        "short": [1, 2, 0, 3, 1, 5, 2, 1],  # shorter than 2*cp*(K-1): prefixes span several pieces / ranks
+        "long": [157],
+        "many_short": [rng.randint(1, 6) for _ in range(20)],
+    }
+    cases = []
+    for cp in (2, 3, 4):
+        for layout in ("zigzag", "contiguous"):
+            for K in (2, 3, 4):
+                for name, lens in packs.items():
+                    bucket = None
+                    if name == "random":  # bucket segment at the tail
+                        bucket = 8 * cp * (3 if layout == "zigzag" else 1)
+                    act = "silu" if (K + len(name)) % 2 else None
+                    cases.append((cp, layout, K, name, lens, bucket, act))
+    return cases
+
+
+def _dist_worker(rank, world, init, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        groups = {cp: (dist.new_group(list(range(cp))) if cp < world else dist.group.WORLD) for cp in (2, 3, 4)}
+        n = 0
+        for ci, (cp, layout, K, name, lens, bucket, act) in enumerate(_exchange_cases()):
+            if rank >= cp:
+                continue
+            group = groups[cp]
+            cu = _cu(lens)
+            plan = packcuda.shard_plan(cu, cp, rank, layout=layout, bucket=bucket)
+            g = torch.Generator().manual_seed(ci)
+            Tp, C = plan.total_padded, 3
+            X = torch.randn(Tp, C, generator=g, dtype=torch.float64)
+            w = torch.randn(C, K, generator=g, dtype=torch.float64)
+            b = torch.randn(C, generator=g, dtype=torch.float64)
+            G = torch.randn(Tp, C, generator=g, dtype=torch.float64)
+            # unsharded reference over the global padded stream, split at cu_seqlens_padded
+            Xr, wr, br = (t.clone().requires_grad_() for t in (X, w, b))
+            yr = ref.causal_conv1d(Xr, wr, br, plan.cu_seqlens_padded_host, None, act)
+            dXr, dwr, dbr = torch.autograd.grad(yr, (Xr, wr, br), G)
+            rows = _local_padded_rows(plan)
+            xl = X[rows].clone().requires_grad_()
+            wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+            prefix = packcuda.conv_prefix(xl, plan, K, group)
+            assert prefix.shape == (len(plan.pieces_host) - 1, K - 1, C)
+            y = packcuda.causal_conv1d(xl, wl, bl, cu_seqlens=plan.pieces, prefix=prefix, activation=act)
+            what = f"cp={cp} {layout} K={K} {name} rank={rank}"
+            assert torch.allclose(y, yr.detach()[rows], atol=1e-12, rtol=1e-10), f"outputs differ: {what}"
+            dx, dw, db = torch.autograd.grad(y, (xl, wl, bl), G[rows])
+            assert torch.allclose(dx, dXr[rows], atol=1e-12, rtol=1e-10), f"grad x differs: {what}"
+            dist.all_reduce(dw, group=group)
+            dist.all_reduce(db, group=group)
+            assert torch.allclose(dw, dwr, atol=1e-10, rtol=1e-10), f"grad weight differs: {what}"
+            assert torch.allclose(db, dbr, atol=1e-10, rtol=1e-10), f"grad bias differs: {what}"
+            if name != "short":
+                n += 1
+                continue
+            # the same call twice gives bit-identical results (deterministic)
+            dx2 = torch.autograd.grad(packcuda.causal_conv1d(
+                xl, wl, bl, cu_seqlens=plan.pieces, prefix=packcuda.conv_prefix(xl, plan, K, group),
+                activation=act), xl, G[rows])[0]
+            assert torch.equal(dx, dx2), what
+            n += 1
+        # debug-check mode: ranks holding different plans fail loudly instead of hanging
+        group = groups[2]
+        if rank < 2:
+            plan = packcuda.shard_plan([0, 10, 16 + 4 * rank], 2, rank)
+            x = torch.randn(plan.total_local, 4, dtype=torch.float64)
+            try:
+                packcuda.conv_prefix(x, plan, 4, group, check=True)
+                raise AssertionError("mismatched plans were not detected")
+            except ValueError as e:
+                assert "disagree on the plan" in str(e)
+            good = packcuda.shard_plan([0, 10, 20], 2, rank)
+            packcuda.conv_prefix(torch.randn(good.total_local, 4), good, 4, group, check=True)
+        results[rank] = n
+    finally:
+        dist.destroy_process_group()
+
+
+def test_conv_prefix_gloo_equivalence(tmp_path):
+    """cp in {2, 3, 4} (subgroups of one 4-process gloo job), zigzag and contiguous, K in {2, 3, 4}, random
+    packs with a bucket segment, sequences shorter than 2*cp*(K-1), one long sequence, many short ones: the
+    sharded conv equals the unsharded one on this rank's slots, outputs and all gradients."""
+    import torch.multiprocessing as mp
+
+    world = 4
+    mgr = mp.get_context("spawn").Manager()
+    results = mgr.dict()
+    mp.spawn(_dist_worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    n_cases = len(_exchange_cases())
+    per_rank = {r: sum(1 for c in _exchange_cases() if r < c[0]) for r in range(world)}
+    assert dict(results) == per_rank and n_cases == 72
+
+
+def test_conv_prefix_schedule_single_process():
+    """The schedules of all ranks are consistent: what rank p sends to q is what q expects from p, and the
+    exchange simulated by hand reproduces the unsharded prefix rows."""
+    for cp, layout, K, lens in [(2, "zigzag", 4, [3, 1, 40, 0, 7]), (4, "zigzag", 3, [1, 2, 3]),
+                                (3, "contiguous", 4, [2, 30, 1, 1, 9])]:
+        cu = _cu(lens)
+        plans = [packcuda.shard_plan(cu, cp, r, layout=layout) for r in range(cp)]
+        scheds = [packcuda.conv_prefix_schedule(p, K) for p in plans]
+        assert packcuda.conv_prefix_schedule(plans[0], K) is scheds[0]  # cached on the plan
+        X = torch.randn(plans[0].total_padded, 2, dtype=torch.float64)
+        xs = [X[_local_padded_rows(p)] for p in plans]
+        for q in range(cp):
+            recv = []
+            for p in range(cp):
+                off = sum(scheds[p].send_counts[:q])
+                assert scheds[p].send_counts[q] == scheds[q].recv_counts[p]
+                recv.append(xs[p][scheds[p].send_index[off:off + scheds[p].send_counts[q]]])
+            got = torch.ops.packcuda.conv_gather_sum(xs[q], torch.cat(recv), scheds[q].unpack[:, None])
+            # expected: rows at padded offsets [o-(K-1), o) of each piece's sequence
+            pl = plans[q]
+            want = torch.zeros_like(got)
+            for k in range(len(pl.pieces_host) - 1):
+                if pl.pieces_host[k + 1] == pl.pieces_host[k]:
+                    continue
+                start = pl.cu_seqlens_padded_host[pl.piece_seq_host[k]]
+                for j in range(K - 1):
+                    o = pl.piece_offset_host[k] - (K - 1) + j
+                    if o >= 0:
+                        want[k * (K - 1) + j] = X[start + o]
+            assert torch.equal(got, want), (cp, layout, K, q)
+
+
+def test_bad_conv_prefix_arguments(tmp_path):
+    import torch.distributed as dist
+
+    plan = packcuda.shard_plan([0, 10], 2, 0)
+    with pytest.raises(ValueError, match=r"kernel_size must be in \[1, 8\], got 0"):
+        packcuda.conv_prefix(torch.randn(plan.total_local, 2), plan, 0)
+    with pytest.raises(ValueError, match=r"x_local must be \[T_local, C\] with T_local = 6"):
+        packcuda.conv_prefix(torch.randn(5, 2), plan, 4)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="plan is for rank 0 of 2 but this process is rank 0 of 1"):
+            packcuda.conv_prefix(torch.randn(plan.total_local, 2), plan, 4)
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="zigzag align must be a multiple of 2\\*cp_size = 4, got 3"):
+        torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 0, 0, 3, None, 4)
+    with pytest.raises(ValueError, match=r"cp_rank must be in \[0, 2\), got 2"):
+        torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 2, 0, 4, None, 4)
+
+
+# ------------------------------------------------------------------------------------ two GPUs, NCCL
+def _nccl_worker(rank, world, init, results):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    try:
+        dev = torch.device("cuda", rank)
+        n = 0
+        for ci, (cp, layout, K, name, lens, bucket, act) in enumerate(_exchange_cases()):
+            if cp != world:
+                continue
+            plan = packcuda.shard_plan(_cu(lens), cp, rank, layout=layout, bucket=bucket, device=dev)
+            g = torch.Generator().manual_seed(ci)
+            Tp, C = plan.total_padded, 5
+            X = torch.randn(Tp, C, generator=g, dtype=torch.float64)
+            w = torch.randn(C, K, generator=g, dtype=torch.float64)
+            b = torch.randn(C, generator=g, dtype=torch.float64)
+            G = torch.randn(Tp, C, generator=g, dtype=torch.float64)
+            Xr, wr, br = (t.clone().requires_grad_() for t in (X, w, b))
+            yr = ref.causal_conv1d(Xr, wr, br, plan.cu_seqlens_padded_host, None, act)
+            dXr, dwr, dbr = torch.autograd.grad(yr, (Xr, wr, br), G)
+            rows = _local_padded_rows(plan)
+            for backend in ("nccl", "torch"):
+                xl = X[rows].to(dev).requires_grad_()
+                wl, bl = w.to(dev).requires_grad_(), b.to(dev).requires_grad_()
+                y = packcuda.causal_conv1d(xl, wl, bl, cu_seqlens=plan.pieces,
+                                           prefix=packcuda.conv_prefix(xl, plan, K, backend=backend), activation=act)
+                what = f"{backend} {layout} K={K} {name} rank={rank}"
+                assert torch.allclose(y.cpu(), yr.detach()[rows], atol=1e-12, rtol=1e-10), what
+                dx, dw, db = torch.autograd.grad(y, (xl, wl, bl), G[rows].to(dev))
+                assert torch.allclose(dx.cpu(), dXr[rows], atol=1e-12, rtol=1e-10), what
+                dist.all_reduce(dw)
+                dist.all_reduce(db)
+                assert torch.allclose(dw.cpu(), dwr, atol=1e-10) and torch.allclose(db.cpu(), dbr, atol=1e-10), what
+                n += 1
+        # no host sync on the NCCL path (host metadata, cached schedule), forward and backward
+        plan = packcuda.shard_plan(_cu([300, 7, 1, 2, 900]), world, rank, device=dev)
+        x = torch.randn(plan.total_local, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(256, 4, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+        def step():
+            p = packcuda.conv_prefix(x, plan, 4)
+            y = packcuda.causal_conv1d(x, w, cu_seqlens=plan.pieces, prefix=p, activation="silu")
+            y.backward(torch.ones_like(y))
+
+        step()
+        with no_sync():
+            step()
+        # CUDA graph: capture exchange + conv once, replay with new inputs
+        xs = torch.randn(plan.total_local, 256, device=dev)
+        ws = torch.randn(256, 4, device=dev)
+        eager = lambda: packcuda.causal_conv1d(  # noqa: E731
+            xs, ws, cu_seqlens=plan.pieces, prefix=packcuda.conv_prefix(xs, plan, 4, backend="nccl"))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager()  # warm-up: communicator, peer connections, cached schedule tensors
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_static = eager()
+        for _ in range(3):
+            xs.copy_(torch.randn_like(xs))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y_static, eager()), "graph replay differs from eager"
+        results[rank] = n
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
+                    reason="needs 2 CUDA devices, NCCL and a CUDA build of packcuda")
+def test_conv_prefix_nccl_two_gpus(tmp_path):
+    """cp=2 over NCCL: both the raw-NCCL path and the torch.distributed path equal the unsharded conv (outputs
+    and gradients); the NCCL path does not sync; exchange + conv capture into a CUDA graph and replay."""
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_nccl_worker, args=(2, f"file://{tmp_path}/init", results), nprocs=2, join=True)
+    assert dict(results) == {0: 48, 1: 48}

@@ -1,0 +1,498 @@
+"""packcuda.integrations.transformers on transformers' own Qwen-VL modeling code, with tiny random-weight models
+built from configs (no downloads): 2 layers, small hidden size, the real rope settings of each family, real
+vision towers fed random pixels of images and videos of varied grids."""
+import importlib.util
+import random
+import sys
+
+import pytest
+import torch
+from packaging.version import Version
+
+import packcuda
+import reference as ref
+from conftest import HAS_CUDA, HF_INT_SECONDS, no_sync, requires_cuda
+
+transformers = pytest.importorskip("transformers")
+hf = pytest.importorskip("packcuda.integrations.transformers")
+
+HAS_MROPE = hasattr(packcuda, "mrope_position_ids")
+HAS_ROPE = hasattr(packcuda, "apply_rope")
+HAS_SHARD = hasattr(packcuda, "shard_plan")
+needs_mrope = pytest.mark.skipif(not HAS_MROPE, reason="packcuda.mrope_position_ids not in this build")
+needs_rope = pytest.mark.skipif(not HAS_ROPE, reason="packcuda.apply_rope not in this build")
+needs_shard = pytest.mark.skipif(not HAS_SHARD, reason="packcuda.shard_plan not in this build")
+VERSION_OK = Version(hf.SUPPORTED_TRANSFORMERS[0]) <= Version(transformers.__version__) < Version(
+    hf.SUPPORTED_TRANSFORMERS[1])
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+
+# token ids of the tiny vocabulary
+V, IMG, VID, VS, VE = 160, 150, 151, 152, 153
+PATCH, TPATCH, MERGE = 4, 2, 2
+PATCH_DIM = 3 * TPATCH * PATCH * PATCH
+
+
+def _text(**kw):
+    d = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=4096, rms_norm_eps=1e-6)
+    d.update(kw)
+    return d
+
+
+def _vision(**kw):
+    d = dict(depth=2, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TPATCH,
+             in_channels=3)
+    d.update(kw)
+    return d
+
+
+def _config(fam, full_attention_only=False):
+    """Tiny config with the family's real rope settings (mrope_section, rope_theta, head_dim, partial rotary)."""
+    T = transformers
+    ids = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
+    if fam == "qwen2_vl":  # head_dim 128 = hidden / heads, sectioned [16, 24, 24], theta 1e6
+        c = T.Qwen2VLConfig(
+            text_config=_text(hidden_size=128, num_attention_heads=1, rope_parameters=dict(rope_type="default", rope_theta=1e6,
+                                                                    mrope_section=[16, 24, 24])),
+            vision_config=_vision(embed_dim=32, hidden_size=128, mlp_ratio=2), **ids)
+        cls = T.Qwen2VLForConditionalGeneration
+    elif fam == "qwen2_5_vl":  # as Qwen2-VL, plus windowed vision attention and tokens_per_second 2
+        c = T.Qwen2_5_VLConfig(
+            text_config=_text(hidden_size=128, num_attention_heads=1, rope_parameters=dict(rope_type="default", rope_theta=1e6,
+                                                                    mrope_section=[16, 24, 24])),
+            vision_config=_vision(hidden_size=32, out_hidden_size=128, intermediate_size=64, window_size=16,
+                                  fullatt_block_indexes=[1], tokens_per_second=2), **ids)
+        cls = T.Qwen2_5_VLForConditionalGeneration
+    elif fam == "qwen3_vl":  # head_dim 128, interleaved [24, 20, 20], theta 5e6
+        c = T.Qwen3VLConfig(
+            text_config=_text(head_dim=128, rope_parameters=dict(rope_type="default", rope_theta=5e6,
+                                                                 mrope_section=[24, 20, 20], mrope_interleaved=True)),
+            vision_config=_vision(hidden_size=32, out_hidden_size=64, intermediate_size=64,
+                                  num_position_embeddings=64, deepstack_visual_indexes=[0]), **ids)
+        cls = T.Qwen3VLForConditionalGeneration
+    else:  # Qwen3.5: head_dim 256, partial rotary 0.25 (64 dims), interleaved [11, 11, 10], theta 1e7
+        layers = ["full_attention"] * 2 if full_attention_only else ["linear_attention", "full_attention"]
+        c = T.Qwen3_5Config(
+            text_config=_text(head_dim=256, layer_types=layers, full_attention_interval=2, linear_num_key_heads=2,
+                              linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                              linear_conv_kernel_dim=4,
+                              rope_parameters=dict(rope_type="default", rope_theta=1e7, mrope_section=[11, 11, 10],
+                                                   mrope_interleaved=True, partial_rotary_factor=0.25)),
+            vision_config=_vision(hidden_size=32, out_hidden_size=64, intermediate_size=64,
+                                  num_position_embeddings=64), **ids)
+        cls = T.Qwen3_5ForConditionalGeneration
+    c._attn_implementation = "sdpa"
+    return c, cls
+
+
+def _model(fam, seed=0, full_attention_only=False):
+    c, cls = _config(fam, full_attention_only)
+    torch.manual_seed(seed)
+    return cls(c).eval()
+
+
+def _sample(fam, rng, kinds, lead=None):
+    """One sample: text with vision blocks of the given kinds ('img' / 'vid'), in order."""
+    per_frame = fam in ("qwen3_vl", "qwen3_5")
+    ids, imgs, vids, secs = [], [], [], []
+
+    def text(n):
+        ids.extend(rng.randrange(0, 140) for _ in range(n))
+
+    text(rng.randint(0, 2) if lead is None else lead)
+    if not kinds:
+        text(rng.randint(3, 8))
+    for k in kinds:
+        h, w = rng.choice([2, 4, 6]), rng.choice([2, 4])
+        if k == "img":
+            imgs.append([1, h, w])
+            ids.extend([VS] + [IMG] * (h * w // MERGE ** 2) + [VE])
+        else:
+            t = rng.choice([2, 3])
+            vids.append([t, h, w])
+            secs.append(rng.choice([1.0, 2.0] if HF_INT_SECONDS else [0.5, 1.0, 1.5, 2.0]))
+            if per_frame:  # <timestamp> <vision_start> frame <vision_end>, per temporal patch
+                for _ in range(t):
+                    text(1)
+                    ids.extend([VS] + [VID] * (h * w // MERGE ** 2) + [VE])
+            else:
+                ids.extend([VS] + [VID] * (t * h * w // MERGE ** 2) + [VE])
+        text(rng.randint(1, 4))
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    pix = lambda grids: (torch.randn(sum(a * b * c for a, b, c in grids), PATCH_DIM, generator=g)  # noqa: E731
+                         if grids else None)
+    return dict(ids=torch.tensor(ids, dtype=torch.int64), image_grid_thw=imgs, video_grid_thw=vids,
+                second_per_grid_ts=secs, pixel_values=pix(imgs), pixel_values_videos=pix(vids))
+
+
+# samples with blocks at the start and the end of a sample, text-only samples, images and videos together
+LAYOUTS = [[], ["img"], ["img", "vid"], ["vid"], ["vid", "img", "img"]]
+
+
+def _batch(fam, seed=0, layouts=LAYOUTS):
+    rng = random.Random(seed)
+    # the second sample starts with its vision block, the others start with 0-2 text tokens
+    samples = [_sample(fam, rng, k, lead=0 if i == 1 else None) for i, k in enumerate(layouts)]
+    cu = [0]
+    for s in samples:
+        cu.append(cu[-1] + s["ids"].numel())
+    cat = lambda key: (torch.cat([s[key] for s in samples if s[key] is not None])  # noqa: E731
+                       if any(s[key] is not None for s in samples) else None)
+    grids = lambda key: torch.tensor([r for s in samples for r in s[key]], dtype=torch.int64).reshape(-1, 3)  # noqa
+    packed = dict(ids=torch.cat([s["ids"] for s in samples]), cu=cu, pixel_values=cat("pixel_values"),
+                  pixel_values_videos=cat("pixel_values_videos"), image_grid_thw=grids("image_grid_thw"),
+                  video_grid_thw=grids("video_grid_thw"),
+                  second_per_grid_ts=torch.tensor([x for s in samples for x in s["second_per_grid_ts"]]))
+    return samples, packed
+
+
+def _vision_kwargs(fam, d):
+    kw = {}
+    ig, vg = torch.as_tensor(d["image_grid_thw"], dtype=torch.int64).reshape(-1, 3), \
+        torch.as_tensor(d["video_grid_thw"], dtype=torch.int64).reshape(-1, 3)
+    if ig.shape[0]:
+        kw.update(pixel_values=d["pixel_values"], image_grid_thw=ig)
+    if vg.shape[0]:
+        kw.update(pixel_values_videos=d["pixel_values_videos"], video_grid_thw=vg)
+        if fam == "qwen2_5_vl":
+            kw["second_per_grid_ts"] = torch.as_tensor(d["second_per_grid_ts"], dtype=torch.float32)
+    return kw
+
+
+def _separate_logits(model, fam, samples):
+    """Each sample alone, transformers computing its positions itself (get_rope_index)."""
+    out = []
+    for s in samples:
+        ids = s["ids"][None]
+        out.append(model(input_ids=ids, mm_token_type_ids=hf.mm_token_type_ids(ids, model.config),
+                         **_vision_kwargs(fam, s)).logits[0])
+    return torch.cat(out)
+
+
+def _packed_logits(model, fam, packed, position_ids):
+    # use_cache=False as in training: with a cache transformers does not look for packed sequences
+    return model(input_ids=packed["ids"][None], position_ids=position_ids, use_cache=False,
+                 **_vision_kwargs(fam, packed)).logits[0]
+
+
+def _hf_positions(model, fam, packed):
+    return hf.hf_packed_position_ids(model, packed["ids"], packed["cu"], image_grid_thw=packed["image_grid_thw"],
+                                     video_grid_thw=packed["video_grid_thw"],
+                                     second_per_grid_ts=packed["second_per_grid_ts"])
+
+
+def _pc_positions(model, fam, packed, device="cpu", **kw):
+    return hf.packed_position_ids(packed["ids"].to(device), packed["cu"], model.config,
+                                  image_grid_thw=packed["image_grid_thw"], video_grid_thw=packed["video_grid_thw"],
+                                  second_per_grid_ts=packed["second_per_grid_ts"] if fam == "qwen2_5_vl" else None,
+                                  **kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# packed row == samples alone
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_hf_packed_positions_restart_per_sample(fam):
+    model = _model(fam, full_attention_only=True)
+    samples, packed = _batch(fam)
+    pos = _hf_positions(model, fam, packed)
+    T = packed["ids"].numel()
+    assert pos.shape == (4, 1, T) and pos.dtype == torch.int64
+    cu = packed["cu"]
+    for i, s in enumerate(samples):
+        seg = pos[:, 0, cu[i]:cu[i + 1]]
+        assert torch.equal(seg[0], torch.arange(s["ids"].numel()))  # text row: 0, 1, 2, ... in every sample
+        assert seg.numel() == 0 or seg[1:].min() == 0
+    # the rows HF builds for a sample with vision differ from the plain text row somewhere
+    assert not torch.equal(pos[0], pos[1])
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_packed_row_matches_samples_alone_hf_positions(fam):
+    # Qwen3.5's gated-delta-net layers need flash-linear-attention's varlen kernels to respect sample
+    # boundaries; transformers' PyTorch fallback ignores them, so this equivalence uses attention layers only
+    model = _model(fam, full_attention_only=True)
+    samples, packed = _batch(fam)
+    with torch.no_grad():
+        want = _separate_logits(model, fam, samples)
+        got = _packed_logits(model, fam, packed, _hf_positions(model, fam, packed))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_mrope
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_packed_position_ids_equal_transformers(fam, device):
+    model = _model(fam, full_attention_only=True)
+    for seed in range(3):
+        _, packed = _batch(fam, seed)
+        want = _hf_positions(model, fam, packed)
+        got = _pc_positions(model, fam, packed, device)
+        assert got.device.type == device
+        assert torch.equal(got.cpu(), want), f"seed {seed}"
+
+
+@needs_mrope
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_packed_row_matches_samples_alone_packcuda_positions(fam):
+    model = _model(fam, full_attention_only=True)
+    samples, packed = _batch(fam, seed=1)
+    with torch.no_grad():
+        want = _separate_logits(model, fam, samples)
+        got = _packed_logits(model, fam, packed, _pc_positions(model, fam, packed))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# rotary patch: same logits and gradients as transformers' own rotary
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def rope_impl(request, monkeypatch):
+    """'reference': the patch plumbing with a plain rotation (runs without the kernel); 'packcuda': the kernel."""
+    if request.param == "reference":
+        monkeypatch.setattr(hf, "_rope_impl", ref.hf_rope_apply)
+        if not HAS_ROPE:
+            monkeypatch.setattr(packcuda, "apply_rope", ref.hf_rope_apply, raising=False)
+    elif not HAS_ROPE:
+        pytest.skip("packcuda.apply_rope not in this build")
+    yield request.param
+    hf.unpatch_qwen_vl_rope()
+
+
+def _loss_and_grads(model, fam, packed, pos):
+    model.zero_grad(set_to_none=True)
+    logits = _packed_logits(model, fam, packed, pos)
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
+    (logits * w).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+@pytest.mark.parametrize("rope_impl", ["reference", "packcuda"], indirect=True)
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_patch_matches_unpatched_logits_and_grads(fam, rope_impl):
+    if fam == "qwen3_5" and importlib.util.find_spec("fla") is not None:
+        pytest.skip("flash-linear-attention is installed: transformers routes Qwen3.5's linear-attention layers "
+                    "to its GPU kernels, which this CPU comparison does not exercise")
+    model = _model(fam)  # Qwen3.5 with its real hybrid layer pattern (linear + full attention)
+    _, packed = _batch(fam, seed=2)
+    pos = _hf_positions(model, fam, packed)
+    want_logits, want_grads = _loss_and_grads(model, fam, packed, pos)
+    calls = []
+    inner = hf._rope_impl
+    hf._rope_impl = lambda *a, **k: calls.append(a[2].shape) or inner(*a, **k)
+    try:
+        with hf.patch_qwen_vl_rope(model) as h:
+            assert hf.is_patched(model) and h.active
+            got_logits, got_grads = _loss_and_grads(model, fam, packed, pos)
+    finally:
+        hf._rope_impl = inner
+    tc = model.config.text_config
+    n_attn = sum(t == "full_attention" for t in (getattr(tc, "layer_types", None) or
+                                                  ["full_attention"] * tc.num_hidden_layers))
+    assert len(calls) == n_attn and all(c == (3, packed["ids"].numel()) for c in calls)
+    assert not hf.is_patched(model)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=2e-5)
+    assert want_grads.keys() == got_grads.keys()
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+@pytest.mark.parametrize("rope_impl", ["reference"], indirect=True)
+def test_class_patch_applies_to_new_models_and_unpatches(rope_impl):
+    import transformers.models.qwen3_vl.modeling_qwen3_vl as m
+
+    orig_fn, orig_fwd = m.apply_rotary_pos_emb, m.Qwen3VLTextRotaryEmbedding.forward
+    h = hf.patch_qwen_vl_rope(model_types=["qwen3_vl", "qwen2_vl"])
+    model = _model("qwen3_vl")
+    assert hf.is_patched(model) and hf.is_patched()
+    # text-only input: the model builds the positions itself
+    ids = torch.randint(0, 140, (2, 9))
+    patched = model(input_ids=ids).logits
+    h.unpatch()
+    assert m.apply_rotary_pos_emb is orig_fn and m.Qwen3VLTextRotaryEmbedding.forward is orig_fwd
+    assert not hf.is_patched(model) and not hf.is_patched()
+    torch.testing.assert_close(patched, model(input_ids=ids).logits, rtol=1e-4, atol=2e-5)
+    h.unpatch()  # idempotent
+
+
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+@pytest.mark.parametrize("rope_impl", ["reference"], indirect=True)
+def test_vision_rotary_untouched(rope_impl):
+    """The vision tower's rotary (and the original function with real cos/sin) still take the original path."""
+    import transformers.models.qwen2_vl.modeling_qwen2_vl as m
+
+    model = _model("qwen2_vl")
+    _, packed = _batch("qwen2_vl", layouts=[["img"]])
+    with torch.no_grad():
+        want = model.model.get_image_features(packed["pixel_values"], packed["image_grid_thw"]).pooler_output
+        q, k = torch.randn(1, 1, 5, 128), torch.randn(1, 1, 5, 128)
+        cos, sin = torch.randn(1, 5, 128), torch.randn(1, 5, 128)
+        want_qk = m.apply_rotary_pos_emb(q, k, cos, sin)
+        with hf.patch_qwen_vl_rope(model):
+            got = model.model.get_image_features(packed["pixel_values"], packed["image_grid_thw"]).pooler_output
+            got_qk = m.apply_rotary_pos_emb(q, k, cos, sin)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b in zip(got_qk, want_qk):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# context parallelism: shard the global positions, rotate locally
+# ---------------------------------------------------------------------------------------------------
+@needs_shard
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+@pytest.mark.parametrize("rope_impl", ["reference", "packcuda"], indirect=True)
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_cp_sharded_positions_and_rotated_qk(fam, rope_impl):
+    import importlib
+
+    model = _model(fam)
+    mod = importlib.import_module(hf._FAMILIES[fam].module)
+    rot = model.model.language_model.rotary_emb
+    _, packed = _batch(fam, seed=3)
+    T = packed["ids"].numel()
+    pos = _pc_positions(model, fam, packed) if HAS_MROPE else _hf_positions(model, fam, packed)
+    tc = model.config.text_config
+    D = tc.head_dim if getattr(tc, "head_dim", None) else tc.hidden_size // tc.num_attention_heads
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(T, 2, D, generator=g), torch.randn(T, 1, D, generator=g)
+    x = torch.zeros(1, T, 4)
+
+    def rotate(q, k, pos4):  # [T, H, D] through the model's rotary module and its module's apply function
+        cos, sin = rot(x[:, :q.shape[0]], pos4[1:])
+        qo, ko = mod.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        return qo[0].transpose(0, 1), ko[0].transpose(0, 1)
+
+    want_q, want_k = rotate(q, k, pos)  # transformers' own cos/sin path, unsharded
+    with hf.patch_qwen_vl_rope(model):
+        full_q, full_k = rotate(q, k, pos)
+        torch.testing.assert_close(full_q, want_q, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(full_k, want_k, rtol=1e-5, atol=1e-5)
+        seen = torch.zeros(T, dtype=torch.int64)
+        for r in range(2):
+            plan = packcuda.shard_plan(packed["cu"], 2, r, layout="zigzag")
+            lpos = hf.shard_position_ids(pos, plan)
+            idx = plan.index
+            valid = idx >= 0
+            assert lpos.shape == (4, 1, idx.numel())
+            assert torch.equal(lpos[:, 0, valid], pos[:, 0, idx[valid]])
+            assert (lpos[:, 0, ~valid] == 0).all()
+            lq, lk = rotate(plan.shard(q), plan.shard(k), lpos)
+            assert torch.equal(lq[valid], full_q[idx[valid]]) and torch.equal(lk[valid], full_k[idx[valid]])
+            seen[idx[valid]] += 1
+        assert (seen == 1).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# refusals
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("version", ["4.57.3", "5.16.0", "5.99.0", "6.0.0"])
+def test_patch_refuses_unknown_transformers_version(monkeypatch, version):
+    model = _model("qwen2_vl")
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)  # the module the integration reads
+    assert hf.transformers_version() == version
+    with pytest.raises(hf.UnsupportedTransformersError, match=version.replace(".", r"\.")):
+        hf.patch_qwen_vl_rope(model)
+    assert not hf.is_patched()
+
+
+def test_patch_refuses_unknown_model():
+    T = transformers
+    cfg = T.Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(hf.UnsupportedModelError, match="'qwen2'"):
+        hf.patch_qwen_vl_rope(T.Qwen2ForCausalLM(cfg), allow_unverified_version=True)
+    with pytest.raises(hf.UnsupportedModelError, match="'llama'"):
+        hf.patch_qwen_vl_rope(model_types=["qwen2_vl", "llama"], allow_unverified_version=True)
+    with pytest.raises(hf.UnsupportedModelError, match="'qwen2'"):
+        hf.packed_position_ids(torch.zeros(3, dtype=torch.int64), [0, 3], cfg)
+    with pytest.raises(ValueError, match="model or model_types"):
+        hf.patch_qwen_vl_rope(_model("qwen2_vl"), model_types=["qwen2_vl"], allow_unverified_version=True)
+    assert not hf.is_patched()
+
+
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+@pytest.mark.parametrize("rope_impl", ["reference"], indirect=True)
+def test_patch_refuses_changed_code(monkeypatch, rope_impl):
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as m
+
+    model = _model("qwen2_5_vl")
+
+    def foreign_apply(q, k, cos, sin, unsqueeze_dim=1):  # what another kernel library would install
+        return q, k
+
+    with monkeypatch.context() as mp:
+        mp.setattr(m, "apply_rotary_pos_emb", foreign_apply)
+        with pytest.raises(hf.UnsupportedTransformersError, match="apply_rotary_pos_emb"):
+            hf.patch_qwen_vl_rope(model)
+    with monkeypatch.context() as mp:
+        def forward(self, hidden_states, position_embeddings=None, **kw):  # a rewritten attention
+            return hidden_states, None
+
+        mp.setattr(m.Qwen2_5_VLAttention, "forward", forward)
+        with pytest.raises(hf.UnsupportedTransformersError,
+                           match=r"transformers 5\.\d+.*Qwen2_5_VLAttention\.forward"):
+            hf.patch_qwen_vl_rope(model)
+    assert not hf.is_patched(model) and not hf.is_patched()
+    with monkeypatch.context() as mp:
+        mp.setattr(model.model.language_model.rotary_emb, "rope_type", "dynamic")
+        with pytest.raises(hf.UnsupportedModelError, match="dynamic"):
+            hf.patch_qwen_vl_rope(model)
+    assert not hf.is_patched()
+
+
+def test_positions_bad_input():
+    cfg, _ = _config("qwen2_vl")
+    with pytest.raises(ValueError, match=r"\[T\] or \[1, T\]"):
+        hf.packed_position_ids(torch.zeros(2, 3, dtype=torch.int64), [0, 3], cfg)
+    with pytest.raises(ValueError, match=r"\[R, 1, T\]"):
+        hf.shard_position_ids(torch.zeros(4, 5, dtype=torch.int64), None)
+
+
+@needs_mrope
+def test_positions_bad_grid_is_named():
+    cfg, _ = _config("qwen2_vl")
+    ids = torch.tensor([1, VS] + [IMG] * 4 + [VE, 2])
+    with pytest.raises(ValueError, match="packcuda"):
+        hf.packed_position_ids(ids, [0, 8], cfg, image_grid_thw=[[1, 4, 6]])  # 6 tokens expected, 4 given
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: the training-loop path (host metadata, validate=False, patched rotary) never syncs
+# ---------------------------------------------------------------------------------------------------
+@requires_cuda
+@needs_mrope
+@needs_rope
+@pytest.mark.gpu
+@pytest.mark.parametrize("fam", ["qwen2_5_vl", "qwen3_5"])
+def test_gpu_positions_and_patched_rope_no_sync(fam):
+    import importlib
+
+    model = _model(fam, full_attention_only=True).cuda()
+    mod = importlib.import_module(hf._FAMILIES[fam].module)
+    _, packed = _batch(fam, seed=4)
+    T = packed["ids"].numel()
+    ids = packed["ids"].cuda()
+    tc = model.config.text_config
+    D = tc.head_dim if getattr(tc, "head_dim", None) else tc.hidden_size // tc.num_attention_heads
+    q, k = torch.randn(1, 2, T, D, device="cuda"), torch.randn(1, 1, T, D, device="cuda")
+    rot = model.model.language_model.rotary_emb
+    want_pos = _hf_positions(model.cpu(), fam, packed)
+    model.cuda()
+    cos, sin = rot(q, want_pos[1:].cuda())
+    want = mod.apply_rotary_pos_emb(q, k, cos, sin)
+    with hf.patch_qwen_vl_rope(model):
+        with no_sync():
+            pos = hf.packed_position_ids(ids, packed["cu"], model.config, image_grid_thw=packed["image_grid_thw"],
+                                         video_grid_thw=packed["video_grid_thw"],
+                                         second_per_grid_ts=packed["second_per_grid_ts"] if fam == "qwen2_5_vl"
+                                         else None, validate=False)
+            c2, s2 = rot(q, pos[1:])
+            got = mod.apply_rotary_pos_emb(q, k, c2, s2)
+        torch.cuda.synchronize()
+    assert torch.equal(pos.cpu(), want_pos)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

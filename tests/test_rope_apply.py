@@ -1,0 +1,486 @@
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import packcuda
+import reference as ref
+from conftest import HAS_CUDA, no_sync, requires_cuda
+
+FLOATS = [torch.bfloat16, torch.float16, torch.float32]
+MANT = {torch.bfloat16: (7, -126), torch.float16: (10, -14), torch.float32: (23, -126), torch.float64: (52, -1022)}
+
+# (name, head_dim, rotary_dim, mrope_section, interleaved)
+LAYOUTS = [
+    ("plain", 32, 32, None, False),
+    ("plain-partial", 48, 16, None, False),
+    ("sectioned", 32, 32, [4, 6, 6], False),
+    ("interleaved", 32, 32, [6, 5, 5], False),
+    ("interleaved-partial", 64, 16, [3, 3, 2], True),
+]
+LAYOUTS[3] = ("interleaved", 32, 32, [6, 5, 5], True)
+
+
+def _seed(*key):
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _ulp(x: torch.Tensor, dtype) -> torch.Tensor:
+    """One unit in the last place of dtype at |x| (x float64)."""
+    mant, emin = MANT[dtype]
+    _, e = torch.frexp(x.abs())
+    e = torch.clamp(e.to(torch.float64) - 1, min=emin)
+    return torch.pow(2.0, e - mant)
+
+
+def _assert_close_ulp(got: torch.Tensor, want64: torch.Tensor, dtype, scale: float, ulps: float = 1.0):
+    """|got - want| <= ulps * ulp(want) + (fp32-level slack for cancellation near zero)."""
+    err = (got.double().cpu() - want64).abs()
+    tol = ulps * _ulp(want64, dtype) + 4e-7 * scale
+    bad = err > tol
+    assert not bad.any(), f"{int(bad.sum())} elements off by more than {ulps} ulp; worst {float((err - tol).max())}"
+
+
+def _positions(T, mrope, g, packed=True, big=False):
+    """Positions that restart per packed sequence; mRoPE rows differ inside 'images'."""
+    hi = 1 << 20 if big else 4096
+    if not mrope:
+        return torch.randint(0, hi, (T,), generator=g)
+    pos = torch.randint(0, hi, (3, T), generator=g)
+    pos[:, : T // 3] = torch.arange(T // 3)[None]  # a text run: t = h = w
+    return pos
+
+
+def _inv(theta, rd):
+    return ref.rope_inv_freq(theta, rd)
+
+
+# ------------------------------------------------------------------------------------ against the reference
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_matches_reference(device, dtype, layout, style):
+    name, D, rd, section, inter = layout
+    g = _seed(dtype, name, style)
+    T, Hq, Hk = 37, 3, 2
+    q = torch.randn(T, Hq, D, generator=g).to(dtype)
+    k = torch.randn(T, Hk, D, generator=g).to(dtype)
+    pos = _positions(T, section is not None, g, big=True)
+    inv = _inv(1e6, rd)
+    kw = dict(rotary_dim=rd, mrope_section=section, mrope_interleaved=inter, rotary_style=style)
+    qo, ko = packcuda.apply_rope(q.to(device), k.to(device), pos.to(device), inv_freq=inv.to(device), **kw)
+    wq, wk = ref.apply_rope(q, k, pos, inv, rd, section, inter, style)
+    assert qo.dtype == dtype and qo.shape == q.shape and ko.shape == k.shape
+    _assert_close_ulp(qo, wq, dtype, 4.0)
+    _assert_close_ulp(ko, wk, dtype, 4.0)
+    # passthrough channels are bit-identical copies
+    assert torch.equal(qo[..., rd:].cpu(), q[..., rd:]) and torch.equal(ko[..., rd:].cpu(), k[..., rd:])
+    # in place gives the same bits
+    q2, k2 = q.clone().to(device), k.clone().to(device)
+    r = packcuda.apply_rope_(q2, k2, pos.to(device), inv_freq=inv.to(device), **kw)
+    assert r[0] is q2 and r[1] is k2
+    assert torch.equal(q2, qo) and torch.equal(k2, ko)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaling_inverse_and_default_inv_freq(device, dtype):
+    g = _seed("scale", dtype)
+    T, D = 21, 16
+    q = torch.randn(T, 2, D, generator=g).to(dtype)
+    k = torch.randn(T, 1, D, generator=g).to(dtype)
+    pos = torch.randint(0, 500, (T,), generator=g)
+    qo, ko = packcuda.apply_rope(q.to(device), k.to(device), pos, rope_theta=10000.0, attention_scaling=0.7)
+    wq, wk = ref.apply_rope(q, k, pos, _inv(10000.0, D), attention_scaling=0.7)
+    _assert_close_ulp(qo, wq, dtype, 4.0)
+    _assert_close_ulp(ko, wk, dtype, 4.0)
+    # the raw op's inverse flag undoes the rotation (fp32: up to rounding)
+    if dtype == torch.float32:
+        inv = _inv(10000.0, D).to(device)
+        bq, bk = torch.ops.packcuda.apply_rope(qo, ko, pos.to(device), inv, D, [], False, False, 1.0 / 0.7,
+                                               True)
+        assert torch.allclose(bq.cpu(), q, atol=1e-5) and torch.allclose(bk.cpu(), k, atol=1e-5)
+    assert torch.equal(packcuda.default_inv_freq(10000.0, D), _inv(10000.0, D))
+
+
+def test_int32_positions_and_4d_layout(device):
+    g = _seed("4d")
+    B, S, H, D = 2, 9, 3, 32
+    section = [4, 6, 6]
+    # HF attention layout [B, H, S, D]; the token-major view [B, S, H, D] is a transpose (no copy)
+    q_hf = torch.randn(B, H, S, D, generator=g).to(device)
+    k_hf = torch.randn(B, 1, S, D, generator=g).to(device)
+    pos = torch.randint(0, 1000, (3, B, S), generator=g, dtype=torch.int32)
+    qo, ko = packcuda.apply_rope(q_hf.transpose(1, 2), k_hf.transpose(1, 2), pos.to(device), rope_theta=1e6,
+                                 mrope_section=section)
+    assert qo.shape == (B, S, H, D)
+    wq, wk = ref.apply_rope(q_hf.transpose(1, 2).cpu(), k_hf.transpose(1, 2).cpu(), pos.long(), _inv(1e6, D), D,
+                            section)
+    _assert_close_ulp(qo, wq, torch.float32, 4.0)
+    _assert_close_ulp(ko, wk, torch.float32, 4.0)
+    # flat [3, B*S] positions give the same result; an expanded (stride 0) batch dim works too
+    qf, _ = packcuda.apply_rope(q_hf.transpose(1, 2), k_hf.transpose(1, 2), pos.reshape(3, -1).to(device),
+                                rope_theta=1e6, mrope_section=section)
+    assert torch.equal(qf, qo)
+    pe = pos[:, :1].expand(3, B, S)
+    qe, _ = packcuda.apply_rope(q_hf.transpose(1, 2), k_hf.transpose(1, 2), pe.to(device), rope_theta=1e6,
+                                mrope_section=section)
+    we, _ = ref.apply_rope(q_hf.transpose(1, 2).cpu(), k_hf.transpose(1, 2).cpu(), pe.contiguous().long(),
+                           _inv(1e6, D), D, section)
+    _assert_close_ulp(qe, we, torch.float32, 4.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rd", [128, 32])
+def test_fused_qkv_views_in_place_touch_nothing_else(device, dtype, rd):
+    g = _seed("qkv", dtype, rd)
+    T, Hq, Hk, D = 19, 4, 2, 128
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(dtype).to(device)
+    before = qkv.clone()
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+    pos = torch.randint(0, 30000, (3, T), generator=g)
+    kw = dict(rope_theta=5e6, rotary_dim=rd, mrope_section=[rd // 8, rd // 8 + rd // 16, rd // 2 - rd // 4 - rd // 16],
+              mrope_interleaved=True)
+    qo, ko = packcuda.apply_rope(q, k, pos.to(device), **kw)  # out of place on the strided views
+    assert torch.equal(qkv, before)
+    wq, wk = ref.apply_rope(q.cpu(), k.cpu(), pos, _inv(5e6, rd), rd, kw["mrope_section"], True)
+    _assert_close_ulp(qo, wq, dtype, 4.0)
+    _assert_close_ulp(ko, wk, dtype, 4.0)
+    packcuda.apply_rope_(q, k, pos, **kw)  # host positions
+    assert torch.equal(q, qo) and torch.equal(k, ko)
+    # every byte outside the rotated channels of q and k is unchanged
+    touched = torch.zeros(T, Hq + 2 * Hk, D, dtype=torch.bool)
+    touched[:, : Hq + Hk, :rd] = True
+    after = qkv.view(T, Hq + 2 * Hk, D).cpu()
+    b = before.view(T, Hq + 2 * Hk, D).cpu()
+    assert torch.equal(after[~touched], b[~touched])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    T=st.integers(0, 40),
+    Hq=st.integers(0, 5),
+    Hk=st.integers(1, 3),
+    half=st.integers(1, 12),
+    extra=st.integers(0, 9),
+    gap=st.integers(0, 3),
+    style=st.sampled_from(["neox", "gptj"]),
+    kind=st.sampled_from(["plain", "sectioned", "interleaved"]),
+    dtype=st.sampled_from(FLOATS),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_shapes_strides(T, Hq, Hk, half, extra, gap, style, kind, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    rd, D = 2 * half, 2 * half + extra
+    # odd paddings between heads and tokens defeat vector loads: the kernels must fall back correctly
+    qb = torch.randn(T, Hq, D + gap, generator=g).to(dtype)
+    kb = torch.randn(T, Hk, D + 2 * gap, generator=g).to(dtype)
+    q, k = qb[..., :D], kb[..., gap: gap + D]
+    section = None
+    if kind != "plain":
+        a = int(torch.randint(0, half + 1, (1,), generator=g))
+        b = int(torch.randint(0, half - a + 1, (1,), generator=g))
+        section = [a, b, half - a - b]
+    pos = _positions(T, section is not None, g, big=True)
+    inv = _inv(1e4, rd)
+    wq, wk = ref.apply_rope(q, k, pos, inv, rd, section, kind == "interleaved", style)
+    for device in ["cpu"] + (["cuda"] if HAS_CUDA else []):
+        kw = dict(inv_freq=inv, rotary_dim=rd, mrope_section=section, mrope_interleaved=kind == "interleaved",
+                  rotary_style=style)
+        qo, ko = packcuda.apply_rope(q.to(device), k.to(device), pos, **kw)
+        _assert_close_ulp(qo, wq, dtype, 4.0)
+        _assert_close_ulp(ko, wk, dtype, 4.0)
+        qd, kd = qb.clone().to(device), kb.clone().to(device)
+        packcuda.apply_rope_(qd[..., :D], kd[..., gap: gap + D], pos, **kw)
+        assert torch.equal(qd[..., :D], qo) and torch.equal(kd[..., gap: gap + D], ko)
+        assert torch.equal(qd[..., rd:].cpu(), qb[..., rd:]) and torch.equal(kd[..., :gap].cpu(), kb[..., :gap])
+
+
+# ------------------------------------------------------------------------------------ autograd, ops, compile
+@pytest.mark.parametrize("kind", ["plain", "sectioned", "interleaved"])
+def test_gradcheck_fp64(kind):
+    g = _seed("gc", kind)
+    T, D, rd = 6, 12, 8
+    section = None if kind == "plain" else [1, 2, 1]
+    pos = _positions(T, section is not None, g)
+    kw = dict(rope_theta=100.0, rotary_dim=rd, mrope_section=section, mrope_interleaved=kind == "interleaved",
+              attention_scaling=1.3)
+    q = torch.randn(T, 2, D, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(T, 1, D, dtype=torch.float64, generator=g, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, b: packcuda.apply_rope(a, b, pos, **kw), (q, k))
+    torch.autograd.gradgradcheck(lambda a, b: packcuda.apply_rope(a, b, pos, **kw), (q, k))
+    torch.autograd.gradcheck(lambda a, b: packcuda.apply_rope_(a * 1, b * 1, pos, rotary_style="gptj", **kw),
+                             (q, k))
+    # the fp64 kernel agrees with the fp64 reference to rounding
+    wq, _ = ref.apply_rope(q.detach(), k.detach(), pos, _inv(100.0, rd), rd, section, kind == "interleaved",
+                           attention_scaling=1.3)
+    assert torch.allclose(packcuda.apply_rope(q, k, pos, **kw)[0], wq, atol=1e-12, rtol=0)
+
+
+def test_inplace_grad_equals_out_of_place(device):
+    g = _seed("ipgrad")
+    T, D = 11, 32
+    x = torch.randn(T, 6 * D, generator=g).to(device).requires_grad_()
+    pos = torch.randint(0, 100, (3, T), generator=g).to(device)
+    kw = dict(rope_theta=1e6, mrope_section=[4, 6, 6])
+    w = torch.randn(T, 6 * D, generator=g).to(device)
+
+    def run(inplace):
+        qkv = x * 2  # non-leaf buffer, like a fused projection output
+        q, k = qkv[:, : 3 * D].view(T, 3, D), qkv[:, 3 * D: 4 * D].view(T, 1, D)
+        if inplace:
+            packcuda.apply_rope_(q, k, pos, **kw)
+            y = qkv
+        else:
+            qo, ko = packcuda.apply_rope(q, k, pos, **kw)
+            y = torch.cat([qo.reshape(T, -1), ko.reshape(T, -1), qkv[:, 4 * D:]], 1)
+        (gx,) = torch.autograd.grad((y * w).sum(), x)
+        return y.detach(), gx
+
+    y1, g1 = run(True)
+    y2, g2 = run(False)
+    assert torch.equal(y1, y2)
+    assert torch.allclose(g1, g2, atol=1e-6)
+
+
+def test_opcheck(device):
+    from torch.library import opcheck
+
+    g = _seed("opcheck")
+    q = torch.randn(7, 2, 16, generator=g).to(device)
+    k = torch.randn(7, 1, 16, generator=g).to(device)
+    pos = torch.randint(0, 50, (3, 7), generator=g).to(device)
+    inv = _inv(1e4, 16).to(device)
+    op = torch.ops.packcuda
+    opcheck(op.apply_rope.default, (q.requires_grad_(), k.requires_grad_(), pos, inv, 16, [2, 3, 3], True, False,
+                                    1.0, False))
+    opcheck(op.apply_rope.default, (q, k, pos[0], inv[:4], 8, [], False, True, 0.5, True))
+    opcheck(op.apply_rope_.default, (q.detach().clone(), k.detach().clone(), pos, inv, 16, [2, 3, 3], False, False,
+                                     1.0, False))
+
+
+def test_compile_fullgraph(device):
+    g = _seed("compile")
+    T, D = 13, 32
+    q = torch.randn(T, 4, D, generator=g).to(device).requires_grad_()
+    k = torch.randn(T, 2, D, generator=g).to(device).requires_grad_()
+    pos = torch.randint(0, 1000, (3, T), generator=g).to(device)
+    inv = _inv(5e6, D).to(device)
+    kw = dict(inv_freq=inv, mrope_section=[6, 5, 5], mrope_interleaved=True)
+
+    def f(q, k, pos):
+        qo, ko = packcuda.apply_rope(q * 1.5, k, pos, **kw)
+        return (qo.sum(-1) + 1).sin(), ko
+
+    backend = "aot_eager" if device == "cpu" else "inductor"
+    cf = torch.compile(f, fullgraph=True, backend=backend)
+    a, b = f(q, k, pos), cf(q, k, pos)
+    assert torch.allclose(a[0], b[0], atol=1e-6) and torch.equal(a[1], b[1])
+    g1 = torch.autograd.grad(a[0].sum() + a[1].sum(), (q, k))
+    g2 = torch.autograd.grad(b[0].sum() + b[1].sum(), (q, k))
+    assert all(torch.allclose(u, v, atol=1e-5) for u, v in zip(g1, g2))
+
+    # the in-place op under compile (no grad)
+    def h(q, k, pos):
+        q2, k2 = q.clone(), k.clone()
+        packcuda.apply_rope_(q2, k2, pos, **kw)
+        return q2, k2
+
+    with torch.no_grad():
+        ch = torch.compile(h, fullgraph=True, backend=backend)
+        r1, r2 = h(q, k, pos), ch(q, k, pos)
+    assert torch.equal(r1[0], r2[0]) and torch.equal(r1[1], r2[1])
+
+
+# ------------------------------------------------------------------------------------ transformers oracle
+def _hf_models():
+    tf = pytest.importorskip("transformers")  # noqa: F841
+    from transformers.models.qwen2_vl import configuration_qwen2_vl as c2, modeling_qwen2_vl as m2
+    from transformers.models.qwen3_5 import configuration_qwen3_5 as c5, modeling_qwen3_5 as m5
+    from transformers.models.qwen3_vl import configuration_qwen3_vl as c3, modeling_qwen3_vl as m3
+
+    common = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1)
+    return {
+        "qwen2_vl": (c2.Qwen2VLTextConfig(**common, rope_parameters=dict(
+            rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])), m2.Qwen2VLRotaryEmbedding,
+            m2.apply_rotary_pos_emb),
+        "qwen3_vl": (c3.Qwen3VLTextConfig(**common, head_dim=128, rope_parameters=dict(
+            rope_type="default", rope_theta=5e6, mrope_section=[24, 20, 20], mrope_interleaved=True)),
+            m3.Qwen3VLTextRotaryEmbedding, m3.apply_rotary_pos_emb),
+        "qwen3_5": (c5.Qwen3_5TextConfig(**common, head_dim=256, rope_parameters=dict(
+            rope_type="default", rope_theta=1e7, mrope_section=[11, 11, 10], mrope_interleaved=True,
+            partial_rotary_factor=0.25)), m5.Qwen3_5TextRotaryEmbedding, m5.apply_rotary_pos_emb),
+    }
+
+
+@pytest.mark.parametrize("model", ["qwen2_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_transformers_oracle(device, model, dtype):
+    cfg, Rotary, hf_apply = _hf_models()[model]
+    kw = packcuda.rope_kwargs_from_config(cfg)
+    rot = Rotary(cfg).to(device)
+    D = cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
+    rd = kw["rotary_dim"]
+    # inv_freq bit-identical to the model's buffer
+    assert torch.equal(packcuda.default_inv_freq(kw["rope_theta"], rd), rot.inv_freq.cpu())
+    g = _seed("hf", model, dtype)
+    T, Hq, Hk = 300, 4, 2
+    # a packed batch: text, an image block (t const, h/w grid), text; positions restart per sample
+    pos = []
+    for L in (120, 180):
+        p = torch.arange(L).repeat(3, 1)
+        p[1, 40:80] = 40 + torch.arange(40) // 8
+        p[2, 40:80] = 40 + torch.arange(40) % 8
+        p[0, 40:80] = 40
+        p[:, 80:] = torch.arange(L - 80) + 48
+        pos.append(p)
+    pos = torch.cat(pos, 1) + torch.randint(0, 20000, (1,), generator=g)
+    q = torch.randn(1, Hq, T, D, generator=g).to(dtype).to(device)  # HF layout [B, H, S, D]
+    k = torch.randn(1, Hk, T, D, generator=g).to(dtype).to(device)
+    cos, sin = rot(q, pos[:, None, :].to(device))
+    hq, hk = hf_apply(q, k, cos, sin)
+    ours_q, ours_k = packcuda.apply_rope(q.transpose(1, 2), k.transpose(1, 2), pos[:, None, :].to(device), **kw)
+    ours_q, ours_k = ours_q.transpose(1, 2), ours_k.transpose(1, 2)
+    wq, wk = ref.apply_rope(q[0].transpose(0, 1).cpu(), k[0].transpose(0, 1).cpu(), pos, rot.inv_freq.cpu(), rd,
+                            kw["mrope_section"], kw["mrope_interleaved"])
+    wq, wk = wq.transpose(0, 1)[None], wk.transpose(0, 1)[None]
+    n = rd // 2
+    for x, ours, hf, want in ((q, ours_q, hq, wq), (k, ours_k, hk, wk)):
+        ours, hf, x = ours.double().cpu(), hf.double().cpu(), x.double().cpu()
+        e_ours, e_hf = (ours - want).abs(), (hf - want).abs()
+        slack = 1.01 if dtype == torch.bfloat16 else 1.1  # fp32: both are a few fp32 roundings from the truth
+        assert e_ours.max() <= e_hf.max() * slack + 1e-7, (float(e_ours.max()), float(e_hf.max()))
+        assert e_ours.mean() <= e_hf.mean() * 1.01 + 1e-9
+        # ours is the correctly rounded fp64 result (up to fp32 slack); transformers' eager bf16 path rounds
+        # cos/sin and every product, so it can sit ~1.5 ulp of the operands away from the truth. Elementwise
+        # the two agree to 1 ulp of the operand scale apart from those roundings: at most 2 such ulps.
+        _assert_close_ulp(ours, want, dtype, float(x.abs().max()))
+        if dtype == torch.bfloat16:
+            xr = x[..., :rd]
+            partner = torch.cat([xr[..., n:], xr[..., :n]], -1)
+            scale = torch.maximum(torch.maximum(xr.abs(), partner.abs()), hf[..., :rd].abs())
+            d = (ours[..., :rd] - hf[..., :rd]).abs() / _ulp(scale, dtype)
+            assert d.max() <= 2.0 and (d > 1).double().mean() < 2e-3, (float(d.max()), float((d > 1).double().mean()))
+        assert torch.equal(ours[..., rd:], x[..., rd:])
+
+
+def test_rope_kwargs_from_default_configs():
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl as c25, modeling_qwen2_5_vl as m25
+    from transformers.models.qwen3_5 import configuration_qwen3_5 as c5, modeling_qwen3_5 as m5
+    from transformers.models.qwen3_vl import configuration_qwen3_vl as c3, modeling_qwen3_vl as m3
+
+    for C, R, inter in ((c25.Qwen2_5_VLConfig, m25.Qwen2_5_VLRotaryEmbedding, False),
+                        (c3.Qwen3VLConfig, m3.Qwen3VLTextRotaryEmbedding, True),
+                        (c5.Qwen3_5Config, m5.Qwen3_5TextRotaryEmbedding, True)):
+        cfg = C().get_text_config()
+        kw = packcuda.rope_kwargs_from_config(cfg)
+        rot = R(cfg)
+        assert kw["mrope_section"] == list(rot.mrope_section) and kw["mrope_interleaved"] == inter
+        assert torch.equal(packcuda.default_inv_freq(kw["rope_theta"], kw["rotary_dim"]), rot.inv_freq)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def test_bad_inputs():
+    q = torch.randn(5, 2, 16)
+    k = torch.randn(5, 1, 16)
+    pos = torch.arange(5)
+    pos3 = torch.zeros(3, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"mrope_section \[2, 3, 2\] sums to 7 but rotary_dim / 2 = 8"):
+        packcuda.apply_rope(q, k, pos3, rope_theta=1e4, mrope_section=[2, 3, 2])
+    with pytest.raises(ValueError, match="rotary_dim must be a positive even number, got 7"):
+        packcuda.apply_rope(q, k, pos, rope_theta=1e4, rotary_dim=7)
+    with pytest.raises(ValueError, match=r"rotary_dim \(18\) must be <= head_dim \(16\)"):
+        packcuda.apply_rope(q, k, pos, rope_theta=1e4, rotary_dim=18)
+    with pytest.raises(ValueError, match=r"positions must be \[3, T\]"):
+        packcuda.apply_rope(q, k, pos, rope_theta=1e4, mrope_section=[2, 3, 3])
+    with pytest.raises(ValueError, match=r"positions must be \[T\]"):
+        packcuda.apply_rope(q, k, pos3, rope_theta=1e4)
+    with pytest.raises(ValueError, match="positions must have 3 rows"):
+        packcuda.apply_rope(q, k, pos3[:2], rope_theta=1e4, mrope_section=[2, 3, 3])
+    with pytest.raises(ValueError, match="positions has 4 tokens but q has 5"):
+        packcuda.apply_rope(q, k, pos[:4], rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"positions must have dtype in \{int32, int64\}, got float32"):
+        packcuda.apply_rope(q, k, pos.float(), rope_theta=1e4)
+    with pytest.raises(ValueError, match="q and k must have the same tokens"):
+        packcuda.apply_rope(q, k[:4], pos, rope_theta=1e4)
+    with pytest.raises(ValueError, match="k has dtype bfloat16 but q has dtype float32"):
+        packcuda.apply_rope(q, k.bfloat16(), pos, rope_theta=1e4)
+    with pytest.raises(ValueError, match="q must be contiguous in its last dim"):
+        packcuda.apply_rope(torch.randn(5, 2, 32)[..., ::2], k, pos, rope_theta=1e4)
+    with pytest.raises(ValueError, match="k must be contiguous in its last dim"):
+        packcuda.apply_rope(q, torch.randn(5, 1, 32)[..., ::2], pos, rope_theta=1e4)
+    with pytest.raises(ValueError, match="same head_dim"):
+        packcuda.apply_rope(q, torch.randn(5, 1, 8), pos, rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"q must have dtype in \{bfloat16, float16, float32, float64\}, got int64"):
+        packcuda.apply_rope(q.long(), k.long(), pos, rope_theta=1e4)
+    with pytest.raises(ValueError, match="inv_freq must have rotary_dim / 2 = 8 entries, got 4"):
+        packcuda.apply_rope(q, k, pos, inv_freq=torch.ones(4), rotary_dim=16)
+    with pytest.raises(ValueError, match="inv_freq must have dtype"):
+        packcuda.apply_rope(q, k, pos, inv_freq=torch.ones(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="mrope_section must have 3 entries"):
+        packcuda.apply_rope(q, k, pos3, rope_theta=1e4, mrope_section=[4, 4])
+    with pytest.raises(ValueError, match="mrope_interleaved needs an mrope_section"):
+        packcuda.apply_rope(q, k, pos, rope_theta=1e4, mrope_interleaved=True)
+    with pytest.raises(ValueError, match="rotary_style must be 'neox' or 'gptj'"):
+        packcuda.apply_rope(q, k, pos, rope_theta=1e4, rotary_style="half")
+    with pytest.raises(ValueError, match="give rope_theta or inv_freq"):
+        packcuda.apply_rope(q, k, pos)
+    with pytest.raises(ValueError, match="q and k must be different tensors"):
+        packcuda.apply_rope_(q, q, pos, rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"q must be \[T, Hq, D\] or \[B, S, Hq, D\]"):
+        torch.ops.packcuda.apply_rope(q[0], k[0], pos, torch.ones(8), 16, [], False, False, 1.0, False)
+    # nothing was written by a rejected in-place call
+    q0 = q.clone()
+    with pytest.raises(ValueError):
+        packcuda.apply_rope_(q, k, pos[:3], rope_theta=1e4)
+    assert torch.equal(q, q0)
+
+
+# ------------------------------------------------------------------------------------ GPU only
+@requires_cuda
+def test_cuda_host_metadata_no_sync_and_deterministic():
+    g = _seed("nosync")
+    T, D = 1000, 128
+    q = torch.randn(T, 8, D, generator=g).bfloat16().cuda()
+    k = torch.randn(T, 2, D, generator=g).bfloat16().cuda()
+    pos_host = torch.randint(0, 100000, (3, T), generator=g)
+    pos_dev = pos_host.cuda()
+    kw = dict(rope_theta=1e6, mrope_section=[16, 24, 24])
+    packcuda.apply_rope(q, k, pos_dev, **kw)  # warm the inv_freq cache
+    with no_sync():
+        a = packcuda.apply_rope(q, k, pos_host, **kw)  # host positions: uploaded without a sync
+        b = packcuda.apply_rope(q, k, pos_dev, **kw)
+        q2, k2 = q.clone(), k.clone()
+        packcuda.apply_rope_(q2, k2, pos_dev, **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(q2, a[0])
+    c = packcuda.apply_rope(q, k, pos_dev, **kw)
+    assert torch.equal(c[0], a[0]) and torch.equal(c[1], a[1])
+    # same bits as the CPU kernel up to 1 ulp (sin/cos of the two libraries may differ in the last fp32 bit)
+    cq, _ = packcuda.apply_rope(q.cpu(), k.cpu(), pos_host, **kw)
+    # (plus fp32-level slack where the rotation cancels to almost zero)
+    tol = _ulp(cq.double(), torch.bfloat16) + 1e-6 * float(q.float().abs().max())
+    assert ((a[0].double().cpu() - cq.double()).abs() <= tol).all()
+
+
+@requires_cuda
+def test_cuda_graph_capture():
+    T, D = 256, 64
+    q = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(T, 2, D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 5000, (3, T), device="cuda")
+    inv = packcuda.default_inv_freq(1e6, D).cuda()
+    kw = dict(inv_freq=inv, mrope_section=[8, 12, 12])
+    want = packcuda.apply_rope(q, k, pos, **kw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        packcuda.apply_rope(q, k, pos, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = packcuda.apply_rope(q, k, pos, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
