@@ -58,7 +58,7 @@ struct KParams {
 
 // One item = (local token, head over q then k, chunk). Loads for U items are issued before any store.
 template <typename T, int VE, int ALIGN, bool GPTJ>
-__global__ void __launch_bounds__(kThreads) rope_kernel(const KParams p) {
+__global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
   using V = Vec<T, VE, ALIGN>;
   using F = typename Cvt<T>::F;  // compute type
   const RopeArgs& a = p.a;
