@@ -372,7 +372,9 @@ PC_UNROLL
         }
         store_vec<V>(dx + t * sh.C + c, dxo);
         if (t == start && dprefix != nullptr) {
-          for (int j = 0; j < K - 1; ++j) {
+PC_UNROLL
+          for (int j = 0; j < KM - 1; ++j) {  // j < K - 1; unrolled so g stays in registers
+            if (j >= K - 1) break;
 PC_UNROLL
             for (int v = 0; v < V; ++v) {
               A acc = A(0);
@@ -418,7 +420,9 @@ PC_UNROLL
   }
 PC_UNROLL
   for (int v = 0; v < V; ++v) {
-    for (int k = 0; k < K; ++k) part[v * (K + 1) + k] = dw[v][k + off];
+PC_UNROLL
+    for (int m = 0; m < KM; ++m)  // static indices into dw (keeps it in registers)
+      if (m >= off) part[v * (K + 1) + (m - off)] = dw[v][m];
     part[v * (K + 1) + K] = db[v];
   }
 }

@@ -36,12 +36,14 @@ void dispatch_k(int K, F&& f) {
 
 ConvShape shape_of(const ConvArgs& a) { return ConvShape{a.T, a.C, a.K, a.nseg, a.activation}; }
 
-// Channels per thread on the vector path: one 16-byte access per token row (8 bf16/f16, 4 fp32, 2 fp64). The
-// backward keeps four KM-sized arrays per channel in registers, so for K > 4 it takes half as many channels.
+// Channels per thread on the vector path: one 16-byte access per token row (8 bf16/f16, 4 fp32, 2 fp64),
+// halved (8-byte accesses) where the per-channel register arrays would otherwise spill (checked with
+// -Xptxas -v: the backward keeps four KM-sized arrays per channel; 16-bit types at K > 4 or in the backward).
 template <typename S, int KM, bool kBwd>
 constexpr int vec_width() {
   constexpr int full = static_cast<int>(16 / sizeof(S));
-  return (kBwd && (KM > 4 || full == 8)) || (KM > 4 && full == 8) ? full / 2 : full;
+  const bool halve = (kBwd && KM > 4) || (full == 8 && (kBwd || KM > 4));
+  return halve ? full / 2 : full;
 }
 // Tokens per batch of loads: the vector path already moves 16 bytes per row and load, so the backward (two
 // loads per row, many live registers) batches fewer rows.
