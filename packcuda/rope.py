@@ -56,6 +56,47 @@ def _rope_backward(ctx, gq, gk):
 torch.library.register_autograd("packcuda::apply_rope", _rope_backward, setup_context=_rope_setup)
 
 
+# Eager fast path of the facade. Calling the op from Python goes through the Python autograd kernel that
+# register_autograd installs (schema default filling, a generated Function, a redispatch) on every call,
+# forward and backward; that host time is larger than the kernel itself for small and medium batches. In
+# eager mode the facade instead calls the backend kernel directly below autograd and, when a gradient is
+# needed, wraps it in one plain Function. The math and the kernel launches are the same; under
+# torch.compile the facade keeps calling the registered op (and its registered autograd).
+def _rope_raw(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse):
+    with torch._C._AutoDispatchBelowAutograd():
+        return ops.apply_rope.default(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling,
+                                      inverse)
+
+
+class _ApplyRope(torch.autograd.Function):
+    """Out-of-place rotation; the backward rotates the incoming gradients by the negated angle (one launch for
+    dq and dk, gradients read with their own strides). Differentiable again under create_graph."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse):
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling, inverse)
+        return _rope_raw(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        positions, inv_freq = ctx.saved_tensors
+        rotary_dim, section, interleaved, gptj, scaling, inverse = ctx.cfg
+        dq, dk = _rope_call(_last_dim_contiguous(gq), _last_dim_contiguous(gk), positions, inv_freq, rotary_dim,
+                            section, interleaved, gptj, scaling, not inverse)
+        return dq, dk, None, None, None, None, None, None, None, None
+
+
+def _rope_call(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse):
+    """ops.apply_rope with the same semantics (autograd included), without the Python autograd kernel's
+    overhead in eager mode."""
+    if torch.compiler.is_compiling():
+        return ops.apply_rope(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _ApplyRope.apply(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
+    return _rope_raw(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
+
+
 class _ApplyRopeInplace(torch.autograd.Function):
     """In-place rotation with mark-dirty semantics: q and k are modified and returned; the backward rotates
     the incoming gradients by the negated angle."""
@@ -72,8 +113,8 @@ class _ApplyRopeInplace(torch.autograd.Function):
     def backward(ctx, gq, gk):
         positions, inv_freq = ctx.saved_tensors
         rotary_dim, section, interleaved, gptj, scaling = ctx.cfg
-        dq, dk = ops.apply_rope(_last_dim_contiguous(gq), _last_dim_contiguous(gk), positions, inv_freq,
-                                rotary_dim, section, interleaved, gptj, scaling, True)
+        dq, dk = _rope_call(_last_dim_contiguous(gq), _last_dim_contiguous(gk), positions, inv_freq,
+                            rotary_dim, section, interleaved, gptj, scaling, True)
         return dq, dk, None, None, None, None, None, None, None
 
 
@@ -95,8 +136,8 @@ class _ApplyRopeInplaceOne(torch.autograd.Function):
         positions, inv_freq = ctx.saved_tensors
         rotary_dim, section, interleaved, gptj, scaling = ctx.cfg
         g = _last_dim_contiguous(g)
-        dx, _ = ops.apply_rope(g, g.narrow(-2, 0, 0), positions, inv_freq, rotary_dim, section, interleaved, gptj,
-                               scaling, True)
+        dx, _ = _rope_call(g, g.narrow(-2, 0, 0), positions, inv_freq, rotary_dim, section, interleaved, gptj,
+                           scaling, True)
         return dx, None, None, None, None, None, None, None
 
 
@@ -212,10 +253,10 @@ def apply_rope(
         rotary_style, attention_scaling)
     if q.dim() > 4 or k.dim() > 4:
         qf, kf = _flatten_tokens("apply_rope", q, False), _flatten_tokens("apply_rope", k, False)
-        qo, ko = ops.apply_rope(qf, kf, _flatten_positions(positions, section, q.dim()), inv, rd, section, inter,
-                                gptj, scale, False)
+        qo, ko = _rope_call(qf, kf, _flatten_positions(positions, section, q.dim()), inv, rd, section, inter,
+                            gptj, scale, False)
         return qo.view(q.shape), ko.view(k.shape)
-    return ops.apply_rope(q, k, positions, inv, rd, section, inter, gptj, scale, False)
+    return _rope_call(q, k, positions, inv, rd, section, inter, gptj, scale, False)
 
 
 def apply_rope_(

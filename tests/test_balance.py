@@ -168,15 +168,39 @@ def test_gap_to_exhaustive_search(capsys):
                       f"{sum(x == 1 for x in g)}, mean ratio {sum(g) / len(g):.4f}, worst {max(g):.4f}")
 
 
-def test_large_batch_meets_cap_at_start_count():
+@pytest.mark.parametrize("method", ["karmarkar_karp", "first_fit_decreasing"])
+def test_large_batch_meets_cap_at_start_count(method):
+    # the benchmark's batch: the token budget is 99.9% full, so the cap binds and single moves / swaps stall
+    # near max/mean 1.06 (KK) and 1.05 (FFD); the pair exchanges get below 1.055 for both
     rng = random.Random(0)
     lens = _log_uniform(rng, 8192)
-    parts = packcuda.plan_micro_batches(lens, 65536)
+    parts = packcuda.plan_micro_batches(lens, 65536, method=method)
     _check_partition(parts, len(lens))
     assert all(sum(lens[i] for i in p) <= 65536 for p in parts)
     assert len(parts) == _start_count(lens, 65536, 1, 1)
     loads = _loads(parts, lens)
-    assert max(loads) / (sum(loads) / len(loads)) < 1.1
+    assert max(loads) / (sum(loads) / len(loads)) < 1.055
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(50, 400), slack=st.sampled_from([0.0, 0.001, 0.01, 0.1]),
+       method=st.sampled_from(["karmarkar_karp", "first_fit_decreasing"]))
+def test_tight_cap_invariants(seed, n, slack, method):
+    # caps that leave the token budget (almost) full: repair and every kind of exchange are exercised
+    rng = random.Random(seed)
+    lens = _log_uniform(rng, n, 16, 4096)
+    k = rng.randint(2, 12)
+    cap = max(max(lens), int(sum(lens) * (1 + slack) / k) + 1)
+    parts = packcuda.plan_micro_batches(lens, cap, method=method)
+    _check_partition(parts, n)
+    assert all(sum(lens[i] for i in p) <= cap for p in parts)
+    assert len(parts) >= _start_count(lens, cap, 1, 1)
+    assert packcuda.plan_micro_batches(lens, cap, method=method) == parts
+    if method == "karmarkar_karp":
+        want = ref.plan_micro_batches(lens, cap)
+        assert len(parts) <= len(want)
+        if len(parts) == len(want):
+            assert ref.max_workload(parts, lens) <= ref.max_workload(want, lens)
 
 
 def test_sequence_workloads():

@@ -71,6 +71,34 @@ def test_causal_conv1d_other_kernel_sizes(device, K):
     _run_vs_reference(device, torch.float32, [1, 40], K, 3, None, False, True, g)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [2, 4, 5, 8])
+def test_causal_conv1d_vector_width_channels(device, dtype, K):
+    # C a multiple of every vector width (the CUDA vector path), segments crossing tile boundaries
+    g = _seed("vec", dtype, K)
+    _run_vs_reference(device, dtype, [3, 0, 200, 1, 90, 2], K, 48, "silu", True, True, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_unaligned_storage(device, dtype):
+    # contiguous views starting one element into their storage take the scalar path on CUDA
+    g = _seed("unaligned", dtype)
+    T, C, K = 150, 16, 4
+    base = torch.randn(T * C + 1, generator=g).to(device, dtype)
+    x = base[1:].view(T, C)
+    w = torch.randn(C, K, generator=g).to(device, dtype)
+    cu = [0, 70, 70, 150]
+    y = packcuda.causal_conv1d(x, w, cu_seqlens=cu, activation="silu")
+    _close(y, ref.causal_conv1d(x.double(), w.double(), None, cu, None, "silu"), dtype, "y")
+    dyb = torch.randn(T * C + 1, generator=g).to(device, dtype)
+    outs = torch.ops.packcuda.causal_conv1d_bwd(dyb[1:].view(T, C), x, w, None, torch.tensor(cu), None, 1)
+    ref_outs = torch.ops.packcuda.causal_conv1d_bwd(dyb[1:].clone().view(T, C), x.clone(), w, None,
+                                                    torch.tensor(cu), None, 1)
+    for a, r in zip(outs, ref_outs):
+        if a is not None and r is not None:
+            _close(a, r, dtype, "grad")
+
+
 def test_causal_conv1d_no_cu_seqlens_equals_conv1d(device):
     g = _seed("plain")
     x = torch.randn(257, 16, generator=g).to(device)

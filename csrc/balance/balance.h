@@ -37,8 +37,10 @@ void karmarkar_karp(const int64_t* weights, int64_t n, int64_t k, bool equal_cou
 //  - if a micro-batch exceeds max_tokens, repair by moving / swapping sequences into micro-batches with room;
 //    only when that fails, add multiple_of micro-batches and start over (terminates: with one sequence per
 //    micro-batch every cap holds);
-//  - local search: move / swap sequences out of the heaviest micro-batch while that lowers it and keeps
-//    every cap;
+//  - local search on the heaviest micro-batch while a step lowers it and keeps every cap: moves and swaps,
+//    then one-for-two / two-for-one exchanges with the lightest micro-batches, then moves and swaps again.
+//    Every step leaves both touched micro-batches strictly below the old maximum, so the largest workload
+//    never rises;
 //  - order: AsPlanned = by smallest sequence index (empty micro-batches last); Pipeline = heaviest in the
 //    middle, lighter towards both ends.
 // Every micro-batch's token sum is <= max_tokens.

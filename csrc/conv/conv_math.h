@@ -193,30 +193,63 @@ PC_HD Tiles make_tiles(int64_t T, int64_t want_count) {
 // Tokens per batch of independent loads issued before the dependent arithmetic (memory-level parallelism).
 constexpr int kBatch = 8;
 
-// Forward over tokens [t0, t1) of channel c.
-template <typename S, int KM>
+// V consecutive channels of one token row, loaded / stored as one access (16 bytes on the CUDA vector path:
+// the row pointer must then be aligned to sizeof(Vec)). V = 1 is a plain element.
+template <typename S, int V> struct alignas(sizeof(S) * V) Vec {
+  S v[V];
+};
+template <int V, typename S> PC_HD Vec<S, V> load_vec(const S* p) {
+  if constexpr (V == 1) {
+    Vec<S, 1> r;
+    r.v[0] = p[0];
+    return r;
+  } else {
+    return *reinterpret_cast<const Vec<S, V>*>(p);
+  }
+}
+template <int V, typename S> PC_HD void store_vec(S* p, const Vec<S, V>& r) {
+  if constexpr (V == 1) p[0] = r.v[0];
+  else *reinterpret_cast<Vec<S, V>*>(p) = r;
+}
+template <int V, typename S> PC_HD Vec<S, V> zero_vec() {
+  using A = typename Acc<S>::type;
+  Vec<S, V> r;
+PC_UNROLL
+  for (int v = 0; v < V; ++v) r.v[v] = from_acc<S>(A(0));
+  return r;
+}
+
+// Forward over tokens [t0, t1) of channels c .. c+V-1 (each channel gets exactly the scalar math; the V
+// channels only share the loads/stores of a row and the segment walk).
+template <typename S, int KM, int V = 1, int NB = kBatch>
 PC_HD void conv_fwd_tile(const S* x, const S* w, const S* b, const S* prefix, const int64_t* cu,
                          const ConvShape& sh, S* y, int64_t c, int64_t t0, int64_t t1) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
   using A = typename Acc<S>::type;
   const int off = KM - sh.K;
-  A wk[KM];
+  A wk[V][KM];
+  A bias[V];
 PC_UNROLL
-  for (int m = 0; m < KM; ++m) wk[m] = m >= off ? val(w[c * sh.K + (m - off)]) : A(0);
-  const A bias = b ? val(b[c]) : A(0);
+  for (int v = 0; v < V; ++v) {
+PC_UNROLL
+    for (int m = 0; m < KM; ++m) wk[v][m] = m >= off ? val(w[(c + v) * sh.K + (m - off)]) : A(0);
+    bias[v] = b ? val(b[c + v]) : A(0);
+  }
   if (t1 <= t0) return;
   int64_t s = find_segment(cu, sh.nseg, t0);
   int64_t start = cu[s], end = cu[s + 1];
-  A win[KM];  // win[m] = xin(t - (KM-1) + m) for m < KM-1
+  A win[V][KM - 1];  // win[v][m] = xin(t - (KM-1) + m, c + v) for m < KM-1
 PC_UNROLL
-  for (int m = 0; m < KM - 1; ++m)
-    win[m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t0 - (KM - 1) + m, c) : A(0);
-  for (int64_t tb = t0; tb < t1; tb += kBatch) {
-    A xs[kBatch];
+  for (int v = 0; v < V; ++v)
 PC_UNROLL
-    for (int i = 0; i < kBatch; ++i) xs[i] = tb + i < t1 ? val(x[(tb + i) * sh.C + c]) : A(0);
+    for (int m = 0; m < KM - 1; ++m)
+      win[v][m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t0 - (KM - 1) + m, c + v) : A(0);
+  for (int64_t tb = t0; tb < t1; tb += NB) {
+    Vec<S, V> xs[NB];
 PC_UNROLL
-    for (int i = 0; i < kBatch; ++i) {
+    for (int i = 0; i < NB; ++i) xs[i] = tb + i < t1 ? load_vec<V>(x + (tb + i) * sh.C + c) : zero_vec<V, S>();
+PC_UNROLL
+    for (int i = 0; i < NB; ++i) {
       const int64_t t = tb + i;
       if (t >= t1) break;
       if (t >= end) {  // entering the next non-empty segment, which starts at t
@@ -225,19 +258,26 @@ PC_UNROLL
         start = cu[s];
         end = cu[s + 1];
 PC_UNROLL
-        for (int m = 0; m < KM - 1; ++m)
-          win[m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c) : A(0);
+        for (int v = 0; v < V; ++v)
+PC_UNROLL
+          for (int m = 0; m < KM - 1; ++m)
+            win[v][m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
       }
-      const A xt = xs[i];
-      A z = bias;
+      Vec<S, V> out;
 PC_UNROLL
-      for (int m = 0; m < KM - 1; ++m)
-        if (m >= off) z += wk[m] * win[m];
-      z += wk[KM - 1] * xt;
+      for (int v = 0; v < V; ++v) {
+        const A xt = val(xs[i].v[v]);
+        A z = bias[v];
 PC_UNROLL
-      for (int m = 0; m < KM - 2; ++m) win[m] = win[m + 1];
-      win[KM - 2] = xt;
-      y[t * sh.C + c] = from_acc<S>(activate(z, sh.act));
+        for (int m = 0; m < KM - 1; ++m)
+          if (m >= off) z += wk[v][m] * win[v][m];
+        z += wk[v][KM - 1] * xt;
+PC_UNROLL
+        for (int m = 0; m < KM - 2; ++m) win[v][m] = win[v][m + 1];
+        win[v][KM - 2] = xt;
+        out.v[v] = from_acc<S>(activate(z, sh.act));
+      }
+      store_vec<V>(y + t * sh.C + c, out);
     }
   }
 }
@@ -254,13 +294,13 @@ PC_UNROLL
   return z;
 }
 
-// Backward over tokens [t0, t1) of channel c, walking t downwards. Writes dx[t, c] for t in the tile,
-// dprefix[s, :, c] for every non-empty segment that starts in the tile (when dprefix is given), and this
-// tile's partial sums of dweight[c, :] and dbias[c] into part[0..K] (K + 1 accumulators).
+// Backward over tokens [t0, t1) of channels c .. c+V-1, walking t downwards. Writes dx[t, c+v] for t in the
+// tile, dprefix[s, :, c+v] for every non-empty segment that starts in the tile (when dprefix is given), and
+// this tile's partial sums of dweight[c+v, :] and dbias[c+v] into part[v*(K+1) .. v*(K+1)+K].
 //   dx[u]         = sum_k w[k] * gz[u + K-1-k]      over taps inside u's segment
 //   dprefix[s, j] = sum_k w[k] * gz[start + j - k]  (prefix row j sits at u = start - (K-1) + j)
 //   dw[k]         = sum_t gz[t] * xin(t - (K-1) + k),  db = sum_t gz[t],  gz = dy * act'(z)
-template <typename S, int KM>
+template <typename S, int KM, int V = 1, int NB = kBatch>
 PC_HD void conv_bwd_tile(const S* dy, const S* x, const S* w, const S* b, const S* prefix, const int64_t* cu,
                          const ConvShape& sh, S* dx, S* dprefix, typename Acc<S>::type* part, int64_t c,
                          int64_t t0, int64_t t1) {
@@ -268,67 +308,83 @@ PC_HD void conv_bwd_tile(const S* dy, const S* x, const S* w, const S* b, const 
   using A = typename Acc<S>::type;
   const int K = sh.K;
   const int off = KM - K;
-  A wk[KM];
+  A wk[V][KM], dw[V][KM], bias[V], db[V];
 PC_UNROLL
-  for (int m = 0; m < KM; ++m) wk[m] = m >= off ? val(w[c * K + (m - off)]) : A(0);
-  const A bias = b ? val(b[c]) : A(0);
-  A dw[KM];
+  for (int v = 0; v < V; ++v) {
 PC_UNROLL
-  for (int m = 0; m < KM; ++m) dw[m] = A(0);
-  A db = A(0);
+    for (int m = 0; m < KM; ++m) {
+      wk[v][m] = m >= off ? val(w[(c + v) * K + (m - off)]) : A(0);
+      dw[v][m] = A(0);
+    }
+    bias[v] = b ? val(b[c + v]) : A(0);
+    db[v] = A(0);
+  }
   if (t1 > t0) {
     int64_t t = t1 - 1;
     int64_t s = find_segment(cu, sh.nseg, t);
     int64_t start = cu[s], end = cu[s + 1];
-    A g[KM];   // g[d] = gz(t + d) if t + d is in t's segment, else 0 (only d < K carry weight)
-    A xw[KM];  // xw[m] = xin(t - (KM-1) + m)
-    g[0] = A(0);
+    A g[V][KM];   // g[v][d] = gz(t + d) if t + d is in t's segment, else 0 (only d < K carry weight)
+    A xw[V][KM];  // xw[v][m] = xin(t - (KM-1) + m)
 PC_UNROLL
-    for (int d = 1; d < KM; ++d) {
-      g[d] = A(0);
-      if (d < K && t + d < end) {
-        const A z = conv_z_at<S, KM, A>(x, prefix, wk, bias, sh, s, start, t + d, c);
-        g[d] = val(dy[(t + d) * sh.C + c]) * activate_grad(z, sh.act);
+    for (int v = 0; v < V; ++v) {
+      g[v][0] = A(0);
+PC_UNROLL
+      for (int d = 1; d < KM; ++d) {
+        g[v][d] = A(0);
+        if (d < K && t + d < end) {
+          const A z = conv_z_at<S, KM, A>(x, prefix, wk[v], bias[v], sh, s, start, t + d, c + v);
+          g[v][d] = val(dy[(t + d) * sh.C + c + v]) * activate_grad(z, sh.act);
+        }
       }
+PC_UNROLL
+      for (int m = 0; m < KM; ++m)
+        xw[v][m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
     }
+    for (int64_t tb = t1 - 1; tb >= t0; tb -= NB) {
+      Vec<S, V> dys[NB], xr[NB];  // dy[t], and raw x[t - K] (enters the window at the step to t - 1)
 PC_UNROLL
-    for (int m = 0; m < KM; ++m)
-      xw[m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c) : A(0);
-    for (int64_t tb = t1 - 1; tb >= t0; tb -= kBatch) {
-      A dys[kBatch], xr[kBatch];  // dy[t], and raw x[t - K] (enters the window at the step to t - 1)
-PC_UNROLL
-      for (int i = 0; i < kBatch; ++i) {
+      for (int i = 0; i < NB; ++i) {
         const int64_t tt = tb - i;
-        dys[i] = tt >= t0 ? val(dy[tt * sh.C + c]) : A(0);
-        xr[i] = (tt >= t0 && tt - K >= 0) ? val(x[(tt - K) * sh.C + c]) : A(0);
+        dys[i] = tt >= t0 ? load_vec<V>(dy + tt * sh.C + c) : zero_vec<V, S>();
+        xr[i] = (tt >= t0 && tt - K >= 0) ? load_vec<V>(x + (tt - K) * sh.C + c) : zero_vec<V, S>();
       }
 PC_UNROLL
-      for (int i = 0; i < kBatch; ++i) {
+      for (int i = 0; i < NB; ++i) {
         if (t < t0) break;
-        A z = bias;
+        Vec<S, V> dxo;
 PC_UNROLL
-        for (int m = 0; m < KM; ++m)
-          if (m >= off) z += wk[m] * xw[m];
-        const A gz = dys[i] * activate_grad(z, sh.act);
-        g[0] = gz;
-        A gx = A(0);
+        for (int v = 0; v < V; ++v) {
+          A z = bias[v];
 PC_UNROLL
-        for (int m = 0; m < KM; ++m)
-          if (m >= off) gx += wk[m] * g[KM - 1 - m];
-        dx[t * sh.C + c] = from_acc<S>(gx);
+          for (int m = 0; m < KM; ++m)
+            if (m >= off) z += wk[v][m] * xw[v][m];
+          const A gz = val(dys[i].v[v]) * activate_grad(z, sh.act);
+          g[v][0] = gz;
+          A gx = A(0);
 PC_UNROLL
-        for (int m = 0; m < KM; ++m)
-          if (m >= off) dw[m] += gz * xw[m];
-        db += gz;
+          for (int m = 0; m < KM; ++m)
+            if (m >= off) gx += wk[v][m] * g[v][KM - 1 - m];
+          dxo.v[v] = from_acc<S>(gx);
+PC_UNROLL
+          for (int m = 0; m < KM; ++m)
+            if (m >= off) dw[v][m] += gz * xw[v][m];
+          db[v] += gz;
+        }
+        store_vec<V>(dx + t * sh.C + c, dxo);
         if (t == start && dprefix != nullptr) {
-          for (int j = 0; j < K - 1; ++j) {
-            A acc = A(0);
 PC_UNROLL
-            for (int m = 0; m < KM; ++m) {
-              const int d = j + off - m;  // tap t' = start + d
-              if (m >= off && d >= 0) acc += wk[m] * g[d];
+          for (int j = 0; j < KM - 1; ++j) {  // j < K - 1; unrolled so g stays in registers
+            if (j >= K - 1) break;
+PC_UNROLL
+            for (int v = 0; v < V; ++v) {
+              A acc = A(0);
+PC_UNROLL
+              for (int m = 0; m < KM; ++m) {
+                const int d = j + off - m;  // tap t' = start + d
+                if (m >= off && d >= 0) acc += wk[v][m] * g[v][d];
+              }
+              dprefix[(s * (K - 1) + j) * sh.C + c + v] = from_acc<S>(acc);
             }
-            dprefix[(s * (K - 1) + j) * sh.C + c] = from_acc<S>(acc);
           }
         }
         --t;
@@ -339,39 +395,68 @@ PC_UNROLL
           start = cu[s];
           end = cu[s + 1];
 PC_UNROLL
-          for (int d = 0; d < KM; ++d) g[d] = A(0);
+          for (int v = 0; v < V; ++v) {
 PC_UNROLL
-          for (int m = 0; m < KM; ++m)
-            xw[m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c) : A(0);
+            for (int d = 0; d < KM; ++d) g[v][d] = A(0);
+PC_UNROLL
+            for (int m = 0; m < KM; ++m)
+              xw[v][m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
+          }
         } else {
-PC_UNROLL
-          for (int d = KM - 1; d > 0; --d) g[d] = g[d - 1];
           // the row entering the window is u = t - (K-1), at slot off (the first slot carrying a tap)
           const int64_t u = t - (K - 1);
-          const A in = u >= start ? xr[i] : conv_input<S, A>(x, prefix, sh, s, start, u, c);
 PC_UNROLL
-          for (int m = KM - 1; m > 0; --m) xw[m] = m == off ? in : xw[m - 1];
-          xw[0] = off == 0 ? in : A(0);
+          for (int v = 0; v < V; ++v) {
+PC_UNROLL
+            for (int d = KM - 1; d > 0; --d) g[v][d] = g[v][d - 1];
+            const A in = u >= start ? val(xr[i].v[v]) : conv_input<S, A>(x, prefix, sh, s, start, u, c + v);
+PC_UNROLL
+            for (int m = KM - 1; m > 0; --m) xw[v][m] = m == off ? in : xw[v][m - 1];
+            xw[v][0] = off == 0 ? in : A(0);
+          }
         }
       }
     }
   }
-  for (int k = 0; k < K; ++k) part[k] = dw[k + off];
-  part[K] = db;
+PC_UNROLL
+  for (int v = 0; v < V; ++v) {
+PC_UNROLL
+    for (int m = 0; m < KM; ++m)  // static indices into dw (keeps it in registers)
+      if (m >= off) part[v * (K + 1) + (m - off)] = dw[v][m];
+    part[v * (K + 1) + K] = db[v];
+  }
 }
 
-// Fixed-order reduction of the per-tile partials part[tile][c][K+1] for channel c: dweight[c, :], dbias[c].
+// Fixed-order reduction of the per-tile partials part[tile][c][K+1] (tile-major, so element e = c*(K+1) + k
+// of every tile sits at part[tile * C*(K+1) + e]): dweight[c, k] for k < K, dbias[c] for k = K. The sum runs
+// over tiles in increasing order whatever the batching (deterministic).
+template <typename S>
+PC_HD void conv_reduce_elem(const typename Acc<S>::type* part, int64_t ntiles, const ConvShape& sh, S* dweight,
+                            S* dbias, int64_t e) {
+  using A = typename Acc<S>::type;
+  const int K = sh.K;
+  const int64_t stride = sh.C * (K + 1);
+  const int64_t c = e / (K + 1);
+  const int k = static_cast<int>(e - c * (K + 1));
+  A acc = A(0);
+  int64_t i = 0;
+  for (; i + kBatch <= ntiles; i += kBatch) {
+    A p[kBatch];
+PC_UNROLL
+    for (int j = 0; j < kBatch; ++j) p[j] = part[(i + j) * stride + e];
+PC_UNROLL
+    for (int j = 0; j < kBatch; ++j) acc += p[j];
+  }
+  for (; i < ntiles; ++i) acc += part[i * stride + e];
+  if (k < K) dweight[c * K + k] = from_acc<S>(acc);
+  else if (dbias) dbias[c] = from_acc<S>(acc);
+}
+
+// All K + 1 reductions of channel c.
 template <typename S>
 PC_HD void conv_reduce_channel(const typename Acc<S>::type* part, int64_t ntiles, const ConvShape& sh,
                                S* dweight, S* dbias, int64_t c) {
-  using A = typename Acc<S>::type;
-  const int K = sh.K;
-  for (int k = 0; k <= K; ++k) {
-    A acc = A(0);
-    for (int64_t i = 0; i < ntiles; ++i) acc += part[(i * sh.C + c) * (K + 1) + k];
-    if (k < K) dweight[c * K + k] = from_acc<S>(acc);
-    else if (dbias) dbias[c] = from_acc<S>(acc);
-  }
+  for (int k = 0; k <= sh.K; ++k) conv_reduce_elem<S>(part, ntiles, sh, dweight, dbias, c * (sh.K + 1) + k);
 }
 
 // ---------------------------------------------------------------------------------------- exchange

@@ -5,6 +5,7 @@
 #include <limits>
 #include <numeric>
 #include <queue>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -116,25 +117,47 @@ void karmarkar_karp(const int64_t* weights, int64_t n, int64_t k, bool equal_cou
 namespace {
 
 // --------------------------------------------------------------------------------- bins + local search
-// Workloads are strictly increasing in the length (coef >= 0), so sorting a bin by length sorts it by
-// workload too. Each bin keeps its items sorted by (length, index).
+// Workloads are non-decreasing in the length (coef >= 0), so sorting a bin by length sorts it by workload
+// too. Each bin keeps its items sorted by (length, index). Two ordered indexes keep every step's bookkeeping
+// at O(log k) and let the searches stop early instead of scanning all bins: by workload (the heaviest is the
+// local search's target; partners come lightest first) and by token sum (the fullest is the repair's target;
+// partners for single steps come with the most room first).
+constexpr int64_t kNoCap = int64_t{1} << 62;  // room of a bin without a cap; lengths are <= 2^30
+
 struct Bins {
   int64_t k, cap;  // cap < 0: no token cap
   const int64_t* w;
   const int64_t* len;
+  Workload workload;
+  int64_t coef;
   std::vector<std::vector<int64_t>> items;
   std::vector<int64_t> W, T;
+  std::set<std::pair<int64_t, int64_t>> by_load;    // (W[p], p), every bin
+  std::set<std::pair<int64_t, int64_t>> by_tokens;  // (T[p], p), every bin: the most room first
 
-  Bins(int64_t k_, int64_t cap_, const int64_t* w_, const int64_t* len_, int64_t n, const int64_t* part)
-      : k(k_), cap(cap_), w(w_), len(len_), items(k_), W(k_, 0), T(k_, 0) {
+  Bins(int64_t k_, int64_t cap_, const int64_t* w_, const int64_t* len_, Workload wl_, int64_t coef_, int64_t n,
+       const int64_t* part)
+      : k(k_), cap(cap_), w(w_), len(len_), workload(wl_), coef(coef_), items(k_), W(k_, 0), T(k_, 0) {
     for (int64_t i = 0; i < n; ++i) {
       items[part[i]].push_back(i);
       W[part[i]] += w[i];
       T[part[i]] += len[i];
     }
     for (auto& v : items) std::sort(v.begin(), v.end(), [this](int64_t a, int64_t b) { return less(a, b); });
+    for (int64_t p = 0; p < k; ++p) index(p);
   }
+  int64_t wl(int64_t l) const { return workload_of(l, workload, coef); }
   bool less(int64_t a, int64_t b) const { return len[a] != len[b] ? len[a] < len[b] : a < b; }
+  int64_t room(int64_t p) const { return cap < 0 ? kNoCap : cap - T[p]; }
+  void index(int64_t p) {
+    by_load.emplace(W[p], p);
+    by_tokens.emplace(T[p], p);
+  }
+  void unindex(int64_t p) {
+    by_load.erase({W[p], p});
+    by_tokens.erase({T[p], p});
+  }
+  // Item moves; the caller unindexes the touched bins before and indexes them after.
   void add(int64_t i, int64_t p) {
     auto& v = items[p];
     v.insert(std::lower_bound(v.begin(), v.end(), i, [this](int64_t a, int64_t b) { return less(a, b); }), i);
@@ -147,113 +170,261 @@ struct Bins {
     W[p] -= w[i];
     T[p] -= len[i];
   }
-  int64_t room(int64_t p) const { return cap < 0 ? kNone : cap - T[p]; }
-  bool fits() const {
-    for (int64_t p = 0; p < k; ++p)
-      if (room(p) < 0) return false;
-    return true;
-  }
-  // First position in bin q (from `from`) whose length is >= l.
-  int64_t first_len_at_least(int64_t q, int64_t from, int64_t l) const {
-    const auto& v = items[q];
-    return std::partition_point(v.begin() + from, v.end(), [&](int64_t j) { return len[j] < l; }) - v.begin();
+  // First position in v[from, to) whose length is >= l.
+  int64_t first_len_at_least(const std::vector<int64_t>& v, int64_t from, int64_t to, int64_t l) const {
+    return std::partition_point(v.begin() + from, v.begin() + to, [&](int64_t j) { return len[j] < l; }) -
+           v.begin();
   }
 };
 
-// One step out of bin p: move item i to bin q, or swap it with a shorter item j of q. Ranked by
-// (tokens still over the cap in p, the larger new workload of p and q, i, j): fix the cap first, then keep
-// the balance; the index tie-breaks make the choice independent of the scan order.
+// One exchange between bin p and bin q: p gives `give` (up to two items) to q and takes `take` (up to two)
+// from it. Kinds: move (1, 0), swap (1, 1), one for two (1, 2), two for one (2, 1). Ranked by (tokens still
+// over the cap in p, the larger new workload of p and q, fewer items, item indices, q).
 struct Step {
-  int64_t over = kNone, key = kNone, i = kNone, j = kNone, q = -1;
+  int64_t over = kNone, key = kNone, q = -1;
+  int64_t give[2] = {-1, -1}, take[2] = {-1, -1};
   bool found() const { return q >= 0; }
-  bool swap() const { return j >= 0; }
-  void offer(const Step& s) {
-    if (std::tie(s.over, s.key, s.i, s.j) < std::tie(over, key, i, j)) *this = s;
+  auto rank() const {
+    const int n = (give[0] >= 0) + (give[1] >= 0) + (take[0] >= 0) + (take[1] >= 0);
+    return std::make_tuple(over, key, n, give[0], give[1], take[0], take[1], q);
   }
 };
 
-// The best step out of bin p among those whose two new workloads stay below `limit`. `excess` is p's
-// token excess (0 when p fits). Moves are considered when allowed (j = -1 sorts them first on ties).
-Step best_step(const Bins& bins, int64_t p, int64_t excess, int64_t limit, bool moves) {
+// Exchanges searched: single steps (moves, off when the item counts are fixed, and swaps) and pair exchanges
+// (one for two, two for one), which change a bin's workload at an almost unchanged token sum: when the cap
+// binds, they are often the only steps left. Pair exchanges cost O(|p| + |q|) per item of the other bin, so
+// a search tries them with at most kPairPartners partners (the lightest that can take part) and only for
+// bins of at most kPairItems items (larger bins have fine-grained single steps anyway).
+struct Kinds {
+  bool moves, singles, pairs;
+};
+constexpr int64_t kPairItems = 64;
+constexpr int64_t kPairPartners = 32;
+
+// For each a (ascending) calls f(a, x0, x1), where [x0, x1) are the positions x > a of v whose length sum
+// with v[a] lies in [s0, s1] (skipped when empty). v is sorted by length, so both ends only move down as a
+// grows: O(|v|) in all.
+template <class F>
+void pair_windows(const Bins& bins, const std::vector<int64_t>& v, int64_t s0, int64_t s1, F&& f) {
+  const int64_t n = static_cast<int64_t>(v.size());
+  int64_t x0 = n, x1 = n;
+  for (int64_t a = 0; a + 1 < n; ++a) {
+    const int64_t la = bins.len[v[a]];
+    while (x1 > 0 && la + bins.len[v[x1 - 1]] > s1) --x1;
+    if (x1 <= a + 1) return;
+    while (x0 > 0 && la + bins.len[v[x0 - 1]] >= s0) --x0;
+    const int64_t lo = std::max(x0, a + 1);
+    if (lo < x1) f(a, lo, x1);
+  }
+}
+
+// The best step out of bin p whose two new workloads stay below `limit`. Repair (p over the cap): the step
+// must take tokens out of p, and steps that bring p under the cap come first. Local search (p fits): p must
+// still fit afterwards. q always fits afterwards.
+Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
   Step best;
   const int64_t Wp = bins.W[p];
-  // Bins from the lightest: the key of any step into q is at least ceil((Wq + Wp) / 2), so once that
-  // exceeds the best key found with the cap already met, no heavier bin can do better.
-  std::vector<int64_t> order(bins.k);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return bins.W[a] != bins.W[b] ? bins.W[a] < bins.W[b] : a < b;
-  });
-  for (int64_t q : order) {
-    const int64_t room = bins.room(q);
-    // q takes at most `room` tokens net, so a step into it leaves p at least excess - room over the cap
-    if (q == p || room <= 0 || excess - room > best.over) continue;
-    const int64_t Wq = bins.W[q];
-    if (best.over == 0 && (Wq + Wp + 1) / 2 > best.key) break;
-    for (int64_t i : bins.items[p]) {
-      const int64_t wi = bins.w[i], li = bins.len[i];
-      if (li == 0) continue;
-      auto consider = [&](int64_t j) {  // j = -1: a move
-        const int64_t wj = j < 0 ? 0 : bins.w[j], lj = j < 0 ? 0 : bins.len[j];
-        const int64_t key = std::max(Wq + wi - wj, Wp - wi + wj);
-        if (key >= limit) return;
-        best.offer(Step{std::max<int64_t>(excess - (li - lj), 0), key, i, j, q});
-      };
-      if (moves && li <= room) consider(-1);
-      // swaps: j with max(li - room, 0) <= lj < li, positions [s, t) of bin q
-      const int64_t s = room >= li ? 0 : bins.first_len_at_least(q, 0, li - room);
-      const int64_t t = bins.first_len_at_least(q, s, li);
-      if (s >= t) continue;
-      // those that clear the excess: lj <= li - excess, positions [s, u)
-      const int64_t u = excess > 0 ? std::min(t, bins.first_len_at_least(q, s, li - excess + 1)) : t;
-      if (u == s) {  // none clears it: the shortest one removes the most tokens
-        consider(bins.items[q][s]);
-        continue;
-      }
-      // the key is smallest where Wp - wi + wj crosses Wq + wi - wj: check both sides of the crossing
-      const auto& v = bins.items[q];
-      const int64_t m = std::partition_point(v.begin() + s, v.begin() + u, [&](int64_t j) {
-                          return 2 * bins.w[j] < Wq - Wp + 2 * wi;
-                        }) - v.begin();
-      if (m < u) consider(v[m]);
-      if (m > s) consider(v[bins.first_len_at_least(q, s, bins.len[v[m - 1]])]);  // first of its length run
+  const int64_t z = bins.room(p);     // p's token change dT <= z leaves it within the cap
+  const int64_t hi = z < 0 ? -1 : z;  // allowed token change of p: the repair must lower it
+  const bool repairing = z < 0;
+  const int64_t excess = repairing ? -z : 0;
+  const auto& P = bins.items[p];
+  const int64_t np = static_cast<int64_t>(P.size());
+  if (np == 0) return best;
+  const int64_t* w = bins.w;
+  const int64_t* len = bins.len;
+  const int64_t Lp = len[P.back()];
+  // A single step with q lowers Wp by at most w(Lp) - w(Lp - room_q): w is convex with w(0) = 0.
+  auto single_gain = [&](int64_t room_q) { return bins.wl(Lp) - bins.wl(std::max<int64_t>(Lp - room_q, 0)); };
+
+  auto offer = [&](int64_t q, int64_t g0, int64_t g1, int64_t t0, int64_t t1) {
+    int64_t dT = 0, dW = 0;
+    for (int64_t x : {g0, g1})
+      if (x >= 0) dT -= len[x], dW -= w[x];
+    for (int64_t x : {t0, t1})
+      if (x >= 0) dT += len[x], dW += w[x];
+    const int64_t over = std::max<int64_t>(dT - z, 0), key = std::max(Wp + dW, bins.W[q] - dW);
+    if (key >= limit || over > best.over || (over == best.over && key > best.key)) return;
+    Step s;
+    s.over = over, s.key = key, s.q = q;
+    s.give[0] = g0, s.give[1] = g1, s.take[0] = t0, s.take[1] = t1;
+    if (s.rank() < best.rank()) best = s;
+  };
+
+  // Moves and swaps with q. p's token change dT must lie in [lo, hi]; its part dT <= z leaves p under the
+  // cap, and there the key max(Wp + dW, Wq - dW) is smallest next to where 2 dW crosses Wq - Wp. When that
+  // part is empty (repair), the step taking the most tokens out of p is offered.
+  auto singles = [&](int64_t q) {
+    const auto& Q = bins.items[q];
+    const int64_t lo = -bins.room(q), target = bins.W[q] - Wp;
+    // In the local search only the x with w(l_x) - w(l_x - room_q) above the needed gain can help (moved
+    // or swapped for a shorter j): a suffix of p, from s0.
+    int64_t s0 = 0;
+    if (!repairing) {
+      const int64_t need = Wp - std::min(limit, best.key);
+      s0 = std::partition_point(P.begin(), P.end(), [&](int64_t x) {
+             return w[x] - bins.wl(std::max<int64_t>(len[x] + lo, 0)) <= need;
+           }) - P.begin();
+      if (s0 == np) return;
     }
+    if (kinds.moves) {  // p gives x: dT = -l_x
+      const int64_t a = bins.first_len_at_least(P, s0, np, -hi), b = bins.first_len_at_least(P, a, np, -lo + 1);
+      const int64_t za = std::max(a, bins.first_len_at_least(P, s0, np, -z));
+      if (za < b) {
+        const int64_t m = std::partition_point(P.begin() + za, P.begin() + b,
+                                               [&](int64_t x) { return -2 * w[x] >= target; }) - P.begin();
+        if (m < b) offer(q, P[m], -1, -1, -1);
+        if (m > za) offer(q, P[m - 1], -1, -1, -1);
+      } else if (a < b && best.over > 0) {
+        offer(q, P[b - 1], -1, -1, -1);
+      }
+    }
+    // swaps: p takes j (ascending), gives x with l_x in [l_j - hi, l_j - lo], under the cap from l_j - z.
+    // All window ends and the crossing only move up with j: O(|p| + |q|); the j start at the suffix's
+    // shortest length - room_q.
+    int64_t a = s0, b = s0, za = s0, c = s0;
+    const int64_t j0 = repairing ? 0 : bins.first_len_at_least(Q, 0, static_cast<int64_t>(Q.size()), len[P[s0]] + lo);
+    for (auto jt = Q.begin() + j0; jt != Q.end(); ++jt) {
+      const int64_t j = *jt, lj = len[j];
+      if (!repairing && lj >= Lp) break;  // taking j for a shorter or equal x does not lower Wp
+      while (a < np && len[P[a]] < lj - hi) ++a;
+      while (b < np && len[P[b]] <= lj - lo) ++b;
+      while (za < np && len[P[za]] < lj - z) ++za;
+      const int64_t zs = std::max(a, za);
+      if (zs < b) {
+        c = std::max(c, zs);
+        while (c < b && 2 * (w[j] - w[P[c]]) >= target) ++c;
+        if (c < b) offer(q, P[c], -1, j, -1);
+        if (c > zs) offer(q, P[c - 1], -1, j, -1);
+      } else if (a < b && best.over > 0) {
+        offer(q, P[b - 1], -1, j, -1);
+      }
+    }
+  };
+
+  // One-for-two and two-for-one exchanges with q, found the same way through pair_windows.
+  auto pairs = [&](int64_t q) {
+    const auto& Q = bins.items[q];
+    if (Q.empty()) return;
+    const int64_t lo = -bins.room(q), target = bins.W[q] - Wp;
+    // Local search: p must gain more than `need`. Giving i for two items of total length >= l_i - room_q
+    // gains at most w(l_i) - 2 w((l_i - room_q) / 2) (convexity), which grows with l_i: a suffix of p.
+    const int64_t need = repairing ? std::numeric_limits<int64_t>::min() : Wp - std::min(limit, best.key);
+    const int64_t s1 = repairing ? 0 : std::partition_point(P.begin(), P.end(), [&](int64_t x) {
+                                         return w[x] - 2 * bins.wl(std::max<int64_t>(len[x] + lo, 0) / 2) <= need;
+                                       }) - P.begin();
+    for (auto it = P.begin() + s1; it != P.end(); ++it) {  // p gives i, takes Q[a] and Q[x]: dT = l_Qa + l_Qx - l_i
+      const int64_t i = *it, li = len[i];
+      pair_windows(bins, Q, li + lo, li + z, [&](int64_t a, int64_t x0, int64_t x1) {
+        const int64_t base = w[Q[a]] - w[i];
+        const int64_t m = std::partition_point(Q.begin() + x0, Q.begin() + x1,
+                                               [&](int64_t x) { return 2 * (base + w[x]) < target; }) - Q.begin();
+        if (m < x1) offer(q, i, -1, Q[a], Q[m]);
+        if (m > x0) offer(q, i, -1, Q[a], Q[m - 1]);
+      });
+      if (best.over > 0)  // repair, nothing clears the excess yet: the pair taking the fewest tokens
+        pair_windows(bins, Q, li + lo, li + hi, [&](int64_t a, int64_t x0, int64_t) { offer(q, i, -1, Q[a], Q[x0]); });
+    }
+    // Giving two items of total length <= l_j + room_q for j gains at most w(l_j + room_q) - w(l_j) (w is
+    // superadditive), which grows with l_j.
+    if (!repairing && -lo <= (int64_t{1} << 31) && bins.wl(len[Q.back()] - lo) - bins.wl(len[Q.back()]) <= need)
+      return;
+    for (int64_t j : Q) {  // p gives P[a] and P[x], takes j: dT = l_j - l_Pa - l_Px
+      const int64_t lj = len[j];
+      pair_windows(bins, P, lj - z, lj - lo, [&](int64_t a, int64_t x0, int64_t x1) {
+        const int64_t base = w[j] - w[P[a]];
+        const int64_t m = std::partition_point(P.begin() + x0, P.begin() + x1,
+                                               [&](int64_t x) { return 2 * (base - w[x]) >= target; }) - P.begin();
+        if (m < x1) offer(q, P[a], P[m], j, -1);
+        if (m > x0) offer(q, P[a], P[m - 1], j, -1);
+      });
+      if (best.over > 0)
+        pair_windows(bins, P, lj - hi, lj - lo, [&](int64_t a, int64_t, int64_t x1) { offer(q, P[a], P[x1 - 1], j, -1); });
+    }
+  };
+
+  // Partners for single steps. With a cap: the most room first, since a single step moves at most room_q
+  // tokens net into q: the repair stops once room_q cannot beat the best step's remaining excess (or, with
+  // one clearing the excess found, cannot clear it), the local search once single_gain(room_q) cannot beat
+  // the best key. Any step with q also has key >= ceil((Wp + Wq) / 2).
+  auto skip_half = [&](int64_t Wq) {
+    const int64_t half = (Wp + Wq + 1) / 2;
+    return half >= limit || (best.over == 0 && half > best.key);
+  };
+  if (kinds.singles && bins.cap >= 0) {
+    for (const auto& [Tq, q] : bins.by_tokens) {
+      if (q == p) continue;
+      const int64_t room_q = bins.cap - Tq;
+      if (repairing) {
+        if (room_q <= 0 || excess - room_q > best.over || (best.over == 0 && room_q < excess)) break;
+        // a step clearing the excess moves l >= excess tokens net into q, which costs q at least w(excess)
+        if (best.over == 0 && bins.W[q] + bins.wl(excess) >= best.key) continue;
+      } else if (Wp - single_gain(room_q) >= std::min(limit, best.key)) {
+        break;
+      }
+      if (!skip_half(bins.W[q])) singles(q);
+    }
+  } else if (kinds.singles) {
+    for (const auto& [Wq, q] : bins.by_load) {
+      if (q == p) continue;
+      if (skip_half(Wq)) break;
+      singles(q);
+    }
+  }
+  // Partners for pair exchanges: the lightest kPairPartners that can take part.
+  if (!kinds.pairs || np > kPairItems) return best;
+  int64_t tried = 0;
+  for (const auto& [Wq, q] : bins.by_load) {
+    if (tried >= kPairPartners || skip_half(Wq)) break;
+    const int64_t room_q = bins.room(q);
+    if (q == p || static_cast<int64_t>(bins.items[q].size()) > kPairItems ||
+        (repairing && (room_q <= 0 || excess - room_q > best.over)))
+      continue;
+    ++tried;
+    pairs(q);
   }
   return best;
 }
 
 void apply(Bins& bins, int64_t p, const Step& c) {
-  bins.remove(c.i, p);
-  bins.add(c.i, c.q);
-  if (c.swap()) {
-    bins.remove(c.j, c.q);
-    bins.add(c.j, p);
-  }
+  bins.unindex(p);
+  bins.unindex(c.q);
+  for (int64_t x : c.give)
+    if (x >= 0) bins.remove(x, p), bins.add(x, c.q);
+  for (int64_t x : c.take)
+    if (x >= 0) bins.remove(x, c.q), bins.add(x, p);
+  bins.index(p);
+  bins.index(c.q);
 }
 
-// Cap repair: while a bin is over the cap, take tokens out of the one with the largest excess, by a move or
-// a swap into a bin with room. Every step lowers the total excess by at least one token, so this ends.
-bool repair(Bins& bins) {
-  for (;;) {
-    int64_t o = -1;
-    for (int64_t p = 0; p < bins.k; ++p)
-      if (bins.room(p) < 0 && (o < 0 || bins.T[p] > bins.T[o])) o = p;
-    if (o < 0) return true;
-    const Step c = best_step(bins, o, -bins.room(o), kNone, /*moves=*/true);
+// Cap repair: while a bin is over the cap, take tokens out of the one with the largest token sum by an
+// exchange with a bin that stays within the cap. Every step lowers the total excess by at least one token,
+// so this ends.
+bool repair(Bins& bins, Kinds kinds) {
+  while (bins.room(bins.by_tokens.rbegin()->second) < 0) {
+    const int64_t o = bins.by_tokens.rbegin()->second;
+    const Step c = best_step(bins, o, kNone, kinds);
     if (!c.found()) return false;
     apply(bins, o, c);
   }
+  return true;
 }
 
 // Local search on the heaviest bin: apply the step that lowers it most while both touched bins end strictly
 // below its old workload, until none exists (or max_steps). The sorted workload vector decreases
 // lexicographically at every step, so this ends.
-void refine(Bins& bins, bool moves, int64_t max_steps) {
+// It also stops once the heaviest is within 1/kTolerance of the mean, which no plan can beat: steps there
+// would cost time for no measurable balance.
+constexpr int64_t kTolerance = 10000;
+
+void refine(Bins& bins, Kinds kinds, int64_t max_steps) {
+  int64_t total = 0;
+  for (int64_t v : bins.W) total += v;
+  const int64_t mean = total / bins.k, slack = mean / kTolerance;
   for (int64_t step = 0; step < max_steps; ++step) {
-    int64_t p = 0;
-    for (int64_t q = 1; q < bins.k; ++q)
-      if (bins.W[q] > bins.W[p]) p = q;
-    const Step c = best_step(bins, p, 0, bins.W[p], moves);
+    const int64_t p = bins.by_load.rbegin()->second;
+    if (bins.W[p] - mean <= slack) return;
+    const Step c = best_step(bins, p, bins.W[p], kinds);
     if (!c.found()) return;
     apply(bins, p, c);
   }
@@ -336,12 +507,16 @@ Partition plan_micro_batches(const int64_t* seqlens, int64_t n, int64_t max_toke
       karmarkar_karp(w.data(), n, k, /*equal_count=*/false, part.data());
     else
       first_fit_decreasing(w.data(), seqlens, n, k, max_tokens, part.data());
-    Bins bins(k, max_tokens, w.data(), seqlens, n, part.data());
-    if (!bins.fits() && !repair(bins)) {
+    Bins bins(k, max_tokens, w.data(), seqlens, workload, coef, n, part.data());
+    if (!repair(bins, Kinds{true, true, false})) {
       k += multiple_of;
       continue;
     }
-    refine(bins, /*moves=*/true, refine_steps(n, k));
+    // Single steps to convergence, then the one-for-two / two-for-one exchanges (which the singles cannot
+    // find), then single steps again on what they changed.
+    refine(bins, Kinds{true, true, false}, refine_steps(n, k));
+    refine(bins, Kinds{true, false, true}, refine_steps(n, k));
+    refine(bins, Kinds{true, true, false}, refine_steps(n, k));
     return to_partition(bins, order);
   }
 }
@@ -352,8 +527,8 @@ Partition balance_across_ranks(const int64_t* seqlens, int64_t n, int64_t world_
   for (int64_t i = 0; i < n; ++i) w[i] = workload_of(seqlens[i], workload, coef);
   std::vector<int64_t> part(n);
   karmarkar_karp(w.data(), n, world_size, equal_count, part.data());
-  Bins bins(world_size, /*cap=*/-1, w.data(), seqlens, n, part.data());
-  refine(bins, /*moves=*/!equal_count, refine_steps(n, world_size));
+  Bins bins(world_size, /*cap=*/-1, w.data(), seqlens, workload, coef, n, part.data());
+  refine(bins, Kinds{!equal_count, true, false}, refine_steps(n, world_size));
   return to_partition(bins, Order::AsPlanned);
 }
 

@@ -1,6 +1,9 @@
-// CUDA kernels of the causal conv1d and the exchange's gather-sum: one thread per (channel, token tile),
-// running the shared per-tile math of conv_math.h. Consecutive threads take consecutive channels, so every
-// token row is read and written with coalesced accesses.
+// CUDA kernels of the causal conv1d and the exchange's gather-sum: one thread per (group of V consecutive
+// channels, token tile), running the shared per-tile math of conv_math.h. Each token row is one 16-byte
+// access per thread (V = 16 / element size) and consecutive threads take consecutive channel groups, so every
+// row is read and written with coalesced vector accesses; each x row is loaded once per tile (the K-1
+// previous rows live in registers). Odd C or unaligned tensors fall back to V = 1 (same math).
+#include <cstdint>
 #include <type_traits>
 
 #include "common/cuda_utils.cuh"
@@ -33,55 +36,76 @@ void dispatch_k(int K, F&& f) {
 
 ConvShape shape_of(const ConvArgs& a) { return ConvShape{a.T, a.C, a.K, a.nseg, a.activation}; }
 
-// Tiles along T so that about 16 resident threads per SM lane (2048 per SM) have work; at least 32 tokens per
-// tile so the K-row warm-up of a tile stays small.
+// Channels per thread on the vector path: one 16-byte access per token row (8 bf16/f16, 4 fp32, 2 fp64),
+// halved (8-byte accesses) where the per-channel register arrays would otherwise spill (checked with
+// -Xptxas -v: the backward keeps four KM-sized arrays per channel; 16-bit types at K > 4 or in the backward).
+template <typename S, int KM, bool kBwd>
+constexpr int vec_width() {
+  constexpr int full = static_cast<int>(16 / sizeof(S));
+  const bool halve = (kBwd && KM > 4) || (full == 8 && (kBwd || KM > 4));
+  return halve ? full / 2 : full;
+}
+// Tokens per batch of loads: the vector path already moves 16 bytes per row and load, so the backward (two
+// loads per row, many live registers) batches fewer rows.
+template <int V, bool kBwd>
+constexpr int kBatchRows = V == 1 ? kBatch : 4;
+
+bool aligned(const void* p, int bytes) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Tiles along T: enough that the vector path (8 channels per thread) puts about 2048 threads per SM to work,
+// each tile at least 64 tokens tall so that the K-1 warm-up rows stay small and the [tiles, C, K+1] partial
+// buffer of the backward stays a few percent of one [T, C] pass. The count depends on (T, C) only, so the
+// torch layer can size the partial buffer before the path is chosen; the scalar fallback (8x more threads)
+// then has more than enough parallelism.
 int64_t want_tiles(int64_t T, int64_t C) {
   static int sms = [] {
     int dev = 0, v = 132;
     if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
     return v;
   }();
-  const int64_t cblocks = ceil_div(C, kThreads);
-  int64_t want = ceil_div(static_cast<int64_t>(sms) * 2048, cblocks * kThreads) * 2;
-  const int64_t max_by_len = ceil_div(T, 32);
+  const int64_t row_threads = ceil_div(ceil_div(C, 8), kThreads) * kThreads;
+  int64_t want = ceil_div(static_cast<int64_t>(sms) * 2048, row_threads);
+  const int64_t max_by_len = ceil_div(T, 64);
   if (want > max_by_len) want = max_by_len;
   if (want > 65535) want = 65535;
   if (want < 1) want = 1;
   return want;
 }
 
-template <typename S, int KM>
+// Thread (blockIdx.x * kThreads + threadIdx.x) takes channels [V * that, V * that + V); C % V == 0.
+template <typename S, int KM, int V>
 __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w,
                                                            const S* __restrict__ b, const S* __restrict__ prefix,
                                                            const int64_t* __restrict__ cu, ConvShape sh, S* y,
                                                            Tiles tl) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= sh.C) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * tl.len;
   const int64_t t1 = t0 + tl.len < sh.T ? t0 + tl.len : sh.T;
-  conv_fwd_tile<S, KM>(x, w, b, prefix, cu, sh, y, c, t0, t1);
+  conv_fwd_tile<S, KM, V, kBatchRows<V, false>>(x, w, b, prefix, cu, sh, y, c, t0, t1);
 }
 
-template <typename S, int KM>
+template <typename S, int KM, int V>
 __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x,
                                                            const S* __restrict__ w, const S* __restrict__ b,
                                                            const S* __restrict__ prefix,
                                                            const int64_t* __restrict__ cu, ConvShape sh, S* dx,
                                                            S* dprefix, typename Acc<S>::type* part, Tiles tl) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= sh.C) return;
   const int64_t i = blockIdx.y;
   const int64_t t0 = i * tl.len;
   const int64_t t1 = t0 + tl.len < sh.T ? t0 + tl.len : sh.T;
-  conv_bwd_tile<S, KM>(dy, x, w, b, prefix, cu, sh, dx, dprefix, part + (i * sh.C + c) * (sh.K + 1), c, t0,
-                       t1);
+  conv_bwd_tile<S, KM, V, kBatchRows<V, true>>(dy, x, w, b, prefix, cu, sh, dx, dprefix,
+                                                 part + (i * sh.C + c) * (sh.K + 1), c, t0, t1);
 }
 
+// One thread per element e of [C, K+1]: adjacent threads read adjacent partials of a tile (coalesced).
 template <typename S>
 __global__ void conv_reduce_kernel(const typename Acc<S>::type* part, int64_t ntiles, ConvShape sh, S* dweight,
                                    S* dbias) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c < sh.C) conv_reduce_channel<S>(part, ntiles, sh, dweight, dbias, c);
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < sh.C * (sh.K + 1)) conv_reduce_elem<S>(part, ntiles, sh, dweight, dbias, e);
 }
 
 template <typename S>
@@ -100,14 +124,22 @@ void causal_conv1d_fwd_cuda(const ConvArgs& a, void* y, cudaStream_t stream) {
   if (a.T == 0 || a.C == 0) return;
   const ConvShape sh = shape_of(a);
   const Tiles tl = make_tiles(a.T, want_tiles(a.T, a.C));
-  const dim3 grid(static_cast<unsigned>(ceil_div(a.C, kThreads)), static_cast<unsigned>(tl.count));
   dispatch_dtype(a.dtype, [&](auto tag) {
     using S = decltype(tag);
     dispatch_k(a.K, [&](auto km) {
       constexpr int KM = decltype(km)::value;
-      conv_fwd_kernel<S, KM><<<grid, kThreads, 0, stream>>>(
-          static_cast<const S*>(a.x), static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
-          static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(y), tl);
+      constexpr int V = vec_width<S, KM, false>();
+      const bool vec = a.C % V == 0 && aligned(a.x, V * sizeof(S)) && aligned(y, V * sizeof(S));
+      auto launch = [&](auto vw) {
+        constexpr int W = decltype(vw)::value;
+        const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(a.C, W), kThreads)),
+                        static_cast<unsigned>(tl.count));
+        conv_fwd_kernel<S, KM, W><<<grid, kThreads, 0, stream>>>(
+            static_cast<const S*>(a.x), static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
+            static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(y), tl);
+      };
+      if (vec) launch(std::integral_constant<int, V>{});
+      else launch(std::integral_constant<int, 1>{});
     });
   });
   PC_CUDA_LAUNCH_CHECK();
@@ -125,17 +157,26 @@ void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* d
     using S = decltype(tag);
     using A = typename Acc<S>::type;
     if (a.T > 0) {
-      const dim3 grid(static_cast<unsigned>(ceil_div(a.C, kThreads)), static_cast<unsigned>(tl.count));
       dispatch_k(a.K, [&](auto km) {
         constexpr int KM = decltype(km)::value;
-        conv_bwd_kernel<S, KM><<<grid, kThreads, 0, stream>>>(
-            static_cast<const S*>(dy), static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
-            static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(dx),
-            static_cast<S*>(dprefix), static_cast<A*>(work), tl);
+        constexpr int V = vec_width<S, KM, true>();
+        const int bytes = V * sizeof(S);
+        const bool vec = a.C % V == 0 && aligned(a.x, bytes) && aligned(dy, bytes) && aligned(dx, bytes);
+        auto launch = [&](auto vw) {
+          constexpr int W = decltype(vw)::value;
+          const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(a.C, W), kThreads)),
+                          static_cast<unsigned>(tl.count));
+          conv_bwd_kernel<S, KM, W><<<grid, kThreads, 0, stream>>>(
+              static_cast<const S*>(dy), static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
+              static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(dx),
+              static_cast<S*>(dprefix), static_cast<A*>(work), tl);
+        };
+        if (vec) launch(std::integral_constant<int, V>{});
+        else launch(std::integral_constant<int, 1>{});
       });
       PC_CUDA_LAUNCH_CHECK();
     }
-    conv_reduce_kernel<S><<<static_cast<unsigned>(ceil_div(a.C, 256)), 256, 0, stream>>>(
+    conv_reduce_kernel<S><<<static_cast<unsigned>(ceil_div(a.C * (a.K + 1), 256)), 256, 0, stream>>>(
         static_cast<const A*>(work), a.T > 0 ? tl.count : 0, sh, static_cast<S*>(dweight),
         static_cast<S*>(dbias));
     PC_CUDA_LAUNCH_CHECK();

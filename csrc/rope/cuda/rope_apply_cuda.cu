@@ -58,7 +58,7 @@ struct KParams {
 
 // One item = (local token, head over q then k, chunk). Loads for U items are issued before any store.
 template <typename T, int VE, int ALIGN, bool GPTJ>
-__global__ void __launch_bounds__(kThreads) rope_kernel(const KParams p) {
+__global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
   using V = Vec<T, VE, ALIGN>;
   using F = typename Cvt<T>::F;  // compute type
   const RopeArgs& a = p.a;
@@ -162,22 +162,46 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const KParams p) {
     }
   }
 
-  // 3. passthrough channels (out-of-place only)
+  // 3. passthrough channels (out-of-place only): plain copies, PU independent loads in flight per thread
+  //    before any store (a copy has no math to hide the load latency behind).
   const int cpp = p.chunks_pass;
   if (cpp == 0) return;
   const int rd = static_cast<int>(a.rotary_dim);
   const int pitems = ntok * H * cpp;
-  for (int it = threadIdx.x; it < pitems; it += kThreads) {
-    const int c = it % cpp;
-    const int rest = it / cpp;
-    const int h = rest % H;
-    const int tl = rest / H;
-    const bool isq = h < hq;
-    const int hh = isq ? h : h - hq;
-    const T* s = isq ? qin + base[tl].q_in + hh * a.q.in_sh : kin + base[tl].k_in + hh * a.k.in_sh;
-    T* d = isq ? qout + base[tl].q_out + hh * a.q.out_sh : kout + base[tl].k_out + hh * a.k.out_sh;
-    if (p.pass_vec) *reinterpret_cast<V*>(d + rd + c * VE) = *reinterpret_cast<const V*>(s + rd + c * VE);
-    else d[rd + c] = s[rd + c];
+  constexpr int PU = 4;
+  for (int b0 = threadIdx.x; b0 < pitems; b0 += PU * kThreads) {
+    const T* ps[PU];
+    T* pd[PU];
+    V pv[PU];
+    T pe[PU];
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      const int it = b0 + u * kThreads;
+      if (it >= pitems) continue;
+      const int c = it % cpp;
+      const int rest = it / cpp;
+      const int h = rest % H;
+      const int tl = rest / H;
+      const bool isq = h < hq;
+      const int hh = isq ? h : h - hq;
+      ps[u] = isq ? qin + base[tl].q_in + hh * a.q.in_sh : kin + base[tl].k_in + hh * a.k.in_sh;
+      pd[u] = isq ? qout + base[tl].q_out + hh * a.q.out_sh : kout + base[tl].k_out + hh * a.k.out_sh;
+      if (p.pass_vec) {
+        ps[u] += rd + c * VE;
+        pd[u] += rd + c * VE;
+        pv[u] = *reinterpret_cast<const V*>(ps[u]);
+      } else {
+        ps[u] += rd + c;
+        pd[u] += rd + c;
+        pe[u] = *ps[u];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      if (b0 + u * kThreads >= pitems) continue;
+      if (p.pass_vec) *reinterpret_cast<V*>(pd[u]) = pv[u];
+      else *pd[u] = pe[u];
+    }
   }
 }
 
