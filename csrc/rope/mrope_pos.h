@@ -11,11 +11,52 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "common/stream.h"
 #include "rope/mrope_pos_math.h"
 
 namespace packcuda::rope {
+
+// One image or video grid row [t, h, w] (patches before the spatial merge).
+struct MRopeGrid {
+  int64_t t, h, w;
+};
+
+// Host block table of a packed stream: `head` leading entries (e.g. the host cu_seqlens, so one upload carries
+// both), the rows of every image block then every video block (kBlockCols columns each, see mrope_pos_math.h),
+// then per modality the prefix sums of (length - advance). `row` / `frame` say which grid row (and video frame,
+// with per-frame videos) each block comes from.
+struct MRopeBlockTable {
+  std::vector<int64_t> table;
+  int64_t head = 0;
+  int64_t n[2] = {0, 0};
+  std::vector<int64_t> row[2], frame[2];
+  int64_t offset_blocks(int m) const { return head + (m == 0 ? 0 : n[0] * kBlockCols); }
+  int64_t offset_px(int m) const { return head + (n[0] + n[1]) * kBlockCols + (m == 0 ? 0 : n[0] + 1); }
+  // The kernels' view of a copy of `table` that starts at `base` (host or device memory).
+  MRopeTables tables(const int64_t* base, const int64_t* cu, int64_t nseg, int64_t image_token_id,
+                     int64_t video_token_id) const {
+    MRopeTables tb;
+    tb.cu = cu;
+    tb.nseg = nseg;
+    for (int m = 0; m < 2; ++m) {
+      tb.blocks[m] = base + offset_blocks(m);
+      tb.px[m] = base + offset_px(m);
+      tb.nblocks[m] = n[m];
+    }
+    tb.token_id[0] = image_token_id;
+    tb.token_id[1] = video_token_id;
+    return tb;
+  }
+};
+
+// Builds the block table from valid grids (t, h, w >= 1; h and w divisible by `merge`). `secs` (one per video
+// row) and `tokens_per_second` may be null; with per_frame each video row [t, h, w] is t blocks of [1, h, w].
+// Qwen2.5-VL video interval: float32(tokens_per_second) * float32(secs[v]) (1.0 without secs).
+MRopeBlockTable build_mrope_block_table(std::vector<int64_t> head, const MRopeGrid* images, int64_t n_images,
+                                        const MRopeGrid* videos, int64_t n_videos, const float* secs, int64_t merge,
+                                        const double* tokens_per_second, bool per_frame, bool text_after_max);
 
 // CPU: validates first; returns the error key (kMRopeOk or the earliest error) and writes the outputs only
 // when there is no error. `scratch` holds `total` MRopeScan entries.

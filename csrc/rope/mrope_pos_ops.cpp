@@ -18,9 +18,7 @@ constexpr const char* kOp = "mrope_position_ids";
 const char* kModName[2] = {"image", "video"};
 const char* kGridName[2] = {"image_grid_thw", "video_grid_thw"};
 
-struct Grid {
-  int64_t t, h, w;
-};
+using Grid = rope::MRopeGrid;
 
 // Row i of an [n, 3] host tensor of dtype I, read through its strides (no copy, no conversion). Tensor
 // accessors are calls across the stable ABI, so pointer and strides are read once per tensor.
@@ -55,25 +53,16 @@ std::vector<Grid> read_grid(const char* name, const Tensor& g, int64_t merge) {
   return out;
 }
 
-// Host description of the blocks: the table uploaded to the kernels (in one copy, after the host cu_seqlens when
-// there are any), and where each block comes from.
-struct Blocks {
-  std::vector<int64_t> table;  // [head (host cu_seqlens or nothing)][img rows][vid rows][px img (ni+1)][px vid (nv+1)]
-  int64_t head = 0;
-  int64_t n[2] = {0, 0};
-  std::vector<int64_t> row[2], frame[2];  // grid row and frame (per-frame videos) of each block
+// The block table (core) plus the grids it came from, for error messages.
+struct Blocks : rope::MRopeBlockTable {
   std::vector<Grid> grid[2];
-  int64_t offset_blocks(int m) const { return head + (m == 0 ? 0 : n[0] * kBlockCols); }
-  int64_t offset_px(int m) const { return head + (n[0] + n[1]) * kBlockCols + (m == 0 ? 0 : n[0] + 1); }
 };
 
 Blocks build_blocks(std::vector<int64_t> head, const Tensor& image_grid, const Tensor& video_grid,
                     const Tensor& spg, int64_t merge, std::optional<double> tps, bool per_frame,
                     bool text_after_max) {
-  Blocks b;
-  b.grid[0] = read_grid(kGridName[0], image_grid, merge);
-  b.grid[1] = read_grid(kGridName[1], video_grid, merge);
-  const int64_t nv_rows = static_cast<int64_t>(b.grid[1].size());
+  std::vector<Grid> grid[2] = {read_grid(kGridName[0], image_grid, merge), read_grid(kGridName[1], video_grid, merge)};
+  const int64_t nv_rows = static_cast<int64_t>(grid[1].size());
   std::vector<float> secs;
   if (spg.numel() > 0) {
     PC_ARG(spg.is_cpu(), kOp, "second_per_grid_ts must be host metadata (a list or CPU tensor)");
@@ -85,48 +74,13 @@ Blocks build_blocks(std::vector<int64_t> head, const Tensor& image_grid, const T
     const float* p = c.const_data_ptr<float>();
     secs.assign(p, p + c.numel());
   }
-  const int64_t mm = merge * merge;
-  std::vector<int64_t> rows[2];
-  auto add = [&](int m, int64_t r, int64_t f, int64_t t, int64_t h, int64_t w, float interval) {
-    const int64_t hm = h / merge, wm = w / merge;
-    uint32_t bits;
-    std::memcpy(&bits, &interval, sizeof(bits));
-    const int64_t vals[kBlockCols] = {t * h * w / mm, t, hm, wm, static_cast<int64_t>(bits),
-                                      rope::block_advance(t, hm, wm, interval, text_after_max)};
-    rows[m].insert(rows[m].end(), vals, vals + kBlockCols);
-    b.row[m].push_back(r);
-    b.frame[m].push_back(f);
-  };
-  for (size_t i = 0; i < b.grid[0].size(); ++i) {
-    const Grid& g = b.grid[0][i];
-    add(0, i, -1, g.t, g.h, g.w, 1.0f);
-  }
-  for (int64_t i = 0; i < nv_rows; ++i) {
-    const Grid& g = b.grid[1][i];
-    if (per_frame) {
-      for (int64_t f = 0; f < g.t; ++f) add(1, i, f, 1, g.h, g.w, 1.0f);
-    } else {
-      // Qwen2.5-VL: float32(tokens_per_second) * float32(second_per_grid_ts[i]), one float32 multiply.
-      float interval = 1.0f;
-      if (tps.has_value()) interval = static_cast<float>(*tps) * (secs.empty() ? 1.0f : secs[i]);
-      add(1, i, -1, g.t, g.h, g.w, interval);
-    }
-  }
-  for (int m = 0; m < 2; ++m) b.n[m] = static_cast<int64_t>(b.row[m].size());
-  b.head = static_cast<int64_t>(head.size());
-  b.table = std::move(head);
-  b.table.reserve(b.head + rows[0].size() + rows[1].size() + b.n[0] + b.n[1] + 2);
-  b.table.insert(b.table.end(), rows[0].begin(), rows[0].end());
-  b.table.insert(b.table.end(), rows[1].begin(), rows[1].end());
-  for (int m = 0; m < 2; ++m) {
-    int64_t acc = 0;
-    b.table.push_back(0);
-    for (int64_t k = 0; k < b.n[m]; ++k) {
-      const int64_t* r = rows[m].data() + k * kBlockCols;
-      acc += r[rope::kLen] - r[rope::kAdvance];
-      b.table.push_back(acc);
-    }
-  }
+  const double tps_v = tps.value_or(0.0);
+  Blocks b;
+  static_cast<rope::MRopeBlockTable&>(b) = rope::build_mrope_block_table(
+      std::move(head), grid[0].data(), static_cast<int64_t>(grid[0].size()), grid[1].data(), nv_rows,
+      secs.empty() ? nullptr : secs.data(), merge, tps.has_value() ? &tps_v : nullptr, per_frame, text_after_max);
+  b.grid[0] = std::move(grid[0]);
+  b.grid[1] = std::move(grid[1]);
   return b;
 }
 
@@ -205,17 +159,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
   const int esz = static_cast<int>(element_size(input_ids.scalar_type()));
 
   auto tables = [&](const int64_t* tp) {
-    MRopeTables tb;
-    tb.cu = cu_in_table ? tp : seg.ptr();
-    tb.nseg = seg.count;
-    for (int m = 0; m < 2; ++m) {
-      tb.blocks[m] = tp + b.offset_blocks(m);
-      tb.px[m] = tp + b.offset_px(m);
-      tb.nblocks[m] = b.n[m];
-    }
-    tb.token_id[0] = image_token_id;
-    tb.token_id[1] = video_token_id;
-    return tb;
+    return b.tables(tp, cu_in_table ? tp : seg.ptr(), seg.count, image_token_id, video_token_id);
   };
 
   if (input_ids.is_cuda()) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "pack/pack.h"
+#include "rope/mrope_pos.h"
 #include "shard/shard.h"
 #include "packcuda_torch.h"
 
@@ -74,6 +75,33 @@ int main() {
   for (int v : seen) once &= v == 1;
   check(once, "core: zigzag shard plan holds every token exactly once across ranks");
   check(pos_ok, "core: shard plan positions == per-sequence positions");
+
+  // 4. core API: Qwen2-VL mRoPE positions of a packed multimodal stream (two samples; the first holds one image
+  //    of grid [1, 4, 4], i.e. 4 tokens after the 2x2 spatial merge).
+  {
+    const int64_t IMG = 151655;
+    const std::vector<int64_t> ids = {7, 8, IMG, IMG, IMG, IMG, 9, /* sample 2 */ 5, 6, 7};
+    const std::vector<int64_t> mcu = {0, 7, 10};
+    const int64_t T = static_cast<int64_t>(ids.size());
+    const packcuda::rope::MRopeGrid image{1, 4, 4};
+    packcuda::rope::MRopeBlockTable table = packcuda::rope::build_mrope_block_table(
+        {}, &image, 1, nullptr, 0, nullptr, /*merge=*/2, /*tokens_per_second=*/nullptr, /*per_frame=*/false,
+        /*text_after_max=*/false);
+    const packcuda::rope::MRopeTables tb = table.tables(table.table.data(), mcu.data(), 2, IMG, /*video*/ IMG + 1);
+    std::vector<int64_t> mpos(3 * T), text_pos(T), deltas(2);
+    std::vector<packcuda::rope::MRopeScan> scratch(T);
+    const int64_t key = packcuda::rope::mrope_pos_cpu(mpos.data(), text_pos.data(), deltas.data(), scratch.data(),
+                                                       ids.data(), 8, T, tb);
+    // t, h, w rows: text counts up; the image block at s = 2 is (2, 2 + hi, 2 + wi); text resumes at s + 2
+    const std::vector<int64_t> want_t = {0, 1, 2, 2, 2, 2, 4, 0, 1, 2};
+    const std::vector<int64_t> want_h = {0, 1, 2, 2, 3, 3, 4, 0, 1, 2};
+    const std::vector<int64_t> want_w = {0, 1, 2, 3, 2, 3, 4, 0, 1, 2};
+    bool mok = key == packcuda::rope::kMRopeOk;
+    for (int64_t t = 0; t < T; ++t)
+      mok &= mpos[t] == want_t[t] && mpos[T + t] == want_h[t] && mpos[2 * T + t] == want_w[t];
+    mok &= deltas[0] == 5 - 7 && deltas[1] == 0;
+    check(mok, "core: mRoPE positions of a packed image + text stream");
+  }
 
   std::printf("%s\n", failures ? "FAILED" : "all checks passed");
   return failures ? 1 : 0;
