@@ -18,16 +18,8 @@ std::vector<int64_t> host_lengths(const char* op, const Tensor& seqlens, int64_t
   check_dtype(op, "seqlens", seqlens, {ST::Int, ST::Long});
   PC_ARG(seqlens.is_cpu(), op, "seqlens must be host metadata (a CPU tensor, list or numpy array), got a ",
          device_str(seqlens), " tensor");
-  const int64_t n = seqlens.numel();
-  const int64_t stride = seqlens.stride(0);
-  std::vector<int64_t> v(n);
-  if (seqlens.scalar_type() == ST::Int) {
-    const int32_t* p = seqlens.const_data_ptr<int32_t>();
-    for (int64_t i = 0; i < n; ++i) v[i] = p[i * stride];
-  } else {
-    const int64_t* p = seqlens.const_data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i) v[i] = p[i * stride];
-  }
+  std::vector<int64_t> v = host_ints(seqlens);
+  const int64_t n = static_cast<int64_t>(v.size());
   // Limit on the total workload: partial sums and the local search's trial sums stay below 2^62.
   const __int128 limit = static_cast<__int128>(1) << 61;
   __int128 total = 0;

@@ -84,18 +84,24 @@ Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Devic
   return torch::stable::to(host, target, /*non_blocking=*/true);
 }
 
-std::vector<int64_t> read_host_segments(const char* op, const char* name, const Tensor& cu, int64_t expected_total) {
+std::vector<int64_t> host_ints(const Tensor& t) {
   // Tensor accessors cross the stable ABI: read numel, stride and pointer once.
-  const int64_t n = cu.numel();
+  const int64_t n = t.numel();
   std::vector<int64_t> host(n);
-  const int64_t stride = cu.stride(0);
-  if (cu.scalar_type() == ST::Int) {
-    const int32_t* p = cu.const_data_ptr<int32_t>();
+  const int64_t stride = t.stride(0);
+  if (t.scalar_type() == ST::Int) {
+    const int32_t* p = t.const_data_ptr<int32_t>();
     for (int64_t i = 0; i < n; ++i) host[i] = p[i * stride];
   } else {
-    const int64_t* p = cu.const_data_ptr<int64_t>();
+    const int64_t* p = t.const_data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) host[i] = p[i * stride];
   }
+  return host;
+}
+
+std::vector<int64_t> read_host_segments(const char* op, const char* name, const Tensor& cu, int64_t expected_total) {
+  std::vector<int64_t> host = host_ints(cu);
+  const int64_t n = static_cast<int64_t>(host.size());
   PC_ARG(host[0] == 0, op, name, "[0] must be 0, got ", host[0]);
   for (int64_t i = 1; i < n; ++i)
     PC_ARG(host[i] >= host[i - 1], op, name, " must be non-decreasing, but ", name, "[", i, "]=", host[i], " < ",

@@ -55,6 +55,8 @@ struct Segments {
 Segments segments(const char* op, const char* name, const Tensor& cu, const torch::stable::Device& target,
                   int64_t expected_total, bool upload = true);
 // The validated values of a host cu_seqlens (1-D int32/int64 CPU tensor; dim and dtype checked by the caller).
+// Values of a 1-D int32/int64 CPU tensor (any stride) as int64.
+std::vector<int64_t> host_ints(const Tensor& t);
 std::vector<int64_t> read_host_segments(const char* op, const char* name, const Tensor& cu, int64_t expected_total);
 
 // Copy of host int64 values onto a device (non-blocking, no sync).

@@ -9,32 +9,17 @@
 #include "common/cuda_utils.cuh"
 #include "conv/conv.h"
 #include "conv/conv_math.h"
+#include "conv/conv_dispatch.h"
 
 namespace packcuda::conv {
 namespace {
 
+using detail::dispatch_dtype;
+using detail::dispatch_k;
+using detail::shape_of;
+
 constexpr int kThreads = 128;
 
-template <typename F>
-void dispatch_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::F32: f(float{}); break;
-    case DType::F64: f(double{}); break;
-    case DType::BF16: f(bf16_t{}); break;
-    case DType::F16: f(f16_t{}); break;
-    default: throw std::invalid_argument("packcuda conv: unsupported dtype");
-  }
-}
-
-template <typename F>
-void dispatch_k(int K, F&& f) {
-  if (K <= 2) f(std::integral_constant<int, 2>{});
-  else if (K == 3) f(std::integral_constant<int, 3>{});
-  else if (K == 4) f(std::integral_constant<int, 4>{});
-  else f(std::integral_constant<int, kMaxK>{});
-}
-
-ConvShape shape_of(const ConvArgs& a) { return ConvShape{a.T, a.C, a.K, a.nseg, a.activation}; }
 
 // Channels per thread on the vector path: one 16-byte access per token row (8 bf16/f16, 4 fp32, 2 fp64),
 // halved (8-byte accesses) where the per-channel register arrays would otherwise spill (checked with
