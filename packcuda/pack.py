@@ -85,17 +85,39 @@ torch.library.register_autograd("packcuda::scatter_rows", _scatter_backward, set
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
+def _needs_autograd(t: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or (t.requires_grad and torch.is_grad_enabled())
+
+
+def _gather(src: torch.Tensor, index: torch.Tensor, fill: float) -> torch.Tensor:
+    """The row gather used by every facade. Without a gradient to track (and outside torch.compile) it calls
+    the kernel below autograd: the Python autograd kernel that register_autograd installs costs more host time
+    per call than the gather itself on small tensors. Same kernel, same result."""
+    if _needs_autograd(src):
+        return ops.gather_rows(src, index, fill)
+    with torch._C._AutoDispatchBelowAutograd():
+        return ops.gather_rows.default(src, index, fill)
+
+
+def _scatter(src: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Row scatter with the same fast path as :func:`_gather`."""
+    if _needs_autograd(src):
+        return ops.scatter_rows(src, index, num_rows)
+    with torch._C._AutoDispatchBelowAutograd():
+        return ops.scatter_rows.default(src, index, num_rows)
+
+
 def gather_rows(src: torch.Tensor, index: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
     """``out[i] = src[index[i]]`` for ``index[i] >= 0``, else a row of ``fill``. Rows are whole slices along
     dim 0 of any dtype and trailing shape, moved with 16-byte vector loads where alignment allows.
     Differentiable in ``src`` when the non-negative indices are unique (the backward is a row scatter)."""
-    return ops.gather_rows(src, index, float(fill))
+    return _gather(src, index, float(fill))
 
 
 def scatter_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
     """``out = zeros(num_rows, ...)``, ``out[index[i]] = src[i]`` for ``index[i] >= 0``. Indices must be
     unique (checked on CPU), which keeps the result deterministic. Differentiable in ``src``."""
-    return ops.scatter_rows(src, index, int(num_rows))
+    return _scatter(src, index, int(num_rows))
 
 
 def unpad(
@@ -142,7 +164,7 @@ def unpad(
         total = int(cu_host[-1])
         indices = ops.mask_indices(mask, cu_host, total)
         max_seqlen = int(cu_host.diff().max()) if B > 0 else 0
-    x_packed = ops.gather_rows(x.reshape(B * S, *x.shape[2:]), indices, 0.0)
+    x_packed = _gather(x.reshape(B * S, *x.shape[2:]), indices, 0.0)
     cu_seqlens = to_device_async(cu_host, x.device, torch.int32)
     return x_packed, indices, cu_seqlens, max_seqlen
 
@@ -150,7 +172,7 @@ def unpad(
 def pad(x_packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seqlen: int) -> torch.Tensor:
     """Inverse of :func:`unpad`: ``[B, S, ...]`` with ``x_packed`` rows at ``indices``, zeros elsewhere.
     Differentiable in ``x_packed``. No sync."""
-    out = ops.scatter_rows(x_packed, indices, int(batch_size) * int(seqlen))
+    out = _scatter(x_packed, indices, int(batch_size) * int(seqlen))
     return out.view(int(batch_size), int(seqlen), *x_packed.shape[1:])
 
 

@@ -24,6 +24,7 @@ import torch
 
 from . import _lib
 from ._meta import IntsLike, host_tensor, is_device_tensor, to_device_async
+from .pack import _gather
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -172,13 +173,13 @@ class ShardPlan:
         the backward scatters gradients back to the original rows (deterministic). No sync."""
         d = self._rows("shard", x, dim, self.total, "x")
         if d == 0:
-            return ops.gather_rows(x, self.index, float(fill))
+            return _gather(x, self.index, float(fill))
         # rows along dim d of [A, T, ...] are rows a*T + t of the flattened [A*T, ...]: one gather, no transpose
         lead = 1
         for n in x.shape[:d]:
             lead *= n
         index = self._lead_index(lead)
-        out = ops.gather_rows(x.reshape(lead * self.total, *x.shape[d + 1:]), index, float(fill))
+        out = _gather(x.reshape(lead * self.total, *x.shape[d + 1:]), index, float(fill))
         return out.view(*x.shape[:d], self.total_local, *x.shape[d + 1:])
 
     def _lead_index(self, lead: int) -> torch.Tensor:
@@ -193,7 +194,7 @@ class ShardPlan:
         """Local next-token labels of the original ``input_ids`` ``[T]``: the next token of the same sequence
         (correct across chunk boundaries), ``ignore_index`` at each sequence's last token and on pads."""
         self._rows("labels", input_ids, 0, self.total, "input_ids")
-        return ops.gather_rows(input_ids, self.label_index, float(ignore_index))
+        return _gather(input_ids, self.label_index, float(ignore_index))
 
     def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
         """``[T, ...]`` in original order from all ranks' local outputs ``gathered`` ``[cp, T_local, ...]`` (or
@@ -203,7 +204,7 @@ class ShardPlan:
         else:
             self._rows("unshard", gathered, 0, self.cp_size * self.total_local, "gathered")
             flat = gathered
-        return ops.gather_rows(flat, self.unshard_index, 0.0)
+        return _gather(flat, self.unshard_index, 0.0)
 
     def gather(self, x_local: torch.Tensor, group=None) -> torch.Tensor:
         """All-gather ``x_local`` ``[T_local, ...]`` over the CP process group, then :meth:`unshard`:
