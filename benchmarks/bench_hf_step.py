@@ -16,14 +16,13 @@ backward of q and k for all layers alone).
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import random
 
 import torch
 
 import packcuda
-from benchmarks.harness import Timer, record
+from benchmarks.harness import cli, Timer, record
 
 
 def _config(tiny: bool):
@@ -148,14 +147,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--device", default=None)
-    p.add_argument("--no-write", action="store_true")
-    a = p.parse_args()
-    rows = run(a.quick, a.device)
-    record("transformers Qwen2.5-VL packed train step: packcuda positions + rotary vs transformers", rows,
-           device=a.device, write=not a.no_write,
+    cli(run, "transformers Qwen2.5-VL packed train step: packcuda positions + rotary vs transformers",
            notes="The share row is a percentage of the step (packcuda_ms / baseline_ms columns hold the two "
                  "percentages). Rotary is timed alone over all layers (forward + backward of q and k); the "
                  "vision tower is not run (image placeholders and grids only drive the positions).")

@@ -8,7 +8,6 @@ The baseline gets its per-sample tensors ready on the device beforehand; only th
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
 import random
@@ -17,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 import packcuda
-from benchmarks.harness import Timer, record
+from benchmarks.harness import cli, Timer, record
 
 IMG, VID, VSTART, VEND = 151655, 151656, 151652, 151653
 MERGE, TPS = 2, 2
@@ -138,14 +137,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--device", default=None)
-    p.add_argument("--no-write", action="store_true")
-    a = p.parse_args()
-    rows = run(a.quick, a.device)
-    record("mRoPE position ids: packed multimodal batch vs transformers get_rope_index", rows, device=a.device,
-           write=not a.no_write,
+    cli(run, "mRoPE position ids: packed multimodal batch vs transformers get_rope_index",
            notes="Qwen2.5-VL rules (tokens_per_second=2, fractional second_per_grid_ts), host grids and cu_seqlens; "
                  "outputs checked equal to transformers in the same run. Times include the Python facade and the "
                  "host-side block table.")

@@ -5,14 +5,13 @@ same bytes (the bandwidth floor).
 """
 from __future__ import annotations
 
-import argparse
 import random
 
 import torch
 import torch.nn.functional as F
 
 import packcuda
-from benchmarks.harness import Timer, record
+from benchmarks.harness import cli, Timer, record
 
 
 def _nonzero_unpad(x, mask):
@@ -88,13 +87,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--device", default=None)
-    p.add_argument("--no-write", action="store_true")
-    a = p.parse_args()
-    rows = run(a.quick, a.device)
-    record("packing: unpad / pad", rows, device=a.device, write=not a.no_write,
+    cli(run, "packing: unpad / pad",
            notes="copy_ms: a device copy of the same bytes (read + written); pct_copy_bw = copy_ms / packcuda_ms.")
 
 

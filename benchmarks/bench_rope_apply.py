@@ -10,12 +10,11 @@ time is reported separately as hf_cos_sin_ms). fwd+bwd = torch.autograd.grad of 
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 import packcuda
-from benchmarks.harness import Timer, record
+from benchmarks.harness import cli, Timer, record
 
 # name, Hq, Hk, D, rotary_dim, mrope_section, interleaved, theta
 SHAPES = [
@@ -199,13 +198,7 @@ NOTES = ("copy_ floor: a copy_ of q and k (read once, written once). pct_copy_bw
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--device", default=None)
-    p.add_argument("--no-write", action="store_true")
-    a = p.parse_args()
-    rows = run(a.quick, a.device)
-    record("rotary application (mRoPE), bf16", rows, device=a.device, write=not a.no_write, notes=NOTES)
+    cli(run, "rotary application (mRoPE), bf16", notes=NOTES)
 
 
 if __name__ == "__main__":

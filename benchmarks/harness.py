@@ -136,3 +136,15 @@ def record(title: str, rows: Sequence[dict], device=None, notes: str = "", colum
         with open(RESULTS, "a") as f:
             f.write(text)
     return text
+
+
+def cli(run, title: str, notes: str = "") -> None:
+    """Command line of one benchmark module: ``[--quick] [--device D] [--no-write]``, then ``record``."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-write", action="store_true")
+    a = p.parse_args()
+    record(title, run(a.quick, a.device), device=a.device, write=not a.no_write, notes=notes)
