@@ -4,7 +4,7 @@
 // A vision block is a maximal run of image (or video) tokens inside one segment. The host knows every block's
 // grid (image_grid_thw / video_grid_thw rows, in stream order per modality) and describes it in a block table
 // (see mrope_pos_math.h: MRopeTables). The run structure of input_ids is device data: the kernels find the runs,
-// count them with one prefix scan, check each run against its block and write
+// count them with a prefix scan, check each run against its block and write
 //   pos [3, T] (t, h, w rows), text_pos [T] (offset in the segment), deltas [nseg] (max position + 1 - length)
 // and an error key (kMRopeOk when the runs match the blocks; otherwise the smallest key of all errors, see
 // mrope_error_key).
@@ -23,18 +23,16 @@ struct MRopeGrid {
   int64_t t, h, w;
 };
 
-// Host block table of a packed stream: `head` leading entries (e.g. the host cu_seqlens, so one upload carries
-// both), the rows of every image block then every video block (kBlockCols columns each, see mrope_pos_math.h),
-// then per modality the prefix sums of (length - advance). `row` / `frame` say which grid row (and video frame,
-// with per-frame videos) each block comes from.
-struct MRopeBlockTable {
-  std::vector<int64_t> table;
+// Layout of the host block table of a packed stream: `head` leading entries (e.g. the host cu_seqlens, so one
+// upload carries both), the rows of every image block then every video block (kBlockCols columns each, see
+// mrope_pos_math.h), then per modality the prefix sums of (length - advance) (n + 1 entries each).
+struct MRopeTableLayout {
   int64_t head = 0;
-  int64_t n[2] = {0, 0};
-  std::vector<int64_t> row[2], frame[2];
+  int64_t n[2] = {0, 0};  // image blocks, video blocks
   int64_t offset_blocks(int m) const { return head + (m == 0 ? 0 : n[0] * kBlockCols); }
   int64_t offset_px(int m) const { return head + (n[0] + n[1]) * kBlockCols + (m == 0 ? 0 : n[0] + 1); }
-  // The kernels' view of a copy of `table` that starts at `base` (host or device memory).
+  int64_t size() const { return offset_px(1) + n[1] + 1; }
+  // The kernels' view of a table with this layout that starts at `base` (host or device memory).
   MRopeTables tables(const int64_t* base, const int64_t* cu, int64_t nseg, int64_t image_token_id,
                      int64_t video_token_id) const {
     MRopeTables tb;
@@ -51,22 +49,39 @@ struct MRopeBlockTable {
   }
 };
 
-// Builds the block table from valid grids (t, h, w >= 1; h and w divisible by `merge`). `secs` (one per video
-// row) and `tokens_per_second` may be null; with per_frame each video row [t, h, w] is t blocks of [1, h, w].
-// Qwen2.5-VL video interval: float32(tokens_per_second) * float32(secs[v]) (1.0 without secs).
+// The layout for n_images image rows and the video rows (per_frame: a video row [t, h, w] is t blocks).
+MRopeTableLayout mrope_table_layout(int64_t head, int64_t n_images, const MRopeGrid* videos, int64_t n_videos,
+                                    bool per_frame);
+
+// Writes entries [L.head, L.size()) of the block table (the head is the caller's) from valid grids (t, h, w >= 1;
+// h and w divisible by `merge`) into out[0, L.size()). `secs` (one per video row) and `tokens_per_second` may be
+// null. Qwen2.5-VL video interval: float32(tokens_per_second) * float32(secs[v]) (1.0 without secs).
+void fill_mrope_block_table(int64_t* out, const MRopeTableLayout& L, const MRopeGrid* images,
+                            const MRopeGrid* videos, int64_t n_videos, const float* secs, int64_t merge,
+                            const double* tokens_per_second, bool per_frame, bool text_after_max);
+
+// The block table in a vector (head first), plus which grid row (`row`) and video frame (`frame`, -1 for whole
+// blocks) each block comes from, for messages naming a block.
+struct MRopeBlockTable : MRopeTableLayout {
+  std::vector<int64_t> table;
+  std::vector<int64_t> row[2], frame[2];
+};
+
 MRopeBlockTable build_mrope_block_table(std::vector<int64_t> head, const MRopeGrid* images, int64_t n_images,
                                         const MRopeGrid* videos, int64_t n_videos, const float* secs, int64_t merge,
                                         const double* tokens_per_second, bool per_frame, bool text_after_max);
 
 // CPU: validates first; returns the error key (kMRopeOk or the earliest error) and writes the outputs only
-// when there is no error. `scratch` holds `total` MRopeScan entries.
-int64_t mrope_pos_cpu(int64_t* pos, int64_t* text_pos, int64_t* deltas, MRopeScan* scratch, const void* ids,
-                      int id_elem_size, int64_t total, const MRopeTables& tb);
+// when there is no error. Two sequential passes over the tokens, no scratch memory.
+int64_t mrope_pos_cpu(int64_t* pos, int64_t* text_pos, int64_t* deltas, const void* ids, int id_elem_size,
+                      int64_t total, const MRopeTables& tb);
 
-// CUDA: bytes of workspace mrope_pos_cuda needs for `total` tokens.
-size_t mrope_pos_cuda_workspace(int64_t total);
+// CUDA: bytes of device workspace mrope_pos_cuda needs for `total` tokens in `nseg` segments (16 bytes per tile of
+// 256 tokens and per segment; no per-token scratch).
+size_t mrope_pos_cuda_workspace(int64_t total, int64_t nseg);
 // CUDA: writes the outputs and status[0] (the error key) without synchronizing. With an error the outputs
-// hold unspecified (but in-range) values.
+// hold unspecified (but in-range) values. Three kernels: run counts per tile, one block scanning the tile
+// counts, positions + checks per token.
 void mrope_pos_cuda(int64_t* pos, int64_t* text_pos, int64_t* deltas, int64_t* status, void* workspace,
                     size_t workspace_bytes, const void* ids, int id_elem_size, int64_t total, const MRopeTables& tb,
                     cudaStream_t stream);

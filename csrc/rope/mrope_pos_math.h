@@ -9,7 +9,8 @@
 // So cur at a token = (offset in segment) - sum over earlier blocks of the segment of (len - advance). With the
 // per-modality prefix sums of (len - advance) over the host-known block table, and an inclusive scan of
 // (image runs started, video runs started, latest run start) over the tokens, every token's position is a
-// closed formula: no sequential dependency left.
+// closed formula: no sequential dependency left. Every run is checked against its block at its last token, which
+// knows the run's first token (the latest start) and where the run ends: the checks need no random access either.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -107,41 +108,24 @@ PC_HD int64_t excess_before(const MRopeScan& s, const MRopeTables& tb) {
          tb.px[1][clamp_i64(scan_count(s, 1), 0, tb.nblocks[1])];
 }
 
-// Scan input of token t: a run start (first vision token of its type after a different type or after the
-// start of its segment) counts one run of its modality and records its index.
-template <typename I>
-PC_HD MRopeScan mrope_scan_input(const I* ids, int64_t t, const MRopeTables& tb) {
-  const int ty = token_type(static_cast<int64_t>(ids[t]), tb);
-  if (ty == 0) return MRopeScan{0, -1};
-  if (t > 0 && token_type(static_cast<int64_t>(ids[t - 1]), tb) == ty) {
-    const int64_t seg = find_segment(tb.cu, tb.nseg, t);
-    if (tb.cu[seg] != t) return MRopeScan{0, -1};
-  }
-  return MRopeScan{ty == 1 ? int64_t(1) : (int64_t(1) << 32), t};
+// Token t is a run start when it is a vision token (type ty != 0) whose previous token in its segment has another
+// type (prev_ty: type of token t-1, ignored at a segment start).
+PC_HD bool mrope_is_run_start(int ty, int prev_ty, bool segment_start) {
+  return ty != 0 && (segment_start || prev_ty != ty);
 }
 
-// Validity of the run starting at t (a token whose scan input is a start; scan = inclusive scan).
-template <typename I>
-PC_HD int64_t mrope_check_start(const I* ids, const MRopeScan* scan, const MRopeTables& tb, int64_t t,
-                                int64_t total) {
-  const int ty = token_type(static_cast<int64_t>(ids[t]), tb);
-  const int m = ty - 1;
-  const int64_t k = scan_count(scan[t], m) - 1;
-  if (k >= tb.nblocks[m]) return mrope_error_key(t, kExtraRun, m, k);
-  const int64_t seg = find_segment(tb.cu, tb.nseg, t);
-  const int64_t end = tb.cu[seg + 1];
-  const int64_t e = t + tb.blocks[m][k * kBlockCols + kLen];
-  auto in_run = [&](int64_t u) {
-    return token_type(static_cast<int64_t>(ids[u]), tb) == ty && scan[u].start == t;
-  };
-  if (e > end) {
-    if (in_run(end - 1) && end < total && token_type(static_cast<int64_t>(ids[end]), tb) == ty)
-      return mrope_error_key(t, kCrossesSegment, m, k);
-    return mrope_error_key(t, kRunLength, m, k);
-  }
-  if (!in_run(e - 1)) return mrope_error_key(t, kRunLength, m, k);
-  if (e < end && token_type(static_cast<int64_t>(ids[e]), tb) == ty) return mrope_error_key(t, kRunLength, m, k);
-  return kMRopeOk;
+// Check of one run of modality m (0 image, 1 video): tokens [b0, r) of the segment that ends at `end`, block index
+// k (runs of modality m before it), next_ty = type of token r (0 when r == total). Checked at the run's last token,
+// with the key of its first token: kMRopeOk or the run's error key.
+PC_HD int64_t mrope_check_run(int m, int64_t b0, int64_t r, int64_t k, int64_t end, int64_t total, int next_ty,
+                              const MRopeTables& tb) {
+  if (k >= tb.nblocks[m]) return mrope_error_key(b0, kExtraRun, m, k);
+  const int64_t e = b0 + tb.blocks[m][k * kBlockCols + kLen];
+  if (r == e) return kMRopeOk;
+  // The run reaches the end of its segment, the block needs more, and the next segment goes on with the same
+  // token type: the block was cut by the segment boundary.
+  if (e > end && r == end && end < total && next_ty == m + 1) return mrope_error_key(b0, kCrossesSegment, m, k);
+  return mrope_error_key(b0, kRunLength, m, k);
 }
 
 // Fewer runs than blocks: checked once with the scan of the last token.
@@ -151,32 +135,15 @@ PC_HD int64_t mrope_check_counts(const MRopeScan& last, const MRopeTables& tb, i
   return kMRopeOk;
 }
 
-struct MRopeToken {
-  int64_t p[3];   // t, h, w positions
-  int64_t local;  // offset in the segment
-  int64_t seg;
-  int64_t seg_len;
-  bool run_end;   // last token of its run (text or vision) in its segment: holds the run's maximum position
-};
-
-template <typename I>
-PC_HD MRopeToken mrope_token(const I* ids, const MRopeScan* scan, const MRopeTables& tb, int64_t t,
-                             int64_t total) {
-  MRopeToken o;
-  o.seg = find_segment(tb.cu, tb.nseg, t);
-  const int64_t a = tb.cu[o.seg];
-  const int64_t end = tb.cu[o.seg + 1];
-  o.local = t - a;
-  o.seg_len = end - a;
-  const MRopeScan base = a > 0 ? scan[a - 1] : MRopeScan{0, -1};
-  const int64_t e0 = excess_before(base, tb);
-  const MRopeScan sv = scan[t];
-  const int ty = token_type(static_cast<int64_t>(ids[t]), tb);
-  o.run_end = t + 1 >= end || token_type(static_cast<int64_t>(ids[t + 1]), tb) != ty;
+// Positions (t, h, w) of token t of type ty in the segment that starts at token a. sv: the runs started up to t
+// (inclusive counts) and the latest run start <= t; e0 = excess_before(runs started before the segment).
+// Counts beyond the block table (bad input) are clamped: the positions stay in range.
+PC_HD void mrope_positions(int64_t p[3], int ty, int64_t t, int64_t a, const MRopeScan& sv, int64_t e0,
+                           const MRopeTables& tb) {
   if (ty == 0 || tb.nblocks[ty - 1] == 0 || sv.start < a) {
-    const int64_t cur = o.local - (excess_before(sv, tb) - e0);
-    o.p[0] = o.p[1] = o.p[2] = cur;
-    return o;
+    const int64_t cur = (t - a) - (excess_before(sv, tb) - e0);
+    p[0] = p[1] = p[2] = cur;
+    return;
   }
   const int m = ty - 1;
   const int64_t k = clamp_i64(scan_count(sv, m) - 1, 0, tb.nblocks[m] - 1);
@@ -189,10 +156,13 @@ PC_HD MRopeToken mrope_token(const I* ids, const MRopeScan* scan, const MRopeTab
   const int64_t ti = off / (h * w);
   const int64_t r = off - ti * (h * w);
   const int64_t hi = r / w;
-  o.p[0] = s + temporal_index(ti, interval_of(row));
-  o.p[1] = s + hi;
-  o.p[2] = s + (r - hi * w);
-  return o;
+  p[0] = s + temporal_index(ti, interval_of(row));
+  p[1] = s + hi;
+  p[2] = s + (r - hi * w);
 }
+
+// deltas[seg] candidate of the last token of a run (text or vision) of a segment of length seg_len: the run holds
+// the maximum position reached so far in the segment.
+PC_HD int64_t mrope_delta(const int64_t p[3], int64_t seg_len) { return max3(p[0], p[1], p[2]) + 1 - seg_len; }
 
 }  // namespace packcuda::rope

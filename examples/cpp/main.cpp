@@ -89,9 +89,8 @@ int main() {
         /*text_after_max=*/false);
     const packcuda::rope::MRopeTables tb = table.tables(table.table.data(), mcu.data(), 2, IMG, /*video*/ IMG + 1);
     std::vector<int64_t> mpos(3 * T), text_pos(T), deltas(2);
-    std::vector<packcuda::rope::MRopeScan> scratch(T);
-    const int64_t key = packcuda::rope::mrope_pos_cpu(mpos.data(), text_pos.data(), deltas.data(), scratch.data(),
-                                                       ids.data(), 8, T, tb);
+    const int64_t key =
+        packcuda::rope::mrope_pos_cpu(mpos.data(), text_pos.data(), deltas.data(), ids.data(), 8, T, tb);
     // t, h, w rows: text counts up; the image block at s = 2 is (2, 2 + hi, 2 + wi); text resumes at s + 2
     const std::vector<int64_t> want_t = {0, 1, 2, 2, 2, 2, 4, 0, 1, 2};
     const std::vector<int64_t> want_h = {0, 1, 2, 2, 3, 3, 4, 0, 1, 2};

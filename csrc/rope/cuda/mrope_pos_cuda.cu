@@ -1,7 +1,15 @@
-// mRoPE position ids on the GPU: one flag kernel (run starts, output init), one cub scan of (runs per modality,
-// latest run start), one kernel over tokens (positions, run checks, per-segment maxima). Three steps whatever
-// the number of blocks; no host synchronization.
-#include <cub/device/device_scan.cuh>
+// mRoPE position ids on the GPU, three kernels whatever the number of blocks, no host synchronization:
+//   1. count:     every warp takes a tile of kTile tokens and counts the runs starting in it (per modality) and
+//                 its latest run start; for every segment starting in the tile it records the runs before the
+//                 segment start inside the tile. Also initializes deltas and the status word.
+//   2. tiles:     one block scans the tile counts (exclusive, in place) and turns the in-tile segment records into
+//                 the runs before every segment; it checks the total run counts against the blocks.
+//   3. positions: every warp rescans its tile from the tile's prefix, 32 tokens a step (ballots: run starts,
+//                 counts and the latest run start of every lane), and writes the positions (mrope_positions),
+//                 text_pos, the per-segment maxima (integer atomicMax: order-independent) and checks every run
+//                 at its last token (error keys combined with atomicMin: the earliest error wins).
+// Only ids are read per token (twice) and only the outputs are written per token: no per-token scratch.
+#include <cub/block/block_scan.cuh>
 
 #include "common/cuda_utils.cuh"
 #include "rope/mrope_pos.h"
@@ -10,95 +18,256 @@
 namespace packcuda::rope {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kWarps = 8;  // warps per block of the tile kernels
+constexpr int kThreads = 32 * kWarps;
+constexpr int kSteps = 8;  // 32-token steps per warp tile
+constexpr int64_t kTile = 32 * kSteps;
+constexpr int kScanThreads = 1024;
+constexpr unsigned kAll = 0xFFFFFFFFu;
+
+int64_t num_tiles(int64_t total) { return (total + kTile - 1) / kTile; }
+
+__device__ __forceinline__ unsigned lanes_below(int lane) { return (1u << lane) - 1u; }
+__device__ __forceinline__ unsigned lanes_upto(int lane) { return static_cast<unsigned>((2ull << lane) - 1ull); }
+__device__ __forceinline__ int64_t last_lane_token(int64_t b, unsigned mask) { return b + 31 - __clz(mask); }
+
+// The segment of the warp's current 32 tokens, the same in every lane while no segment boundary falls inside
+// the step. A step crossing a boundary looks up each lane's segment (rare: once per segment end).
+struct SegCursor {
+  int64_t seg, a, end;
+  __device__ void at(const MRopeTables& tb, int64_t t) {
+    seg = find_segment(tb.cu, tb.nseg, t);
+    a = tb.cu[seg];
+    end = tb.cu[seg + 1];
+  }
+  // Moves to token t (>= the tokens seen so far) of a step starting at b; returns whether lanes looked up.
+  __device__ bool step(const MRopeTables& tb, int64_t b, int64_t t, int64_t total) {
+    const int64_t last = b + 31 < total ? b + 31 : total - 1;
+    if (end > last) return false;  // warp-uniform: no boundary in this step
+    if (t < total) at(tb, t);
+    return true;
+  }
+  __device__ void take_lane(int src) {
+    seg = __shfl_sync(kAll, seg, src);
+    a = __shfl_sync(kAll, a, src);
+    end = __shfl_sync(kAll, end, src);
+  }
+};
+
+template <typename I>
+__device__ __forceinline__ void load_types(int (&ty)[kSteps], const I* __restrict__ ids, int64_t t0, int lane,
+                                           int64_t total, const MRopeTables& tb) {
+  I v[kSteps];
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int64_t t = t0 + k * 32 + lane;
+    v[k] = t < total ? ids[t] : I(0);
+  }
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k)
+    ty[k] = t0 + k * 32 + lane < total ? token_type(static_cast<int64_t>(v[k]), tb) : 0;
+}
+
+template <typename I>
+__device__ __forceinline__ int type_at(const I* ids, int64_t t, int64_t total, const MRopeTables& tb) {
+  return t >= 0 && t < total ? token_type(static_cast<int64_t>(ids[t]), tb) : 0;
+}
 
 template <typename I>
 __global__ void __launch_bounds__(kThreads)
-    mrope_flags_kernel(MRopeScan* scan, int64_t* deltas, int64_t* status, const I* ids, int64_t total,
+    mrope_count_kernel(MRopeScan* __restrict__ tiles, MRopeScan* __restrict__ seg_part, int64_t* deltas,
+                       int64_t* status, const I* __restrict__ ids, int64_t total, int64_t ntiles, MRopeTables tb) {
+  const int64_t gid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  for (int64_t s = gid; s < tb.nseg; s += int64_t(gridDim.x) * blockDim.x)
+    deltas[s] = tb.cu[s + 1] > tb.cu[s] ? INT64_MIN : 0;
+  if (gid == 0) *status = kMRopeOk;
+
+  const int lane = threadIdx.x & 31;
+  const int64_t w = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
+  if (w >= ntiles) return;  // warp-uniform
+  const int64_t t0 = w * kTile;
+  int ty[kSteps];
+  load_types(ty, ids, t0, lane, total, tb);
+  int prev_last = type_at(ids, t0 - 1, total, tb);
+  SegCursor cur;
+  cur.at(tb, t0);
+  int64_t n_img = 0, n_vid = 0, latest = -1;
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int64_t b = t0 + k * 32;
+    if (b >= total) break;  // warp-uniform
+    const int64_t t = b + lane;
+    SegCursor my = cur;
+    const bool moved = my.step(tb, b, t, total);
+    int prev = __shfl_up_sync(kAll, ty[k], 1);
+    if (lane == 0) prev = prev_last;
+    const bool start = t < total && mrope_is_run_start(ty[k], prev, t == my.a);
+    const unsigned bi = __ballot_sync(kAll, start && ty[k] == 1);
+    const unsigned bv = __ballot_sync(kAll, start && ty[k] == 2);
+    // runs started in the tile before each segment start (the nonempty segment whose first token is t)
+    if (t < total && t == my.a) {
+      const int64_t ci = n_img + __popc(bi & lanes_below(lane)), cv = n_vid + __popc(bv & lanes_below(lane));
+      seg_part[my.seg] = MRopeScan{ci | (cv << 32), -1};
+    }
+    n_img += __popc(bi);
+    n_vid += __popc(bv);
+    if (bi | bv) latest = last_lane_token(b, bi | bv);
+    prev_last = __shfl_sync(kAll, ty[k], 31);
+    if (moved) {
+      cur = my;
+      cur.take_lane(31);
+    }
+  }
+  if (lane == 0) tiles[w] = MRopeScan{n_img | (n_vid << 32), latest};
+}
+
+// One block: exclusive scan of the tile counts in place, then the runs before every nonempty segment.
+__global__ void __launch_bounds__(kScanThreads)
+    mrope_tiles_kernel(MRopeScan* tiles, int64_t ntiles, MRopeScan* seg_base, int64_t* status, int64_t total,
                        MRopeTables tb) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t i0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  for (int64_t t = i0; t < total; t += stride) scan[t] = mrope_scan_input(ids, t, tb);
-  for (int64_t s = i0; s < tb.nseg; s += stride) deltas[s] = tb.cu[s + 1] > tb.cu[s] ? INT64_MIN : 0;
-  if (i0 == 0) *status = kMRopeOk;
+  using Scan = cub::BlockScan<MRopeScan, kScanThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const MRopeScanOp op;
+  const int64_t per = (ntiles + kScanThreads - 1) / kScanThreads;
+  const int64_t lo0 = threadIdx.x * per;
+  const int64_t lo = lo0 < ntiles ? lo0 : ntiles;
+  const int64_t hi = lo + per < ntiles ? lo + per : ntiles;
+  MRopeScan acc{0, -1};
+  for (int64_t i = lo; i < hi; ++i) acc = op(acc, tiles[i]);
+  MRopeScan excl, all;
+  Scan(tmp).ExclusiveScan(acc, excl, MRopeScan{0, -1}, op, all);
+  for (int64_t i = lo; i < hi; ++i) {
+    const MRopeScan v = tiles[i];
+    tiles[i] = excl;
+    excl = op(excl, v);
+  }
+  __syncthreads();  // every tile prefix written (and visible to the block) before the segments read them
+  for (int64_t s = threadIdx.x; s < tb.nseg; s += kScanThreads) {
+    const int64_t a = tb.cu[s];
+    if (a < tb.cu[s + 1]) seg_base[s] = MRopeScan{tiles[a / kTile].counts + seg_base[s].counts, -1};
+  }
+  if (threadIdx.x == 0) {
+    const int64_t key = mrope_check_counts(all, tb, total);
+    if (key != kMRopeOk) atomicMin(reinterpret_cast<long long*>(status), static_cast<long long>(key));
+  }
 }
 
 template <typename I>
 __global__ void __launch_bounds__(kThreads)
     mrope_positions_kernel(int64_t* __restrict__ pos, int64_t* __restrict__ text_pos, int64_t* deltas,
-                           int64_t* status, const MRopeScan* __restrict__ scan, const I* __restrict__ ids,
-                           int64_t total, MRopeTables tb) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += stride) {
-    const MRopeToken o = mrope_token(ids, scan, tb, t, total);
-    pos[t] = o.p[0];
-    pos[total + t] = o.p[1];
-    pos[2 * total + t] = o.p[2];
-    text_pos[t] = o.local;
-    // Integer max: the result does not depend on the order of the updates.
-    if (o.run_end)
-      atomicMax(reinterpret_cast<long long*>(deltas + o.seg),
-                static_cast<long long>(max3(o.p[0], o.p[1], o.p[2]) + 1 - o.seg_len));
-    if (scan[t].start == t) {
-      const int64_t key = mrope_check_start(ids, scan, tb, t, total);
-      if (key != kMRopeOk) atomicMin(reinterpret_cast<long long*>(status), static_cast<long long>(key));
+                           int64_t* status, const MRopeScan* __restrict__ tiles,
+                           const MRopeScan* __restrict__ seg_base, const I* __restrict__ ids, int64_t total,
+                           int64_t ntiles, MRopeTables tb) {
+  const int lane = threadIdx.x & 31;
+  const int64_t w = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
+  if (w >= ntiles) return;  // warp-uniform
+  const int64_t t0 = w * kTile;
+  int ty[kSteps];
+  load_types(ty, ids, t0, lane, total, tb);
+  int prev_last = type_at(ids, t0 - 1, total, tb);
+  const int after_tile = type_at(ids, t0 + kTile, total, tb);
+  const MRopeScan prefix = tiles[w];
+  int64_t n_img = scan_count(prefix, 0), n_vid = scan_count(prefix, 1), latest = prefix.start;
+  SegCursor cur;
+  cur.at(tb, t0);
+  int64_t cur_e0 = excess_before(seg_base[cur.seg], tb);
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int64_t b = t0 + k * 32;
+    if (b >= total) break;  // warp-uniform
+    const int64_t t = b + lane;
+    SegCursor my = cur;
+    int64_t e0 = cur_e0;
+    const bool moved = my.step(tb, b, t, total);
+    if (moved && t < total) e0 = excess_before(seg_base[my.seg], tb);
+    int prev = __shfl_up_sync(kAll, ty[k], 1);
+    if (lane == 0) prev = prev_last;
+    int next = __shfl_down_sync(kAll, ty[k], 1);
+    if (k + 1 < kSteps) {
+      const int first_next = __shfl_sync(kAll, ty[k + 1 < kSteps ? k + 1 : k], 0);
+      if (lane == 31) next = first_next;
+    } else if (lane == 31) {
+      next = after_tile;
     }
-    if (t == total - 1) {
-      const int64_t key = mrope_check_counts(scan[t], tb, total);
-      if (key != kMRopeOk) atomicMin(reinterpret_cast<long long*>(status), static_cast<long long>(key));
+    const bool start = t < total && mrope_is_run_start(ty[k], prev, t == my.a);
+    const unsigned bi = __ballot_sync(kAll, start && ty[k] == 1);
+    const unsigned bv = __ballot_sync(kAll, start && ty[k] == 2);
+    if (t < total) {
+      const unsigned upto = lanes_upto(lane);
+      const int64_t ci = n_img + __popc(bi & upto), cv = n_vid + __popc(bv & upto);
+      const unsigned started = (bi | bv) & upto;
+      const MRopeScan sv{ci | (cv << 32), started ? last_lane_token(b, started) : latest};
+      int64_t p[3];
+      mrope_positions(p, ty[k], t, my.a, sv, e0, tb);
+      pos[t] = p[0];
+      pos[total + t] = p[1];
+      pos[2 * total + t] = p[2];
+      text_pos[t] = t - my.a;
+      if (t + 1 == my.end || next != ty[k]) {  // last token of its run
+        atomicMax(reinterpret_cast<long long*>(deltas + my.seg),
+                  static_cast<long long>(mrope_delta(p, my.end - my.a)));
+        if (ty[k] != 0) {
+          const int m = ty[k] - 1;
+          const int64_t key = mrope_check_run(m, sv.start, t + 1, scan_count(sv, m) - 1, my.end, total, next, tb);
+          if (key != kMRopeOk) atomicMin(reinterpret_cast<long long*>(status), static_cast<long long>(key));
+        }
+      }
+    }
+    n_img += __popc(bi);
+    n_vid += __popc(bv);
+    if (bi | bv) latest = last_lane_token(b, bi | bv);
+    prev_last = __shfl_sync(kAll, ty[k], 31);
+    if (moved) {
+      cur = my;
+      cur.take_lane(31);
+      cur_e0 = __shfl_sync(kAll, e0, 31);
     }
   }
 }
 
-// cub's temporary storage size depends only on the number of items and the device: cached per host thread for
-// the last (device, total), so repeated calls on a batch shape skip the size query.
-size_t cub_bytes(int64_t total) {
-  thread_local int last_device = -1;
-  thread_local int64_t last_total = -1;
-  thread_local size_t last_bytes = 0;
-  int device = 0;
-  PC_CUDA_CHECK(cudaGetDevice(&device));
-  if (device == last_device && total == last_total) return last_bytes;
-  size_t bytes = 0;
-  PC_CUDA_CHECK(cub::DeviceScan::InclusiveScan(nullptr, bytes, static_cast<MRopeScan*>(nullptr),
-                                               static_cast<MRopeScan*>(nullptr), MRopeScanOp{}, total));
-  last_device = device;
-  last_total = total;
-  last_bytes = bytes;
-  return bytes;
+struct Workspace {
+  MRopeScan* tiles;
+  MRopeScan* segs;
+};
+
+Workspace carve(void* workspace, int64_t total) {
+  auto* p = static_cast<MRopeScan*>(workspace);
+  return Workspace{p, p + num_tiles(total)};
 }
 
-size_t scan_bytes(int64_t total) { return (static_cast<size_t>(total) * sizeof(MRopeScan) + 255) & ~size_t(255); }
-
 template <typename I>
-void launch(int64_t* pos, int64_t* text_pos, int64_t* deltas, int64_t* status, void* workspace, size_t ws_bytes,
-            const I* ids, int64_t total, const MRopeTables& tb, cudaStream_t stream) {
-  auto* scan = static_cast<MRopeScan*>(workspace);
-  const int64_t n = total > tb.nseg ? total : tb.nseg;
-  mrope_flags_kernel<I><<<cuda::grid_for(n, kThreads), kThreads, 0, stream>>>(scan, deltas, status, ids, total, tb);
+void launch(int64_t* pos, int64_t* text_pos, int64_t* deltas, int64_t* status, void* workspace, const I* ids,
+            int64_t total, const MRopeTables& tb, cudaStream_t stream) {
+  const int64_t ntiles = num_tiles(total);
+  const Workspace ws = carve(workspace, total);
+  const int64_t tile_blocks = (ntiles + kWarps - 1) / kWarps;
+  const int count_blocks = static_cast<int>(tile_blocks > 0 ? tile_blocks : 1);
+  mrope_count_kernel<I><<<count_blocks, kThreads, 0, stream>>>(ws.tiles, ws.segs, deltas, status, ids, total, ntiles,
+                                                               tb);
   PC_CUDA_LAUNCH_CHECK();
   if (total == 0) return;
-  size_t tmp_bytes = ws_bytes - scan_bytes(total);
-  void* tmp = static_cast<char*>(workspace) + scan_bytes(total);
-  PC_CUDA_CHECK(cub::DeviceScan::InclusiveScan(tmp, tmp_bytes, scan, scan, MRopeScanOp{}, total, stream));
-  mrope_positions_kernel<I><<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(pos, text_pos, deltas, status,
-                                                                                      scan, ids, total, tb);
+  mrope_tiles_kernel<<<1, kScanThreads, 0, stream>>>(ws.tiles, ntiles, ws.segs, status, total, tb);
+  PC_CUDA_LAUNCH_CHECK();
+  mrope_positions_kernel<I><<<static_cast<int>(tile_blocks), kThreads, 0, stream>>>(
+      pos, text_pos, deltas, status, ws.tiles, ws.segs, ids, total, ntiles, tb);
   PC_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-size_t mrope_pos_cuda_workspace(int64_t total) { return scan_bytes(total) + cub_bytes(total > 0 ? total : 1); }
+size_t mrope_pos_cuda_workspace(int64_t total, int64_t nseg) {
+  return static_cast<size_t>(num_tiles(total) + nseg) * sizeof(MRopeScan);
+}
 
 void mrope_pos_cuda(int64_t* pos, int64_t* text_pos, int64_t* deltas, int64_t* status, void* workspace,
                     size_t workspace_bytes, const void* ids, int id_elem_size, int64_t total, const MRopeTables& tb,
                     cudaStream_t stream) {
+  if (workspace_bytes < mrope_pos_cuda_workspace(total, tb.nseg))
+    throw std::invalid_argument("packcuda.mrope_pos_cuda: workspace too small");
   if (id_elem_size == 4)
-    launch(pos, text_pos, deltas, status, workspace, workspace_bytes, static_cast<const int32_t*>(ids), total, tb,
-           stream);
+    launch(pos, text_pos, deltas, status, workspace, static_cast<const int32_t*>(ids), total, tb, stream);
   else
-    launch(pos, text_pos, deltas, status, workspace, workspace_bytes, static_cast<const int64_t*>(ids), total, tb,
-           stream);
+    launch(pos, text_pos, deltas, status, workspace, static_cast<const int64_t*>(ids), total, tb, stream);
 }
 
 }  // namespace packcuda::rope
