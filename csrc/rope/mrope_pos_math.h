@@ -47,6 +47,11 @@ struct MRopeTables {
   const int64_t* px[2] = {nullptr, nullptr};      // per modality: [n + 1] prefix sums of (len - advance)
   int64_t nblocks[2] = {0, 0};
   int64_t token_id[2] = {-1, -1};    // image_token_id, video_token_id
+  // Per-modality fields for a modality known only at run time: selects instead of indexing, so a kernel
+  // parameter of this type stays in parameter space (a dynamic index would copy it to local memory).
+  PC_HD const int64_t* blocks_of(int m) const { return m == 0 ? blocks[0] : blocks[1]; }
+  PC_HD const int64_t* px_of(int m) const { return m == 0 ? px[0] : px[1]; }
+  PC_HD int64_t nblocks_of(int m) const { return m == 0 ? nblocks[0] : nblocks[1]; }
 };
 
 // Error key: the smallest key over all errors is the one reported (the earliest in the stream).
@@ -119,8 +124,8 @@ PC_HD bool mrope_is_run_start(int ty, int prev_ty, bool segment_start) {
 // with the key of its first token: kMRopeOk or the run's error key.
 PC_HD int64_t mrope_check_run(int m, int64_t b0, int64_t r, int64_t k, int64_t end, int64_t total, int next_ty,
                               const MRopeTables& tb) {
-  if (k >= tb.nblocks[m]) return mrope_error_key(b0, kExtraRun, m, k);
-  const int64_t e = b0 + tb.blocks[m][k * kBlockCols + kLen];
+  if (k >= tb.nblocks_of(m)) return mrope_error_key(b0, kExtraRun, m, k);
+  const int64_t e = b0 + tb.blocks_of(m)[k * kBlockCols + kLen];
   if (r == e) return kMRopeOk;
   // The run reaches the end of its segment, the block needs more, and the next segment goes on with the same
   // token type: the block was cut by the segment boundary.
@@ -131,7 +136,7 @@ PC_HD int64_t mrope_check_run(int m, int64_t b0, int64_t r, int64_t k, int64_t e
 // Fewer runs than blocks: checked once with the scan of the last token.
 PC_HD int64_t mrope_check_counts(const MRopeScan& last, const MRopeTables& tb, int64_t total) {
   for (int m = 0; m < 2; ++m)
-    if (scan_count(last, m) < tb.nblocks[m]) return mrope_error_key(total, kMissingRun, m, scan_count(last, m));
+    if (scan_count(last, m) < tb.nblocks_of(m)) return mrope_error_key(total, kMissingRun, m, scan_count(last, m));
   return kMRopeOk;
 }
 
@@ -140,17 +145,17 @@ PC_HD int64_t mrope_check_counts(const MRopeScan& last, const MRopeTables& tb, i
 // Counts beyond the block table (bad input) are clamped: the positions stay in range.
 PC_HD void mrope_positions(int64_t p[3], int ty, int64_t t, int64_t a, const MRopeScan& sv, int64_t e0,
                            const MRopeTables& tb) {
-  if (ty == 0 || tb.nblocks[ty - 1] == 0 || sv.start < a) {
+  if (ty == 0 || tb.nblocks_of(ty - 1) == 0 || sv.start < a) {
     const int64_t cur = (t - a) - (excess_before(sv, tb) - e0);
     p[0] = p[1] = p[2] = cur;
     return;
   }
   const int m = ty - 1;
-  const int64_t k = clamp_i64(scan_count(sv, m) - 1, 0, tb.nblocks[m] - 1);
+  const int64_t k = clamp_i64(scan_count(sv, m) - 1, 0, tb.nblocks_of(m) - 1);
   const int64_t b0 = sv.start;
-  const int64_t eb = tb.px[m][k] + tb.px[1 - m][clamp_i64(scan_count(sv, 1 - m), 0, tb.nblocks[1 - m])];
+  const int64_t eb = tb.px_of(m)[k] + tb.px_of(1 - m)[clamp_i64(scan_count(sv, 1 - m), 0, tb.nblocks_of(1 - m))];
   const int64_t s = (b0 - a) - (eb - e0);
-  const int64_t* row = tb.blocks[m] + k * kBlockCols;
+  const int64_t* row = tb.blocks_of(m) + k * kBlockCols;
   const int64_t h = row[kH], w = row[kW];
   const int64_t off = t - b0;
   const int64_t ti = off / (h * w);

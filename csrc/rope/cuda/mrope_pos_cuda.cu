@@ -9,8 +9,6 @@
 //                 text_pos, the per-segment maxima (integer atomicMax: order-independent) and checks every run
 //                 at its last token (error keys combined with atomicMin: the earliest error wins).
 // Only ids are read per token (twice) and only the outputs are written per token: no per-token scratch.
-#include <cub/block/block_scan.cuh>
-
 #include "common/cuda_utils.cuh"
 #include "rope/mrope_pos.h"
 #include "rope/mrope_pos_math.h"
@@ -121,21 +119,44 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) tiles[w] = MRopeScan{n_img | (n_vid << 32), latest};
 }
 
-// One block: exclusive scan of the tile counts in place, then the runs before every nonempty segment.
+// Inclusive scan of (counts, latest start) over the lanes of a warp.
+__device__ __forceinline__ MRopeScan warp_scan(MRopeScan v, int lane) {
+  const MRopeScanOp op;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const MRopeScan u{__shfl_up_sync(kAll, v.counts, d), __shfl_up_sync(kAll, v.start, d)};
+    if (lane >= d) v = op(u, v);
+  }
+  return v;
+}
+
+// One block: exclusive scan of the tile counts in place (each thread a run of consecutive tiles), then the runs
+// before every nonempty segment; the total run counts are checked against the blocks.
 __global__ void __launch_bounds__(kScanThreads)
     mrope_tiles_kernel(MRopeScan* tiles, int64_t ntiles, MRopeScan* seg_base, int64_t* status, int64_t total,
                        MRopeTables tb) {
-  using Scan = cub::BlockScan<MRopeScan, kScanThreads>;
-  __shared__ typename Scan::TempStorage tmp;
+  __shared__ MRopeScan warp_sums[kScanThreads / 32];
   const MRopeScanOp op;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int64_t per = (ntiles + kScanThreads - 1) / kScanThreads;
   const int64_t lo0 = threadIdx.x * per;
   const int64_t lo = lo0 < ntiles ? lo0 : ntiles;
   const int64_t hi = lo + per < ntiles ? lo + per : ntiles;
   MRopeScan acc{0, -1};
   for (int64_t i = lo; i < hi; ++i) acc = op(acc, tiles[i]);
-  MRopeScan excl, all;
-  Scan(tmp).ExclusiveScan(acc, excl, MRopeScan{0, -1}, op, all);
+  const MRopeScan incl = warp_scan(acc, lane);
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const MRopeScan w = warp_scan(lane < kScanThreads / 32 ? warp_sums[lane] : MRopeScan{0, -1}, lane);
+    __syncwarp();
+    if (lane < kScanThreads / 32) warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  // exclusive prefix of this thread's first tile: earlier warps, then earlier lanes of this warp
+  MRopeScan excl = warp > 0 ? warp_sums[warp - 1] : MRopeScan{0, -1};
+  MRopeScan lanes_before{__shfl_up_sync(kAll, incl.counts, 1), __shfl_up_sync(kAll, incl.start, 1)};
+  if (lane > 0) excl = op(excl, lanes_before);
   for (int64_t i = lo; i < hi; ++i) {
     const MRopeScan v = tiles[i];
     tiles[i] = excl;
@@ -147,7 +168,7 @@ __global__ void __launch_bounds__(kScanThreads)
     if (a < tb.cu[s + 1]) seg_base[s] = MRopeScan{tiles[a / kTile].counts + seg_base[s].counts, -1};
   }
   if (threadIdx.x == 0) {
-    const int64_t key = mrope_check_counts(all, tb, total);
+    const int64_t key = mrope_check_counts(warp_sums[kScanThreads / 32 - 1], tb, total);
     if (key != kMRopeOk) atomicMin(reinterpret_cast<long long*>(status), static_cast<long long>(key));
   }
 }
