@@ -49,6 +49,20 @@ struct MRopeTableLayout {
   }
 };
 
+// Division of non-negative values by the spatial merge size: a shift when it is a power of two (it is 2 in every
+// Qwen-VL model; the host divides every grid row several times, and a 64-bit division costs tens of cycles).
+struct MergeDiv {
+  int64_t d = 1;
+  int shift = 0;  // -1: not a power of two
+  explicit MergeDiv(int64_t merge) : d(merge) {
+    shift = -1;
+    for (int s = 0; s < 62; ++s)
+      if ((int64_t(1) << s) == merge) shift = s;
+  }
+  int64_t div(int64_t x) const { return shift >= 0 ? x >> shift : x / d; }
+  bool divides(int64_t x) const { return shift >= 0 ? (x & (d - 1)) == 0 : x % d == 0; }
+};
+
 // The layout for n_images image rows and the video rows (per_frame: a video row [t, h, w] is t blocks).
 MRopeTableLayout mrope_table_layout(int64_t head, int64_t n_images, const MRopeGrid* videos, int64_t n_videos,
                                     bool per_frame);
@@ -80,10 +94,11 @@ int64_t mrope_pos_cpu(int64_t* pos, int64_t* text_pos, int64_t* deltas, const vo
 // 256 tokens and per segment; no per-token scratch).
 size_t mrope_pos_cuda_workspace(int64_t total, int64_t nseg);
 // CUDA: writes the outputs and status[0] (the error key) without synchronizing. With an error the outputs
-// hold unspecified (but in-range) values. Three kernels: run counts per tile, one block scanning the tile
-// counts, positions + checks per token.
+// hold unspecified (but in-range) values. Two kernels (see mrope_pos_cuda.cu). `counter` is a device int64 that
+// holds 0 when the kernels start (e.g. an extra entry of the uploaded block table, so it costs no memset); the
+// kernels use it to find the last block of the first kernel and leave it nonzero.
 void mrope_pos_cuda(int64_t* pos, int64_t* text_pos, int64_t* deltas, int64_t* status, void* workspace,
-                    size_t workspace_bytes, const void* ids, int id_elem_size, int64_t total, const MRopeTables& tb,
-                    cudaStream_t stream);
+                    size_t workspace_bytes, int64_t* counter, const void* ids, int id_elem_size, int64_t total,
+                    const MRopeTables& tb, cudaStream_t stream);
 
 }  // namespace packcuda::rope

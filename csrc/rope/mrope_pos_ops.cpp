@@ -46,11 +46,12 @@ int64_t read_grid(const char* name, const Tensor& g, int64_t merge, std::vector<
     read_rows<int32_t>(g, n, out);
   else
     read_rows<int64_t>(g, n, out);
+  const rope::MergeDiv md(merge);
   for (int64_t i = 0; i < n; ++i) {
     const Grid& r = out[first + i];
     PC_ARG(r.t >= 1 && r.h >= 1 && r.w >= 1, kOp, name, "[", i, "] = [", r.t, ", ", r.h, ", ", r.w,
            "] must be positive");
-    PC_ARG(r.h % merge == 0 && r.w % merge == 0, kOp, name, "[", i, "] = [", r.t, ", ", r.h, ", ", r.w,
+    PC_ARG(md.divides(r.h) && md.divides(r.w), kOp, name, "[", i, "] = [", r.t, ", ", r.h, ", ", r.w,
            "]: h and w must be divisible by spatial_merge_size ", merge);
   }
   return n;
@@ -179,18 +180,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
   if (input_ids.is_cuda()) {
     PC_CUDA_ONLY({
       CudaScope cs(input_ids);
-      Tensor staging = empty_pinned({L.size()}, ST::Long);
-      fill(staging.mutable_data_ptr<int64_t>());
-      Tensor table = empty_on(input_ids, {L.size()}, ST::Long);
+      // [table][arrival counter = 0]: the kernels' counter travels with the table (no memset).
+      Tensor staging = empty_pinned({L.size() + 1}, ST::Long);
+      int64_t* host = staging.mutable_data_ptr<int64_t>();
+      fill(host);
+      host[L.size()] = 0;
+      Tensor table = empty_on(input_ids, {L.size() + 1}, ST::Long);
       copy_async(table, staging);  // the one host-to-device copy (non-blocking; no sync)
-      const int64_t* tp = table.const_data_ptr<int64_t>();
+      int64_t* tp = table.mutable_data_ptr<int64_t>();
       const rope::MRopeTables tb =
           L.tables(tp, cu_in_table ? tp : seg.ptr(), seg.count, image_token_id, video_token_id);
       const size_t ws = rope::mrope_pos_cuda_workspace(total, seg.count);
       Tensor work = empty_on(input_ids, {static_cast<int64_t>(ws)}, ST::Byte);
       rope::mrope_pos_cuda(pos.mutable_data_ptr<int64_t>(), text_pos.mutable_data_ptr<int64_t>(),
                            deltas.mutable_data_ptr<int64_t>(), status.mutable_data_ptr<int64_t>(),
-                           work.mutable_data_ptr(), ws, input_ids.const_data_ptr(), esz, total, tb, cs.stream);
+                           work.mutable_data_ptr(), ws, tp + L.size(), input_ids.const_data_ptr(), esz, total, tb,
+                           cs.stream);
     });
   } else {
     std::vector<int64_t> table(static_cast<size_t>(L.size()));

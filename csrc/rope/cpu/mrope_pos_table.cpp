@@ -21,17 +21,17 @@ MRopeTableLayout mrope_table_layout(int64_t head, int64_t n_images, const MRopeG
 void fill_mrope_block_table(int64_t* out, const MRopeTableLayout& L, const MRopeGrid* images,
                             const MRopeGrid* videos, int64_t n_videos, const float* secs, int64_t merge,
                             const double* tokens_per_second, bool per_frame, bool text_after_max) {
-  const int64_t mm = merge * merge;
+  const MergeDiv md(merge);
   for (int m = 0; m < 2; ++m) {
     int64_t* row = out + L.offset_blocks(m);
     int64_t* px = out + L.offset_px(m);
     int64_t acc = 0;
     *px++ = 0;
     auto add = [&](int64_t t, int64_t h, int64_t w, float interval) {
-      const int64_t hm = h / merge, wm = w / merge;
+      const int64_t hm = md.div(h), wm = md.div(w);
       uint32_t bits;
       std::memcpy(&bits, &interval, sizeof(bits));
-      row[kLen] = t * h * w / mm;
+      row[kLen] = t * hm * wm;  // = t*h*w / merge**2 (h and w are multiples of merge)
       row[kT] = t;
       row[kH] = hm;
       row[kW] = wm;

@@ -1,14 +1,16 @@
-// mRoPE position ids on the GPU, three kernels whatever the number of blocks, no host synchronization:
+// mRoPE position ids on the GPU, two kernels whatever the number of blocks, no host synchronization:
 //   1. count:     every warp takes a tile of kTile tokens and counts the runs starting in it (per modality) and
 //                 its latest run start; for every segment starting in the tile it records the runs before the
-//                 segment start inside the tile. Also initializes deltas and the status word.
-//   2. tiles:     one block scans the tile counts (exclusive, in place) and turns the in-tile segment records into
-//                 the runs before every segment; it checks the total run counts against the blocks.
-//   3. positions: every warp rescans its tile from the tile's prefix, 32 tokens a step (ballots: run starts,
+//                 segment start inside the tile. Also initializes deltas and the status word. The last block to
+//                 finish (a counter the host uploads as 0 with the block table) scans the tile counts (exclusive,
+//                 in place), turns the segment records into the runs before every segment and checks the total
+//                 run counts against the blocks.
+//   2. positions: every warp rescans its tile from the tile's prefix, 32 tokens a step (ballots: run starts,
 //                 counts and the latest run start of every lane), and writes the positions (mrope_positions),
 //                 text_pos, the per-segment maxima (integer atomicMax: order-independent) and checks every run
 //                 at its last token (error keys combined with atomicMin: the earliest error wins).
-// Only ids are read per token (twice) and only the outputs are written per token: no per-token scratch.
+// Only ids are read per token (twice) and only the outputs are written per token: no per-token scratch. Every
+// result is independent of the order in which blocks run.
 #include "common/cuda_utils.cuh"
 #include "rope/mrope_pos.h"
 #include "rope/mrope_pos_math.h"
@@ -20,7 +22,6 @@ constexpr int kWarps = 8;  // warps per block of the tile kernels
 constexpr int kThreads = 32 * kWarps;
 constexpr int kSteps = 8;  // 32-token steps per warp tile
 constexpr int64_t kTile = 32 * kSteps;
-constexpr int kScanThreads = 1024;
 constexpr unsigned kAll = 0xFFFFFFFFu;
 
 int64_t num_tiles(int64_t total) { return (total + kTile - 1) / kTile; }
@@ -71,54 +72,6 @@ __device__ __forceinline__ int type_at(const I* ids, int64_t t, int64_t total, c
   return t >= 0 && t < total ? token_type(static_cast<int64_t>(ids[t]), tb) : 0;
 }
 
-template <typename I>
-__global__ void __launch_bounds__(kThreads)
-    mrope_count_kernel(MRopeScan* __restrict__ tiles, MRopeScan* __restrict__ seg_part, int64_t* deltas,
-                       int64_t* status, const I* __restrict__ ids, int64_t total, int64_t ntiles, MRopeTables tb) {
-  const int64_t gid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  for (int64_t s = gid; s < tb.nseg; s += int64_t(gridDim.x) * blockDim.x)
-    deltas[s] = tb.cu[s + 1] > tb.cu[s] ? INT64_MIN : 0;
-  if (gid == 0) *status = kMRopeOk;
-
-  const int lane = threadIdx.x & 31;
-  const int64_t w = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
-  if (w >= ntiles) return;  // warp-uniform
-  const int64_t t0 = w * kTile;
-  int ty[kSteps];
-  load_types(ty, ids, t0, lane, total, tb);
-  int prev_last = type_at(ids, t0 - 1, total, tb);
-  SegCursor cur;
-  cur.at(tb, t0);
-  int64_t n_img = 0, n_vid = 0, latest = -1;
-#pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
-    const int64_t b = t0 + k * 32;
-    if (b >= total) break;  // warp-uniform
-    const int64_t t = b + lane;
-    SegCursor my = cur;
-    const bool moved = my.step(tb, b, t, total);
-    int prev = __shfl_up_sync(kAll, ty[k], 1);
-    if (lane == 0) prev = prev_last;
-    const bool start = t < total && mrope_is_run_start(ty[k], prev, t == my.a);
-    const unsigned bi = __ballot_sync(kAll, start && ty[k] == 1);
-    const unsigned bv = __ballot_sync(kAll, start && ty[k] == 2);
-    // runs started in the tile before each segment start (the nonempty segment whose first token is t)
-    if (t < total && t == my.a) {
-      const int64_t ci = n_img + __popc(bi & lanes_below(lane)), cv = n_vid + __popc(bv & lanes_below(lane));
-      seg_part[my.seg] = MRopeScan{ci | (cv << 32), -1};
-    }
-    n_img += __popc(bi);
-    n_vid += __popc(bv);
-    if (bi | bv) latest = last_lane_token(b, bi | bv);
-    prev_last = __shfl_sync(kAll, ty[k], 31);
-    if (moved) {
-      cur = my;
-      cur.take_lane(31);
-    }
-  }
-  if (lane == 0) tiles[w] = MRopeScan{n_img | (n_vid << 32), latest};
-}
-
 // Inclusive scan of (counts, latest start) over the lanes of a warp.
 __device__ __forceinline__ MRopeScan warp_scan(MRopeScan v, int lane) {
   const MRopeScanOp op;
@@ -130,47 +83,121 @@ __device__ __forceinline__ MRopeScan warp_scan(MRopeScan v, int lane) {
   return v;
 }
 
-// One block: exclusive scan of the tile counts in place (each thread a run of consecutive tiles), then the runs
-// before every nonempty segment; the total run counts are checked against the blocks.
-__global__ void __launch_bounds__(kScanThreads)
-    mrope_tiles_kernel(MRopeScan* tiles, int64_t ntiles, MRopeScan* seg_base, int64_t* status, int64_t total,
-                       MRopeTables tb) {
-  __shared__ MRopeScan warp_sums[kScanThreads / 32];
+// One block (kThreads): exclusive scan of the tile counts in place, each thread a run of consecutive tiles read
+// kGroup at a time (independent loads in flight), then the runs before every nonempty segment; checks the total
+// run counts against the blocks. Reads bypass L1: other blocks wrote the data.
+constexpr int kGroup = 8;
+__device__ void scan_tiles(MRopeScan* tiles, int64_t ntiles, MRopeScan* seg_base, int64_t* status, int64_t total,
+                           const MRopeTables& tb) {
+  __shared__ MRopeScan warp_sums[kWarps];
   const MRopeScanOp op;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const int64_t per = (ntiles + kScanThreads - 1) / kScanThreads;
+  const int64_t per = (ntiles + kThreads - 1) / kThreads;
   const int64_t lo0 = threadIdx.x * per;
   const int64_t lo = lo0 < ntiles ? lo0 : ntiles;
   const int64_t hi = lo + per < ntiles ? lo + per : ntiles;
   MRopeScan acc{0, -1};
-  for (int64_t i = lo; i < hi; ++i) acc = op(acc, tiles[i]);
+  for (int64_t g = lo; g < hi; g += kGroup) {
+    MRopeScan v[kGroup];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      v[j] = MRopeScan{0, -1};
+      if (g + j < hi) {
+        v[j].counts = __ldcg(&tiles[g + j].counts);
+        v[j].start = __ldcg(&tiles[g + j].start);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) acc = op(acc, v[j]);
+  }
   const MRopeScan incl = warp_scan(acc, lane);
   if (lane == 31) warp_sums[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    const MRopeScan w = warp_scan(lane < kScanThreads / 32 ? warp_sums[lane] : MRopeScan{0, -1}, lane);
+    const MRopeScan w = warp_scan(lane < kWarps ? warp_sums[lane] : MRopeScan{0, -1}, lane);
     __syncwarp();
-    if (lane < kScanThreads / 32) warp_sums[lane] = w;  // inclusive over warps
+    if (lane < kWarps) warp_sums[lane] = w;  // inclusive over warps
   }
   __syncthreads();
   // exclusive prefix of this thread's first tile: earlier warps, then earlier lanes of this warp
   MRopeScan excl = warp > 0 ? warp_sums[warp - 1] : MRopeScan{0, -1};
-  MRopeScan lanes_before{__shfl_up_sync(kAll, incl.counts, 1), __shfl_up_sync(kAll, incl.start, 1)};
+  const MRopeScan lanes_before{__shfl_up_sync(kAll, incl.counts, 1), __shfl_up_sync(kAll, incl.start, 1)};
   if (lane > 0) excl = op(excl, lanes_before);
   for (int64_t i = lo; i < hi; ++i) {
-    const MRopeScan v = tiles[i];
+    const MRopeScan v{__ldcg(&tiles[i].counts), __ldcg(&tiles[i].start)};
     tiles[i] = excl;
     excl = op(excl, v);
   }
   __syncthreads();  // every tile prefix written (and visible to the block) before the segments read them
-  for (int64_t s = threadIdx.x; s < tb.nseg; s += kScanThreads) {
+  for (int64_t s = threadIdx.x; s < tb.nseg; s += kThreads) {
     const int64_t a = tb.cu[s];
-    if (a < tb.cu[s + 1]) seg_base[s] = MRopeScan{tiles[a / kTile].counts + seg_base[s].counts, -1};
+    if (a < tb.cu[s + 1])
+      seg_base[s] = MRopeScan{__ldcg(&tiles[a / kTile].counts) + __ldcg(&seg_base[s].counts), -1};
   }
   if (threadIdx.x == 0) {
-    const int64_t key = mrope_check_counts(warp_sums[kScanThreads / 32 - 1], tb, total);
+    const int64_t key = mrope_check_counts(warp_sums[kWarps - 1], tb, total);
     if (key != kMRopeOk) atomicMin(reinterpret_cast<long long*>(status), static_cast<long long>(key));
   }
+}
+
+template <typename I>
+__global__ void __launch_bounds__(kThreads)
+    mrope_count_kernel(MRopeScan* tiles, MRopeScan* seg_part, int64_t* deltas, int64_t* status,
+                       unsigned long long* done, const I* __restrict__ ids, int64_t total, int64_t ntiles,
+                       MRopeTables tb) {
+  const int64_t gid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  for (int64_t s = gid; s < tb.nseg; s += int64_t(gridDim.x) * blockDim.x)
+    deltas[s] = tb.cu[s + 1] > tb.cu[s] ? INT64_MIN : 0;
+  if (gid == 0) *status = kMRopeOk;
+
+  const int lane = threadIdx.x & 31;
+  const int64_t w = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
+  if (w < ntiles) {  // warp-uniform
+    const int64_t t0 = w * kTile;
+    int ty[kSteps];
+    load_types(ty, ids, t0, lane, total, tb);
+    int prev_last = type_at(ids, t0 - 1, total, tb);
+    SegCursor cur;
+    cur.at(tb, t0);
+    int64_t n_img = 0, n_vid = 0, latest = -1;
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      const int64_t b = t0 + k * 32;
+      if (b >= total) break;  // warp-uniform
+      const int64_t t = b + lane;
+      SegCursor my = cur;
+      const bool moved = my.step(tb, b, t, total);
+      int prev = __shfl_up_sync(kAll, ty[k], 1);
+      if (lane == 0) prev = prev_last;
+      const bool start = t < total && mrope_is_run_start(ty[k], prev, t == my.a);
+      const unsigned bi = __ballot_sync(kAll, start && ty[k] == 1);
+      const unsigned bv = __ballot_sync(kAll, start && ty[k] == 2);
+      // runs started in the tile before each segment start (the nonempty segment whose first token is t)
+      if (t < total && t == my.a) {
+        const int64_t ci = n_img + __popc(bi & lanes_below(lane)), cv = n_vid + __popc(bv & lanes_below(lane));
+        seg_part[my.seg] = MRopeScan{ci | (cv << 32), -1};
+      }
+      n_img += __popc(bi);
+      n_vid += __popc(bv);
+      if (bi | bv) latest = last_lane_token(b, bi | bv);
+      prev_last = __shfl_sync(kAll, ty[k], 31);
+      if (moved) {
+        cur = my;
+        cur.take_lane(31);
+      }
+    }
+    if (lane == 0) tiles[w] = MRopeScan{n_img | (n_vid << 32), latest};
+  }
+
+  // The last block to get here scans the tiles: every other block's writes are fenced before its arrival.
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(done, 1ull) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;  // block-uniform
+  __threadfence();
+  scan_tiles(tiles, ntiles, seg_part, status, total, tb);
 }
 
 template <typename I>
@@ -246,31 +273,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-struct Workspace {
-  MRopeScan* tiles;
-  MRopeScan* segs;
-};
-
-Workspace carve(void* workspace, int64_t total) {
-  auto* p = static_cast<MRopeScan*>(workspace);
-  return Workspace{p, p + num_tiles(total)};
-}
-
 template <typename I>
-void launch(int64_t* pos, int64_t* text_pos, int64_t* deltas, int64_t* status, void* workspace, const I* ids,
-            int64_t total, const MRopeTables& tb, cudaStream_t stream) {
+void launch(int64_t* pos, int64_t* text_pos, int64_t* deltas, int64_t* status, void* workspace,
+            unsigned long long* done, const I* ids, int64_t total, const MRopeTables& tb, cudaStream_t stream) {
   const int64_t ntiles = num_tiles(total);
-  const Workspace ws = carve(workspace, total);
+  auto* tiles = static_cast<MRopeScan*>(workspace);
+  MRopeScan* segs = tiles + ntiles;
   const int64_t tile_blocks = (ntiles + kWarps - 1) / kWarps;
-  const int count_blocks = static_cast<int>(tile_blocks > 0 ? tile_blocks : 1);
-  mrope_count_kernel<I><<<count_blocks, kThreads, 0, stream>>>(ws.tiles, ws.segs, deltas, status, ids, total, ntiles,
-                                                               tb);
+  mrope_count_kernel<I><<<static_cast<int>(tile_blocks > 0 ? tile_blocks : 1), kThreads, 0, stream>>>(
+      tiles, segs, deltas, status, done, ids, total, ntiles, tb);
   PC_CUDA_LAUNCH_CHECK();
   if (total == 0) return;
-  mrope_tiles_kernel<<<1, kScanThreads, 0, stream>>>(ws.tiles, ntiles, ws.segs, status, total, tb);
-  PC_CUDA_LAUNCH_CHECK();
-  mrope_positions_kernel<I><<<static_cast<int>(tile_blocks), kThreads, 0, stream>>>(
-      pos, text_pos, deltas, status, ws.tiles, ws.segs, ids, total, ntiles, tb);
+  mrope_positions_kernel<I><<<static_cast<int>(tile_blocks), kThreads, 0, stream>>>(pos, text_pos, deltas, status,
+                                                                                     tiles, segs, ids, total,
+                                                                                     ntiles, tb);
   PC_CUDA_LAUNCH_CHECK();
 }
 
@@ -281,14 +297,15 @@ size_t mrope_pos_cuda_workspace(int64_t total, int64_t nseg) {
 }
 
 void mrope_pos_cuda(int64_t* pos, int64_t* text_pos, int64_t* deltas, int64_t* status, void* workspace,
-                    size_t workspace_bytes, const void* ids, int id_elem_size, int64_t total, const MRopeTables& tb,
-                    cudaStream_t stream) {
+                    size_t workspace_bytes, int64_t* counter, const void* ids, int id_elem_size, int64_t total,
+                    const MRopeTables& tb, cudaStream_t stream) {
   if (workspace_bytes < mrope_pos_cuda_workspace(total, tb.nseg))
     throw std::invalid_argument("packcuda.mrope_pos_cuda: workspace too small");
+  auto* done = reinterpret_cast<unsigned long long*>(counter);
   if (id_elem_size == 4)
-    launch(pos, text_pos, deltas, status, workspace, static_cast<const int32_t*>(ids), total, tb, stream);
+    launch(pos, text_pos, deltas, status, workspace, done, static_cast<const int32_t*>(ids), total, tb, stream);
   else
-    launch(pos, text_pos, deltas, status, workspace, static_cast<const int64_t*>(ids), total, tb, stream);
+    launch(pos, text_pos, deltas, status, workspace, done, static_cast<const int64_t*>(ids), total, tb, stream);
 }
 
 }  // namespace packcuda::rope
