@@ -50,6 +50,7 @@ def _mrope_position_ids_fake(input_ids, cu_seqlens, image_grid_thw, video_grid_t
 # Host metadata arrives as Python lists in most trainers; torch.tensor on a nested list costs ~0.5 us per element,
 # so lists take a fast path (one C-level pass into an array buffer, wrapped without a copy) and fall back to the
 # general conversion, with its messages, on anything unusual.
+_OP = ops.mrope_position_ids.default
 _EMPTY_GRID = torch.empty(0, 3, dtype=torch.int64)
 _EMPTY_SECS = torch.empty(0, dtype=torch.float32)
 
@@ -67,7 +68,7 @@ def _ints_fast(values) -> Optional[torch.Tensor]:
 
 def _cu(cu_seqlens) -> torch.Tensor:
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.device.type != "cpu" or (cu_seqlens.dim() == 1 and cu_seqlens.dtype in (torch.int32, torch.int64)):
+        if not cu_seqlens.is_cpu or (cu_seqlens.dim() == 1 and cu_seqlens.dtype in (torch.int32, torch.int64)):
             return cu_seqlens  # the op checks it (device tensors: dtype/shape; host: every value)
     fast = _ints_fast(cu_seqlens)
     return fast if fast is not None else op_metadata(cu_seqlens)
@@ -82,20 +83,19 @@ def _grid(g: GridLike, name: str) -> torch.Tensor:
             raise TypeError(f"packcuda.mrope_position_ids: {name} must be an integer tensor, got {g.dtype}")
         if not g.numel():
             return _EMPTY_GRID
-        if g.device.type != "cpu":
+        if not g.is_cpu:
             g = g.detach().to("cpu", torch.int64)
         return g if g.dim() == 2 and g.shape[1] == 3 else g.reshape(-1, 3)
     if type(g) in (list, tuple) and g and not torch.compiler.is_compiling():
         try:
-            if set(map(len, g)) == {3}:
-                flat = []
-                extend = flat.extend
-                for r in g:
-                    extend(r)
-                packed = bytearray(struct.pack(f"{len(flat)}q", *flat))
-                return torch.frombuffer(packed, dtype=torch.int64).view(-1, 3)
-        except (TypeError, OverflowError, struct.error):
-            pass  # rows that are not sized sequences of ints: the general path below
+            # Columns at C level: zip(strict=True) insists on rows of one length (unpacking: three of them) and
+            # struct on ints; the [n, 3] view reads the column-major buffer through its strides.
+            t, h, w = zip(*g, strict=True)
+            n = len(t)
+            packed = bytearray(struct.pack(f"{3 * n}q", *t, *h, *w))
+            return torch.frombuffer(packed, dtype=torch.int64).as_strided((n, 3), (1, n))
+        except (TypeError, ValueError, OverflowError, struct.error):
+            pass  # rows that are not triples of ints: the general path below
     rows = [list(r) for r in g]
     if not rows:
         return _EMPTY_GRID
@@ -110,7 +110,7 @@ def _seconds(s) -> torch.Tensor:
     if s is None:
         return _EMPTY_SECS
     if isinstance(s, torch.Tensor):
-        if s.device.type == "cpu" and s.dtype == torch.float32 and s.dim() == 1:
+        if s.is_cpu and s.dtype == torch.float32 and s.dim() == 1:
             return s
         return s.detach().to("cpu", torch.float32).reshape(-1)
     if type(s) in (list, tuple) and s and set(map(type, s)) <= {int, float} and not torch.compiler.is_compiling():
@@ -185,8 +185,8 @@ def mrope_position_ids(
     tps = None if tokens_per_second is None else float(tokens_per_second)
     args = (igrid, vgrid, secs, int(image_token_id), int(video_token_id), int(spatial_merge_size), tps,
             video_frames == "per_frame", text_after_vision == "max")
-    pos, text_pos, deltas, status = ops.mrope_position_ids.default(input_ids, meta, *args)
-    if validate and input_ids.device.type != "cpu":
+    pos, text_pos, deltas, status = _OP(input_ids, meta, *args)
+    if validate and not input_ids.is_cpu:
         key = int(status.item())  # the one documented sync
         if key != _OK:
             cu_host = meta.cpu() if is_device_tensor(meta) else meta
