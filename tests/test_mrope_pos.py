@@ -471,3 +471,119 @@ def test_shard_positions_for_context_parallel(device, layout):
         assert torch.equal(local.cpu(), want)
         seen[index[index >= 0]] += 1
     assert torch.equal(seen, torch.ones_like(seen))  # every token on exactly one rank
+
+
+# ---------------------------------------------------------------------------------------------- tiles
+def _tile_pack(rng, *, per_frame=False, merge=2):
+    """Segments of very different lengths around the 256-token tiles and 32-token steps the CUDA kernels scan:
+    empty and one-token segments, long text runs, blocks longer than a tile, blocks at segment starts and ends
+    (also a block ending one segment and a block of the same type starting the next: two runs)."""
+    p = Pack()
+    for _ in range(rng.randint(50, 80)):
+        kind = rng.random()
+        seg_ids, imgs, vids, secs = [], [], [], []
+        if kind < 0.1:
+            pass  # empty segment
+        elif kind < 0.25:
+            seg_ids = [rng.randrange(800) for _ in range(rng.choice([1, 2, 31, 32, 33, rng.randint(1, 300)]))]
+        else:
+            for j in range(rng.randint(1, 5)):
+                if j > 0 or rng.random() < 0.6:  # same-type blocks need text between them
+                    seg_ids += [rng.randrange(800) for _ in range(rng.randint(1, 90))]
+                if rng.random() < 0.5:
+                    g = [1, merge * rng.randint(1, 20), merge * rng.randint(1, 20)]
+                    imgs.append(g)
+                    seg_ids += [IMG] * (g[1] * g[2] // merge**2)
+                    continue
+                g = [rng.randint(1, 6), merge * rng.randint(1, 12), merge * rng.randint(1, 12)]
+                vids.append(g)
+                secs.append(rng.choice([0.5, 1.0 / 3.0, 1.0, 2.0]))
+                frame = g[1] * g[2] // merge**2
+                if per_frame:
+                    for f in range(g[0]):
+                        seg_ids += ([rng.randrange(800)] if f else []) + [VID] * frame
+                else:
+                    seg_ids += [VID] * (g[0] * frame)
+            if rng.random() < 0.5:
+                seg_ids += [rng.randrange(800) for _ in range(rng.randint(1, 40))]
+        p.ids += seg_ids
+        p.cu.append(len(p.ids))
+        p.images += imgs
+        p.videos += vids
+        p.secs += secs
+    return p
+
+
+@pytest.mark.parametrize("per_frame", [False, True])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_tile_boundaries_match_reference(device, per_frame, dtype):
+    for seed, rule in [(0, "grid"), (1, "max")]:
+        p = _tile_pack(random.Random(seed + 10 * per_frame), per_frame=per_frame)
+        want = reference(p, per_frame=per_frame, tps=2, rule=rule)
+        got = packcuda.mrope_position_ids(
+            torch.tensor(p.ids, dtype=dtype, device=device), p.cu, image_grid_thw=p.images,
+            video_grid_thw=p.videos, second_per_grid_ts=None if per_frame else p.secs, image_token_id=IMG,
+            video_token_id=VID, tokens_per_second=2, video_frames="per_frame" if per_frame else "whole",
+            text_after_vision=rule)
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w)
+
+
+def test_many_extra_runs_raise(device):
+    ids = [IMG, 1] * 1500  # 1500 one-token runs, one grid row
+    with pytest.raises(ValueError, match=r"more image blocks than image_grid_thw describes \(1\): a run of image "
+                                         r"tokens starts at token 2 \(segment 0\)"):
+        _call(ids, [0, len(ids)], device, image_grid_thw=[[1, 2, 2]])
+
+
+def _error_token(msg, total):
+    import re
+
+    m = re.search(r"start(?:ing|s) at token (\d+)", msg)
+    return int(m.group(1)) if m else total  # fewer runs than blocks: reported at the end of the stream
+
+
+@requires_cuda
+def test_cuda_status_is_the_earliest_error():
+    """The CUDA kernels report the same error (by its first token) as the CPU check, without a sync."""
+    rng = random.Random(5)
+    cases = [(ids, cu, kw) for ids, cu, kw, _ in BAD_RUNS]
+    for _ in range(30):
+        p = _tile_pack(rng)
+        ids, cu, images = list(p.ids), list(p.cu), list(p.images)
+        kind = rng.randrange(3)
+        if kind == 0:  # drop a token
+            i = rng.randrange(len(ids))
+            del ids[i]
+            cu = [c - (c > i) for c in cu]
+        elif kind == 1:  # a stray vision token
+            ids[rng.randrange(len(ids))] = rng.choice([IMG, VID])
+        elif images:  # one grid row short
+            images.pop(rng.randrange(len(images)))
+        cases.append((ids, cu, dict(image_grid_thw=images, video_grid_thw=p.videos, second_per_grid_ts=p.secs,
+                                    tokens_per_second=2)))
+    n_bad = 0
+    for ids, cu, kw in cases:
+        args = dict(image_token_id=IMG, video_token_id=VID, spatial_merge_size=2)
+        args.update(kw)
+        try:
+            _call(ids, cu, "cpu", **kw)
+            cpu_token = None
+        except ValueError as e:
+            cpu_token = _error_token(str(e), len(ids))
+        frames = args.pop("video_frames", "whole") == "per_frame"
+        tps = args.pop("tokens_per_second", None)
+        secs = args.pop("second_per_grid_ts", None)
+        op_args = (torch.tensor(ids, dtype=torch.int64, device="cuda"), torch.tensor(cu),
+                   torch.tensor(args.pop("image_grid_thw", []), dtype=torch.int64).reshape(-1, 3),
+                   torch.tensor(args.pop("video_grid_thw", []), dtype=torch.int64).reshape(-1, 3),
+                   torch.tensor(secs or [], dtype=torch.float32), IMG, VID, 2, tps, frames, False)
+        with no_sync():
+            status = torch.ops.packcuda.mrope_position_ids(*op_args)[3]
+        key = int(status.item())
+        if cpu_token is None:
+            assert key == (1 << 63) - 1
+        else:
+            n_bad += 1
+            assert key != (1 << 63) - 1 and key >> 24 == cpu_token
+    assert n_bad >= len(BAD_RUNS) + 10
