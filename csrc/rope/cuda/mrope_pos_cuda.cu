@@ -123,10 +123,17 @@ __device__ void scan_tiles(MRopeScan* tiles, int64_t ntiles, MRopeScan* seg_base
   MRopeScan excl = warp > 0 ? warp_sums[warp - 1] : MRopeScan{0, -1};
   const MRopeScan lanes_before{__shfl_up_sync(kAll, incl.counts, 1), __shfl_up_sync(kAll, incl.start, 1)};
   if (lane > 0) excl = op(excl, lanes_before);
-  for (int64_t i = lo; i < hi; ++i) {
-    const MRopeScan v{__ldcg(&tiles[i].counts), __ldcg(&tiles[i].start)};
-    tiles[i] = excl;
-    excl = op(excl, v);
+  for (int64_t g = lo; g < hi; g += kGroup) {
+    MRopeScan v[kGroup];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j)
+      if (g + j < hi) v[j] = MRopeScan{__ldcg(&tiles[g + j].counts), __ldcg(&tiles[g + j].start)};
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j)
+      if (g + j < hi) {
+        tiles[g + j] = excl;
+        excl = op(excl, v[j]);
+      }
   }
   __syncthreads();  // every tile prefix written (and visible to the block) before the segments read them
   for (int64_t s = threadIdx.x; s < tb.nseg; s += kThreads) {
