@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "shard/shard.h"
@@ -62,6 +63,18 @@ void plan_index_cpu(int64_t* index, int64_t* position, int64_t* label_index, int
     position[s] = src.position;
     label_index[s] = src.label_row;
   }
+}
+
+void plan_tables_cpu(const PlanTables& p) {
+  for (int64_t s = 0; s < p.total_local; ++s) {
+    const SlotSource src = local_slot_source(p.cu, p.nseq, p.pieces, p.piece_offset, p.piece_seq, p.npieces, s);
+    p.index[s] = src.row;
+    p.position[s] = src.position;
+    p.label_index[s] = src.label_row;
+  }
+  for (int64_t k = 0; k < p.npieces; ++k) p.piece_offset_wide[k] = p.piece_offset[k];
+  for (int c = 0; c < PlanTables::kCopies; ++c)
+    if (p.copy_n[c] > 0) std::memcpy(p.copy_dst[c], p.copy_src[c], p.copy_n[c] * sizeof(int32_t));
 }
 
 void unshard_index_cpu(int64_t* out, int64_t total, const int64_t* cu, int64_t nseq, const int64_t* cu_padded,
