@@ -11,6 +11,7 @@ HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t ran
                         int64_t bucket) {
   HostLayout h;
   h.total = cu[nseq];
+  h.cu_padded.reserve(nseq + 2);
   h.cu_padded.resize(nseq + 1);
   h.cu_padded[0] = 0;
   for (int64_t i = 0; i < nseq; ++i) {
@@ -29,6 +30,10 @@ HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t ran
   const int64_t nseg = static_cast<int64_t>(h.cu_padded.size()) - 1;
   h.total_local = h.total_padded / cp;
   h.cu_local.resize(nseg + 1);
+  const int64_t max_pieces = layout == kZigzag ? 2 * nseg : nseg;
+  h.pieces.reserve(max_pieces + 1);
+  h.piece_offset.reserve(max_pieces);
+  h.piece_seq.reserve(max_pieces);
   h.pieces.push_back(0);
   if (layout == kZigzag) {
     for (int64_t i = 0; i <= nseg; ++i) h.cu_local[i] = h.cu_padded[i] / cp;
