@@ -13,7 +13,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kItemsPerBlock = 4096;   // target (token, head, chunk) items per block
-constexpr int kMaxTokensPerBlock = 128;
+constexpr int kMaxTokensPerBlock = 32;
 constexpr int kSmemBudget = 32 * 1024;
 
 template <typename T> struct Cvt;
@@ -56,18 +56,9 @@ struct KParams {
   bool pass_vec;        // passthrough chunks are vectors of VE elements (else single elements)
 };
 
-// 16-byte stores may bypass L2 retention (streaming: nothing re-reads the output in this kernel).
-template <typename V, int ALIGN, bool CS>
-__device__ __forceinline__ void store_vec(V* p, const V& v) {
-  if constexpr (CS && ALIGN == 16 && sizeof(V) == 16) __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
-  else *p = v;
-}
-
-// One item = (local token, head over q then k, chunk). Loads for U items are issued before any store; with PF the
-// first batch of loads is issued before the cos/sin phase, so the block has memory traffic in flight while it
-// computes its angles.
-template <typename T, int VE, int ALIGN, bool GPTJ, int U, int MINB, bool PF, bool CS, int CPR = 0>
-__global__ void __launch_bounds__(kThreads, MINB) rope_kernel(const KParams p) {
+// One item = (local token, head over q then k, chunk). Loads for U items are issued before any store.
+template <typename T, int VE, int ALIGN, bool GPTJ>
+__global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
   using V = Vec<T, VE, ALIGN>;
   using F = typename Cvt<T>::F;  // compute type
   const RopeArgs& a = p.a;
@@ -79,7 +70,7 @@ __global__ void __launch_bounds__(kThreads, MINB) rope_kernel(const KParams p) {
   const int ntok = static_cast<int>(min(static_cast<int64_t>(p.tok_per_block), a.tokens - t0));
   const int n = static_cast<int>(p.n);
 
-  // 1. the tile's token base offsets
+  // 1. the tile's token base offsets, then cos/sin of every (token, slot) of the tile.
   for (int tl = threadIdx.x; tl < ntok; tl += kThreads) {
     const int64_t t = t0 + tl;
     base[tl] = TokenBase{token_offset(t, a.seq, a.q.in_sb, a.q.in_ss), token_offset(t, a.seq, a.q.out_sb, a.q.out_ss),
@@ -87,44 +78,6 @@ __global__ void __launch_bounds__(kThreads, MINB) rope_kernel(const KParams p) {
                          token_offset(t, a.seq, a.pos_sb, a.pos_ss)};
   }
   __syncthreads();
-
-  const int H = static_cast<int>(a.q.heads + a.k.heads);
-  const int hq = static_cast<int>(a.q.heads);
-  // No __restrict__: in place, q.in == q.out. Every element is read and then written by one thread only.
-  const T* qin = static_cast<const T*>(a.q.in);
-  const T* kin = static_cast<const T*>(a.k.in);
-  T* qout = static_cast<T*>(a.q.out);
-  T* kout = static_cast<T*>(a.k.out);
-  const int cpr = CPR > 0 ? CPR : p.chunks_rot;
-  const int items = ntok * H * cpr;
-
-  V lo[U], hi[U];
-  T* dst[U];
-  int slot0[U], tl_[U];
-  bool ok[U];
-  auto load_items = [&](int b0) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int it = b0 + u * kThreads;
-      ok[u] = it < items;
-      if (!ok[u]) continue;
-      const int c = it % cpr;
-      const int rest = it / cpr;
-      const int h = rest % H;
-      const int tl = rest / H;
-      tl_[u] = tl;
-      const bool isq = h < hq;
-      const int hh = isq ? h : h - hq;
-      const T* src = isq ? qin + base[tl].q_in + hh * a.q.in_sh : kin + base[tl].k_in + hh * a.k.in_sh;
-      dst[u] = isq ? qout + base[tl].q_out + hh * a.q.out_sh : kout + base[tl].k_out + hh * a.k.out_sh;
-      slot0[u] = GPTJ ? c * (VE / 2) : c * VE;
-      lo[u] = *reinterpret_cast<const V*>(src + c * VE);
-      if (!GPTJ) hi[u] = *reinterpret_cast<const V*>(src + n + c * VE);
-    }
-  };
-  if (PF) load_items(threadIdx.x);
-
-  // 2. cos/sin of every (token, slot) of the tile
   for (int i = threadIdx.x; i < ntok * n; i += kThreads) {
     const int tl = i / n, j = i - tl * n;
     const int r = slot_axis(j, a.layout, a.section[0], a.section[1], a.section[2]);
@@ -138,9 +91,47 @@ __global__ void __launch_bounds__(kThreads, MINB) rope_kernel(const KParams p) {
   }
   __syncthreads();
 
-  // 3. rotary chunks
+  const int H = static_cast<int>(a.q.heads + a.k.heads);
+  const int hq = static_cast<int>(a.q.heads);
+  // No __restrict__: in place, q.in == q.out. Every element is read and then written by one thread only.
+  const T* qin = static_cast<const T*>(a.q.in);
+  const T* kin = static_cast<const T*>(a.k.in);
+  T* qout = static_cast<T*>(a.q.out);
+  T* kout = static_cast<T*>(a.k.out);
+
+  // 2. rotary chunks
+  constexpr int U = 2;
+  const int cpr = p.chunks_rot;
+  const int items = ntok * H * cpr;
   for (int b0 = threadIdx.x; b0 < items; b0 += U * kThreads) {
-    if (!PF || b0 != static_cast<int>(threadIdx.x)) load_items(b0);
+    V lo[U], hi[U];
+    const T* src[U];
+    T* dst[U];
+    int slot0[U], tl_[U];
+    bool ok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int it = b0 + u * kThreads;
+      ok[u] = it < items;
+      if (!ok[u]) continue;
+      const int c = it % cpr;
+      const int rest = it / cpr;
+      const int h = rest % H;
+      const int tl = rest / H;
+      tl_[u] = tl;
+      const bool isq = h < hq;
+      const int hh = isq ? h : h - hq;
+      src[u] = isq ? qin + base[tl].q_in + hh * a.q.in_sh : kin + base[tl].k_in + hh * a.k.in_sh;
+      dst[u] = isq ? qout + base[tl].q_out + hh * a.q.out_sh : kout + base[tl].k_out + hh * a.k.out_sh;
+      if (GPTJ) {
+        slot0[u] = c * (VE / 2);
+        lo[u] = *reinterpret_cast<const V*>(src[u] + c * VE);
+      } else {
+        slot0[u] = c * VE;
+        lo[u] = *reinterpret_cast<const V*>(src[u] + c * VE);
+        hi[u] = *reinterpret_cast<const V*>(src[u] + n + c * VE);
+      }
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (!ok[u]) continue;
@@ -155,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, MINB) rope_kernel(const KParams p) {
           y.v[2 * m] = Cvt<T>::store(o0);
           y.v[2 * m + 1] = Cvt<T>::store(o1);
         }
-        store_vec<V, ALIGN, CS>(reinterpret_cast<V*>(dst[u] + (slot0[u] * 2)), y);
+        *reinterpret_cast<V*>(dst[u] + (slot0[u] * 2)) = y;
       } else {
         V ylo, yhi;
 #pragma unroll
@@ -165,8 +156,8 @@ __global__ void __launch_bounds__(kThreads, MINB) rope_kernel(const KParams p) {
           ylo.v[m] = Cvt<T>::store(o0);
           yhi.v[m] = Cvt<T>::store(o1);
         }
-        store_vec<V, ALIGN, CS>(reinterpret_cast<V*>(dst[u] + slot0[u]), ylo);
-        store_vec<V, ALIGN, CS>(reinterpret_cast<V*>(dst[u] + n + slot0[u]), yhi);
+        *reinterpret_cast<V*>(dst[u] + slot0[u]) = ylo;
+        *reinterpret_cast<V*>(dst[u] + n + slot0[u]) = yhi;
       }
     }
   }
@@ -221,9 +212,8 @@ bool strides_ok(const HeadsView& v, int64_t ve) {
          v.out_ss % ve == 0 && v.out_sh % ve == 0;
 }
 
-template <typename T, int VE, int ALIGN, bool GPTJ, int U = 2, int MINB = 4, bool PF = false, bool CS = false,
-          int CPR = 0>
-void launch(const RopeArgs& a, cudaStream_t stream, int64_t items_per_block = kItemsPerBlock) {
+template <typename T, int VE, int ALIGN, bool GPTJ>
+void launch(const RopeArgs& a, cudaStream_t stream) {
   KParams p;
   p.a = a;
   p.n = a.rotary_dim / 2;
@@ -233,7 +223,7 @@ void launch(const RopeArgs& a, cudaStream_t stream, int64_t items_per_block = kI
   p.chunks_pass = static_cast<int>(p.pass_vec ? npass / VE : npass);
   const int64_t H = a.q.heads + a.k.heads;
   const int64_t per_tok = H * (p.chunks_rot + p.chunks_pass);
-  int64_t tok = (items_per_block + per_tok - 1) / (per_tok > 0 ? per_tok : 1);
+  int64_t tok = (kItemsPerBlock + per_tok - 1) / (per_tok > 0 ? per_tok : 1);
   using F = typename Cvt<T>::F;
   const int64_t smem_tok = kSmemBudget / (p.n * static_cast<int64_t>(2 * sizeof(F)));
   if (tok > smem_tok) tok = smem_tok;
@@ -241,7 +231,7 @@ void launch(const RopeArgs& a, cudaStream_t stream, int64_t items_per_block = kI
   if (tok < 1) tok = 1;
   p.tok_per_block = static_cast<int>(tok);
   const size_t smem = static_cast<size_t>(tok) * p.n * 2 * sizeof(F);
-  auto kern = rope_kernel<T, VE, ALIGN, GPTJ, U, MINB, PF, CS, CPR>;
+  auto kern = rope_kernel<T, VE, ALIGN, GPTJ>;
   if (smem > 48 * 1024)
     PC_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = (a.tokens + tok - 1) / tok;
