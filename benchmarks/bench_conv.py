@@ -161,17 +161,38 @@ def run_exchange(quick=False) -> list[dict]:
         for be, ms in res.items():
             rows.append(dict(op=f"conv_prefix ({be})", shape=shape, packcuda_ms=ms,
                              baseline="bare batch_isend_irecv, same bytes", baseline_ms=base, speedup=base / ms))
-        if layout == "contiguous":
-            try:
-                from fla.ops.cp.comm import conv_cp_send_recv_fwd  # noqa: F401
+        # FLA: its conv-prefix exchange as a layer runs it (build the CP context once, then per call
+        # `_prepare_initial_state_for_cp`: exchange + the [N, C, K] initial state), and its bare exchange
+        # (`conv_cp_send_recv_fwd`: all-gather of every rank's tail). FLA's zigzag splits the whole pack into
+        # 2*cp parts (not each sequence), so its zigzag row moves different rows than ours.
+        try:
+            from fla.modules.causal_conv1d.cp import CausalConv1dFunctionCP
+            from fla.ops.cp import build_cp_context
+            from fla.ops.cp.comm import conv_cp_send_recv_fwd
 
+            Tg = -(-cu[-1] // (2 * world)) * (2 * world)
+            cu_t = torch.tensor(cu[:-1] + [Tg], dtype=torch.int32, device=dev)
+            fctx = build_cp_context(cu_t, dist.group.WORLD, conv1d_kernel_size=K, cu_seqlens_cpu=cu_t.cpu(),
+                                    layout=layout)
+            xl = torch.randn(1, Tg // world, C, device=dev, dtype=dtype)
+            wt = torch.randn(C, K, device=dev, dtype=dtype)
+            prep = CausalConv1dFunctionCP._prepare_initial_state_for_cp
+            prep(xl, wt, fctx.cu_seqlens, fctx, dist.group.WORLD)
+            dist.barrier()
+            ms = t.median_ms(lambda: prep(xl, wt, fctx.cu_seqlens, fctx, dist.group.WORLD))
+            rows.append(dict(op="conv_prefix", shape=shape, packcuda_ms=best,
+                             baseline=f"FLA prefix-state preparation ({layout} split of the pack)", baseline_ms=ms,
+                             speedup=ms / best))
+            if layout == "contiguous":
                 tails = x[-(K - 1):].contiguous()
                 conv_cp_send_recv_fwd(tails, dist.group.WORLD)
+                dist.barrier()
                 ms = t.median_ms(lambda: conv_cp_send_recv_fwd(tails, dist.group.WORLD))
                 rows.append(dict(op="conv_prefix", shape=shape, packcuda_ms=best,
-                                 baseline="FLA conv_cp_send_recv_fwd", baseline_ms=ms, speedup=ms / best))
-            except Exception as e:
-                notes.append(f"FLA conv-prefix comparison skipped ({type(e).__name__}: {e}).")
+                                 baseline="FLA conv_cp_send_recv_fwd (bare all-gather of tails)", baseline_ms=ms,
+                                 speedup=ms / best))
+        except Exception as e:
+            notes.append(f"FLA conv-prefix comparison skipped ({type(e).__name__}: {e}).")
     return rows, notes
 
 

@@ -8,6 +8,13 @@ int64 ids on the device. Baselines, measured in the same run:
   - the copy floor: a device copy of the same bytes as each shard (read + write).
 Host cu_seqlens go in; packcuda needs no device sync.
 
+Two kinds of rows for the ops on a built plan:
+  - eager: CUDA events around each call. These ops are host-bound (a few microseconds of kernel), so an
+    eager row is the op's host time per call; the copy floor row is likewise the host time of a copy_.
+  - device time (CUDA only): 20 back-to-back calls captured into one CUDA graph (plan built before the
+    capture, warm-up on a side stream), replays timed with events, divided by 20; the copy floor is timed the
+    same way, so the ratio is kernel against kernel. Inputs stay in L2 across replays for both sides.
+
     python -m benchmarks.bench_shard [--quick] [--device cuda]
 """
 from __future__ import annotations
@@ -16,7 +23,7 @@ import random
 
 import torch
 
-from benchmarks.harness import Timer, copy_floor_ms, record
+from benchmarks.harness import Timer, copy_floor_ms, graph_copy_floor_ms, graph_ms, record
 
 import packcuda
 
@@ -109,16 +116,26 @@ def run(quick: bool = False, device=None) -> list[dict]:
              baseline="vectorized torch (searchsorted, 1 sync)", baseline_ms=ms_vec, speedup=ms_vec / ms_ours),
     ]
     # shard alone (plan built) vs a copy of the same bytes
-    for name, x, fn in [
+    cases = [
         ("shard input_ids [T] int64", ids, lambda: plan.shard(ids)),
         ("labels [T] int64", ids, lambda: plan.labels(ids)),
         ("shard positions [3,T] int64 (dim=1)", pos3, lambda: plan.shard(pos3, dim=1)),
-    ]:
+    ]
+    for name, x, fn in cases:
         nbytes = plan.total_local * x.element_size() * (x.numel() // T)
         ms = t.median_ms(fn)
         floor = copy_floor_ms(t, nbytes, nbytes)
         rows.append(dict(op=name, shape=shape, packcuda_ms=ms, baseline="copy floor (same bytes)",
                          baseline_ms=floor, speedup=floor / ms, pct_copy_bw=100 * floor / ms))
+    if dev.type == "cuda":  # kernel against kernel: CUDA-graph replays (host overhead drops out)
+        calls = 20
+        for name, x, fn in cases:
+            nbytes = plan.total_local * x.element_size() * (x.numel() // T)
+            ms = graph_ms(t, fn, calls)
+            floor = graph_copy_floor_ms(t, nbytes, calls)
+            rows.append(dict(op=f"{name} (device time, CUDA graph)", shape=shape, packcuda_ms=ms,
+                             baseline="copy floor (same bytes, CUDA graph)", baseline_ms=floor, speedup=floor / ms,
+                             pct_copy_bw=100 * floor / ms))
     return rows
 
 
@@ -133,5 +150,7 @@ if __name__ == "__main__":
     dev = args.device or ("cuda" if torch.cuda.is_available() and packcuda.built_with_cuda() else "cpu")
     record("shard plans (zigzag, cp=8, rank 3)" if not args.quick else "shard plans (quick)", rows, device=dev,
            notes="speedup = baseline_ms / packcuda_ms; for the copy-floor rows it is the fraction of copy speed. "
-                 "packcuda builds the plan from host cu_seqlens without a device sync.",
+                 "packcuda builds the plan from host cu_seqlens without a device sync. Eager rows are host-bound "
+                 "(host time per call); '(device time, CUDA graph)' rows are kernel time: 20 calls per graph "
+                 "replay, divided by 20, against a copy_ of the same bytes timed the same way.",
            write=not args.quick)

@@ -148,3 +148,31 @@ def cli(run, title: str, notes: str = "") -> None:
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
     record(title, run(a.quick, a.device), device=a.device, write=not a.no_write, notes=notes)
+
+
+def graph_ms(timer: Timer, fn: Callable[[], object], calls: int = 20) -> float:
+    """Device time of one call of ``fn`` (CUDA only): ``calls`` back-to-back calls captured into one CUDA graph
+    (after a warm-up on a side stream), replays timed with CUDA events, divided by ``calls``. Host overhead
+    drops out, so this is kernel time (plus the launch gaps inside the graph). ``fn`` must be capturable: no
+    host syncs, no host-to-device copies of new host data."""
+    if timer.device.type != "cuda":
+        raise ValueError("graph_ms needs a CUDA device")
+    side = torch.cuda.Stream(timer.device)
+    side.wait_stream(torch.cuda.current_stream(timer.device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(timer.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fn() for _ in range(calls)]
+    ms = timer.median_ms(graph.replay) / calls
+    del outs, graph
+    return ms
+
+
+def graph_copy_floor_ms(timer: Timer, nbytes: int, calls: int = 20) -> float:
+    """:func:`graph_ms` of a plain device copy of ``nbytes`` bytes (read + write), the kernel-time floor."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=timer.device).random_(0, 255)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=timer.device)
+    return graph_ms(timer, lambda: dst.copy_(src), calls)

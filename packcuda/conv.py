@@ -8,6 +8,8 @@ equals the unsharded conv on this rank's slots, values and gradients.
 """
 from __future__ import annotations
 
+import os
+
 from typing import Optional
 
 import torch
@@ -225,22 +227,13 @@ def _exchange(src, send_index, send_counts, recv_counts, unpack_index, group, ra
 
 class _ConvPrefix(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_local, sched, group, backend):
-        send_index, unpack, bwd_send_index, bwd_unpack = sched.on(x_local.device)
-        out = _exchange(x_local.contiguous(), send_index, sched.send_counts, sched.recv_counts, unpack, group,
-                        sched.rank, backend)
-        ctx.sched, ctx.group, ctx.backend = sched, group, backend
-        return out.view(sched.n_pieces, sched.kernel_size - 1, x_local.shape[1])
+    def forward(ctx, x_local, call):
+        ctx.call = call
+        return call.forward(x_local)
 
     @staticmethod
     def backward(ctx, grad):
-        sched = ctx.sched
-        _, _, bwd_send_index, bwd_unpack = sched.on(grad.device)
-        g = grad.reshape(sched.n_pieces * (sched.kernel_size - 1), grad.shape[-1]).contiguous()
-        # every rank runs the mirror exchange, even when it has nothing to send or receive
-        dx = _exchange(g, bwd_send_index, sched.recv_counts, sched.send_counts, bwd_unpack, ctx.group, sched.rank,
-                       ctx.backend)
-        return dx, None, None, None
+        return ctx.call.backward(grad), None
 
 
 def _check_plans(sched, x_local, group):
@@ -287,34 +280,85 @@ def conv_prefix(
     fingerprint first and raise ``ValueError`` on a mismatch instead of hanging — costs one all_gather and one
     host sync per call. Syncs otherwise: none on the nccl path (the schedule is cached on the plan).
     """
-    import os
+    K = int(kernel_size)
+    if not isinstance(x_local, torch.Tensor) or x_local.dim() != 2 or x_local.shape[0] != plan.total_local:
+        raise ValueError(f"packcuda.conv_prefix: x_local must be [T_local, C] with T_local = {plan.total_local}, "
+                         f"got {tuple(getattr(x_local, 'shape', ()))}")
+    if check is None:
+        check = os.environ.get("PACKCUDA_CONV_CHECK", "0") not in ("", "0")
+    # Everything that depends only on (plan, K, group, device, backend) is resolved once and cached on the plan:
+    # group size/rank checks, backend choice, communicator, schedule and its device tensors. The per-call host
+    # work is then a dict lookup, the shape check above and one op call.
+    cache = plan.__dict__.setdefault("_conv_prefix_calls", {})
+    key = (K, group, x_local.device, backend)
+    call = cache.get(key)
+    if call is None:
+        call = cache[key] = _prepare_call(x_local, plan, K, group, backend)
+    sched = call.sched
+    if check:
+        _check_plans(sched, x_local, group)
+    if torch.is_grad_enabled() and x_local.requires_grad:
+        return _ConvPrefix.apply(x_local, call)
+    return call.forward(x_local)
 
+
+class _PreparedCall:
+    """The resolved exchange of one (plan, kernel size, group, device, backend)."""
+
+    def __init__(self, sched, group, backend, device):
+        self.sched, self.group, self.backend = sched, group, backend
+        self.send_index, self.unpack, self.bwd_send_index, self.bwd_unpack = sched.on(device)
+        self.send_counts, self.recv_counts = list(sched.send_counts), list(sched.recv_counts)
+        self.comm = _nccl_comm(group, device) if backend == "nccl" else 0
+        self.shape_tail = (sched.n_pieces, sched.kernel_size - 1)
+
+    def _run(self, src, send_index, send_counts, recv_counts, unpack):
+        if self.backend == "nccl":
+            return _exchange_nccl(src, send_index, send_counts, recv_counts, unpack, self.comm, self.sched.rank)
+        return _exchange(src, send_index, send_counts, recv_counts, unpack, self.group, self.sched.rank, "torch")
+
+    def forward(self, x_local):
+        out = self._run(x_local.contiguous(), self.send_index, self.send_counts, self.recv_counts, self.unpack)
+        return out.view(*self.shape_tail, x_local.shape[1])
+
+    def backward(self, grad):
+        g = grad.reshape(self.shape_tail[0] * self.shape_tail[1], grad.shape[-1]).contiguous()
+        # every rank runs the mirror exchange, even when it has nothing to send or receive
+        return self._run(g, self.bwd_send_index, self.recv_counts, self.send_counts, self.bwd_unpack)
+
+
+def _exchange_nccl(src, send_index, send_counts, recv_counts, unpack, comm, rank):
+    return ops.conv_exchange_nccl.default(src, send_index, send_counts, recv_counts, unpack, comm, rank)
+
+
+_NCCL_BUILT: Optional[bool] = None
+
+
+def _nccl_built() -> bool:
+    global _NCCL_BUILT
+    if _NCCL_BUILT is None:
+        _NCCL_BUILT = bool(ops.conv_nccl_available())
+    return _NCCL_BUILT
+
+
+def _prepare_call(x_local, plan, K, group, backend) -> _PreparedCall:
     import torch.distributed as dist
 
-    K = int(kernel_size)
     if not 1 <= K <= 8:
-        raise ValueError(f"packcuda.conv_prefix: kernel_size must be in [1, 8], got {kernel_size}")
-    if x_local.dim() != 2 or x_local.shape[0] != plan.total_local:
-        raise ValueError(f"packcuda.conv_prefix: x_local must be [T_local, C] with T_local = {plan.total_local}, "
-                         f"got {tuple(x_local.shape)}")
+        raise ValueError(f"packcuda.conv_prefix: kernel_size must be in [1, 8], got {K}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != plan.cp_size or rank != plan.cp_rank:
         raise ValueError(f"packcuda.conv_prefix: plan is for rank {plan.cp_rank} of {plan.cp_size} but this process "
                          f"is rank {rank} of {world} in the group")
     if backend not in ("auto", "nccl", "torch"):
         raise ValueError(f"packcuda.conv_prefix: backend must be 'auto', 'nccl' or 'torch', got {backend!r}")
-    nccl_ok = x_local.is_cuda and _group_backend(group) == "nccl" and bool(ops.conv_nccl_available())
+    nccl_ok = x_local.is_cuda and _group_backend(group) == "nccl" and _nccl_built()
     if backend == "auto":
         backend = "nccl" if nccl_ok else "torch"
     elif backend == "nccl" and not nccl_ok:
         raise ValueError("packcuda.conv_prefix: backend='nccl' needs a CUDA x_local, an NCCL group and a build "
                          "with NCCL")
-    sched = conv_prefix_schedule(plan, K)
-    if check is None:
-        check = os.environ.get("PACKCUDA_CONV_CHECK", "0") not in ("", "0")
-    if check:
-        _check_plans(sched, x_local, group)
-    return _ConvPrefix.apply(x_local, sched, group, backend)
+    return _PreparedCall(conv_prefix_schedule(plan, K), group, backend, x_local.device)
 
 
 __all__ += ["conv_prefix", "conv_prefix_schedule", "ConvPrefixSchedule"]

@@ -24,14 +24,19 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernels
 # ---------------------------------------------------------------------------------------------------
+def _resized(src, dim, n):
+    d = dim % src.dim()
+    return (*src.shape[:d], n, *src.shape[d + 1:])
+
+
 @torch.library.register_fake("packcuda::gather_rows")
-def _gather_rows_fake(src, index, fill=0.0):
-    return src.new_empty((index.shape[0], *src.shape[1:]))
+def _gather_rows_fake(src, index, fill=0.0, dim=0):
+    return src.new_empty(_resized(src, dim, index.shape[0]))
 
 
 @torch.library.register_fake("packcuda::scatter_rows")
-def _scatter_rows_fake(src, index, num_rows):
-    return src.new_empty((num_rows, *src.shape[1:]))
+def _scatter_rows_fake(src, index, num_rows, dim=0):
+    return src.new_empty(_resized(src, dim, num_rows))
 
 
 @torch.library.register_fake("packcuda::segment_positions")
@@ -58,24 +63,26 @@ def _mask_indices_fake(attention_mask, cu_seqlens, total):
 # autograd: a row gather with unique indices and a row scatter are each other's transpose
 # ---------------------------------------------------------------------------------------------------
 def _gather_setup(ctx, inputs, output):
-    src, index, _ = inputs
+    src, index, _, dim = inputs
     ctx.save_for_backward(index)
-    ctx.n_src = src.shape[0]
+    ctx.dim = dim
+    ctx.n_src = src.shape[dim]
 
 
 def _gather_backward(ctx, grad):
     (index,) = ctx.saved_tensors
-    return ops.scatter_rows(grad, index, ctx.n_src), None, None
+    return ops.scatter_rows(grad, index, ctx.n_src, ctx.dim), None, None, None
 
 
 def _scatter_setup(ctx, inputs, output):
-    _, index, _ = inputs
+    _, index, _, dim = inputs
     ctx.save_for_backward(index)
+    ctx.dim = dim
 
 
 def _scatter_backward(ctx, grad):
     (index,) = ctx.saved_tensors
-    return ops.gather_rows(grad, index, 0.0), None, None
+    return ops.gather_rows(grad, index, 0.0, ctx.dim), None, None, None
 
 
 torch.library.register_autograd("packcuda::gather_rows", _gather_backward, setup_context=_gather_setup)
@@ -85,39 +92,44 @@ torch.library.register_autograd("packcuda::scatter_rows", _scatter_backward, set
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
-def _needs_autograd(t: torch.Tensor) -> bool:
-    return torch.compiler.is_compiling() or (t.requires_grad and torch.is_grad_enabled())
+_is_compiling = torch.compiler.is_compiling
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_gather_op = ops.gather_rows.default
+_scatter_op = ops.scatter_rows.default
 
 
-def _gather(src: torch.Tensor, index: torch.Tensor, fill: float) -> torch.Tensor:
+def _gather(src: torch.Tensor, index: torch.Tensor, fill: float, dim: int = 0) -> torch.Tensor:
     """The row gather used by every facade. Without a gradient to track (and outside torch.compile) it calls
     the kernel below autograd: the Python autograd kernel that register_autograd installs costs more host time
     per call than the gather itself on small tensors. Same kernel, same result."""
-    if _needs_autograd(src):
-        return ops.gather_rows(src, index, fill)
-    with torch._C._AutoDispatchBelowAutograd():
-        return ops.gather_rows.default(src, index, fill)
+    if (src.requires_grad and torch.is_grad_enabled()) or _is_compiling():
+        return ops.gather_rows(src, index, fill, dim)
+    with _below_autograd():
+        return _gather_op(src, index, fill, dim)
 
 
-def _scatter(src: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+def _scatter(src: torch.Tensor, index: torch.Tensor, num_rows: int, dim: int = 0) -> torch.Tensor:
     """Row scatter with the same fast path as :func:`_gather`."""
-    if _needs_autograd(src):
-        return ops.scatter_rows(src, index, num_rows)
-    with torch._C._AutoDispatchBelowAutograd():
-        return ops.scatter_rows.default(src, index, num_rows)
+    if (src.requires_grad and torch.is_grad_enabled()) or _is_compiling():
+        return ops.scatter_rows(src, index, num_rows, dim)
+    with _below_autograd():
+        return _scatter_op(src, index, num_rows, dim)
 
 
-def gather_rows(src: torch.Tensor, index: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+def gather_rows(src: torch.Tensor, index: torch.Tensor, fill: float = 0.0, dim: int = 0) -> torch.Tensor:
     """``out[i] = src[index[i]]`` for ``index[i] >= 0``, else a row of ``fill``. Rows are whole slices along
-    dim 0 of any dtype and trailing shape, moved with 16-byte vector loads where alignment allows.
+    ``dim`` (default 0) of any dtype and trailing shape, moved with 16-byte vector loads where alignment allows;
+    for ``dim > 0`` every slice of the leading dims is gathered in the same launch (``src`` of shape
+    ``[A, T, ...]`` gives ``[A, len(index), ...]``; leading dims that collapse to one stride need no copy).
     Differentiable in ``src`` when the non-negative indices are unique (the backward is a row scatter)."""
-    return _gather(src, index, float(fill))
+    return _gather(src, index, float(fill), int(dim))
 
 
-def scatter_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``out = zeros(num_rows, ...)``, ``out[index[i]] = src[i]`` for ``index[i] >= 0``. Indices must be
-    unique (checked on CPU), which keeps the result deterministic. Differentiable in ``src``."""
-    return _scatter(src, index, int(num_rows))
+def scatter_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int, dim: int = 0) -> torch.Tensor:
+    """``out = zeros(num_rows, ...)``, ``out[index[i]] = src[i]`` for ``index[i] >= 0`` (rows along ``dim``,
+    default 0). Indices must be unique (checked on CPU), which keeps the result deterministic. Differentiable
+    in ``src``."""
+    return _scatter(src, index, int(num_rows), int(dim))
 
 
 def unpad(

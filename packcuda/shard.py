@@ -17,13 +17,13 @@ from 0) so that the padded total is a multiple of ``bucket``; it is present only
 """
 from __future__ import annotations
 
-import array
+import struct
 from typing import List, Optional, Union
 
 import torch
 
 from . import _lib
-from ._meta import IntsLike, host_tensor, is_device_tensor, to_device_async
+from ._meta import IntsLike, host_tensor, is_device_tensor
 from .pack import _gather
 
 _lib.load()
@@ -37,6 +37,18 @@ _LAYOUTS = {"zigzag": 0, "contiguous": 1}
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernels
 # ---------------------------------------------------------------------------------------------------
+@torch.library.register_fake("packcuda::shard_plan")
+def _shard_plan_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket=None, device=None):
+    ctx = torch.library.get_ctx()
+    dev = device if device is not None else cu_seqlens.device
+    total_local, nseg, npieces, n_meta = (ctx.new_dynamic_size() for _ in range(4))
+    cpu = torch.device("cpu")
+    e = lambda n, dt, d=dev: torch.empty(n, dtype=dt, device=d)  # noqa: E731
+    i32, i64 = torch.int32, torch.int64
+    return (e(total_local, i64), e(total_local, i64), e(total_local, i64), e(nseg + 1, i32), e(nseg + 1, i32),
+            e(npieces + 1, i32), e(npieces, i64), e(npieces, i32), e(n_meta, i32, cpu), e(_N_INFO, i64, cpu))
+
+
 @torch.library.register_fake("packcuda::shard_layout")
 def _shard_layout_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket=None):
     ctx = torch.library.get_ctx()
@@ -59,6 +71,10 @@ def _shard_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, layout, to
     return torch.empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64, device=dev)
 
 
+# info values returned by packcuda::shard_plan
+_N_INFO = 9
+
+
 # ---------------------------------------------------------------------------------------------------
 # the plan
 # ---------------------------------------------------------------------------------------------------
@@ -73,76 +89,68 @@ class ShardPlan:
     segments, for varlen attention), ``pieces`` int32 ``[S+1]`` / ``piece_offset`` int64 ``[S]`` /
     ``piece_seq`` int32 ``[S]`` (runs of consecutive padded offsets of one segment in the local buffer:
     two per segment in zigzag, the window intersections in contiguous), and, built on first use,
-    ``unshard_index`` int64 ``[T]``.
+    ``unshard_index`` int64 ``[T]``. All of them come from one upload and one launch.
 
     Host values: ``total``, ``total_padded``, ``total_local``, ``pad_size``, ``max_seqlen_padded``,
     ``max_seqlen_local``, ``layout``, ``cp_size``, ``cp_rank``, ``align``, ``bucket`` and Python-list copies
-    ``cu_seqlens_host``, ``cu_seqlens_padded_host``, ``cu_seqlens_local_host``, ``pieces_host``,
-    ``piece_offset_host``, ``piece_seq_host``.
+    (made on first use) ``cu_seqlens_host``, ``cu_seqlens_padded_host``, ``cu_seqlens_local_host``,
+    ``pieces_host``, ``piece_offset_host``, ``piece_seq_host``.
     """
 
-    def __init__(self, layout_tensors: List[torch.Tensor], *, layout: str, cp_size: int, cp_rank: int, align: int,
-                 bucket: Optional[int], device: torch.device):
-        cu, cu_padded, cu_local, pieces, piece_offset, piece_seq, info = layout_tensors
+    def __init__(self, built, *, layout: str, cp_size: int, cp_rank: int, align: int, bucket: Optional[int],
+                 device: torch.device):
+        # built: the outputs of packcuda::shard_plan (see csrc/shard/shard_ops.cpp)
+        (self.index, self.position_ids, self.label_index, self.cu_seqlens_padded, self.cu_seqlens_local,
+         self.pieces, self.piece_offset, self.piece_seq, self._host_meta, info) = built
+        (self.total, self.total_padded, self.total_local, self.pad_size, self.max_seqlen_padded,
+         self.max_seqlen_local, nseq, nseg, npieces) = info.tolist()
         self.layout, self.cp_size, self.cp_rank = layout, cp_size, cp_rank
         self.align, self.bucket, self.device = align, bucket, device
-        self.total, self.total_padded, self.total_local, self.pad_size, self.max_seqlen_padded = (
-            int(v) for v in info.tolist())
-        self._cu, self._cu_padded, self._cu_local = cu, cu_padded, cu_local
-        self._pieces, self._piece_offset, self._piece_seq = pieces, piece_offset, piece_seq
-        # one launch computes the three per-slot tables; host metadata is uploaded without a sync
-        self.index, self.position_ids, self.label_index = ops.shard_plan_index(
-            cu, pieces, piece_offset, piece_seq, self.total_local, device)
-        # the int32 boundary tensors travel in one host-to-device copy
-        sizes = [cu_padded.numel(), cu_local.numel(), pieces.numel(), piece_seq.numel()]
-        packed = to_device_async(torch.cat([cu_padded, cu_local, pieces, piece_seq]), device, torch.int32)
-        self.cu_seqlens_padded, self.cu_seqlens_local, self.pieces, self.piece_seq = packed.split(sizes)
-        self.piece_offset = to_device_async(piece_offset, device)
+        # sections of the host buffer: cu_padded | cu_local | pieces | piece_seq | piece_offset | cu_seqlens
+        self._sizes = (nseg + 1, nseg + 1, npieces + 1, npieces, npieces, nseq + 1)
         self._unshard_index: Optional[torch.Tensor] = None
-        self._lead_indices: dict = {}
 
     def __repr__(self) -> str:
         return (f"ShardPlan(layout={self.layout!r}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "
-                f"align={self.align}, bucket={self.bucket}, sequences={len(self.cu_seqlens_host) - 1}, "
+                f"align={self.align}, bucket={self.bucket}, sequences={self._sizes[-1] - 1}, "
                 f"total={self.total}, total_padded={self.total_padded}, total_local={self.total_local}, "
                 f"pad_size={self.pad_size}, device={self.device})")
 
-    # host copies (Python lists), made on first use
+    # host copies (Python lists), made on first use from the plan's host buffer
     @property
     def cu_seqlens_host(self) -> List[int]:
-        return self._host("_cu")
+        return self._host(5)
 
     @property
     def cu_seqlens_padded_host(self) -> List[int]:
-        return self._host("_cu_padded")
+        return self._host(0)
 
     @property
     def cu_seqlens_local_host(self) -> List[int]:
-        return self._host("_cu_local")
+        return self._host(1)
 
     @property
     def pieces_host(self) -> List[int]:
-        return self._host("_pieces")
+        return self._host(2)
 
     @property
     def piece_offset_host(self) -> List[int]:
-        return self._host("_piece_offset")
+        return self._host(4)
 
     @property
     def piece_seq_host(self) -> List[int]:
-        return self._host("_piece_seq")
+        return self._host(3)
 
-    @property
-    def max_seqlen_local(self) -> int:
-        """Longest local segment (host int)."""
-        lens = self._cu_local.diff()
-        return int(lens.max()) if lens.numel() else 0
+    def _host_section(self, k: int) -> torch.Tensor:
+        """Section k of the host buffer (a CPU int32 view)."""
+        start = sum(self._sizes[:k])
+        return self._host_meta[start:start + self._sizes[k]]
 
-    def _host(self, name: str) -> List[int]:
+    def _host(self, k: int) -> List[int]:
         cache = self.__dict__.setdefault("_host_lists", {})
-        if name not in cache:
-            cache[name] = getattr(self, name).tolist()
-        return cache[name]
+        if k not in cache:
+            cache[k] = self._host_section(k).tolist()
+        return cache[k]
 
     @property
     def unshard_index(self) -> torch.Tensor:
@@ -150,51 +158,53 @@ class ShardPlan:
         all ranks' local buffers. Built on first use (one launch, no sync)."""
         if self._unshard_index is None:
             self._unshard_index = ops.shard_unshard_index(
-                self._cu, self._cu_padded, self.cp_size, _LAYOUTS[self.layout], self.total_local, self.device)
+                self._host_section(5), self._host_section(0), self.cp_size, _LAYOUTS[self.layout],
+                self.total_local, self.device)
         return self._unshard_index
 
-    def _rows(self, what: str, x: torch.Tensor, dim: int, want: int, name: str) -> int:
+    def _bad_rows(self, what: str, x, dim: int, want: int, name: str) -> Exception:
+        """The error for a tensor that does not have ``want`` rows along ``dim``."""
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"packcuda.ShardPlan.{what}: {name} must be a tensor, got {type(x).__name__}")
+            return TypeError(f"packcuda.ShardPlan.{what}: {name} must be a tensor, got {type(x).__name__}")
         if x.dim() == 0:
-            raise ValueError(f"packcuda.ShardPlan.{what}: {name} must have at least 1 dimension")
-        d = dim % x.dim() if -x.dim() <= dim < x.dim() else None
-        if d is None:
-            raise ValueError(f"packcuda.ShardPlan.{what}: dim={dim} is out of range for {name} of shape "
-                             f"{tuple(x.shape)}")
-        if x.shape[d] != want:
-            raise ValueError(f"packcuda.ShardPlan.{what}: {name} has {x.shape[d]} rows along dim {d}, expected "
-                             f"{want}")
-        return d
+            return ValueError(f"packcuda.ShardPlan.{what}: {name} must have at least 1 dimension")
+        if not -x.dim() <= dim < x.dim():
+            return ValueError(f"packcuda.ShardPlan.{what}: dim={dim} is out of range for {name} of shape "
+                              f"{tuple(x.shape)}")
+        d = dim % x.dim()
+        return ValueError(f"packcuda.ShardPlan.{what}: {name} has {x.shape[d]} rows along dim {d}, expected {want}")
+
+    def _rows(self, what: str, x: torch.Tensor, dim: int, want: int, name: str) -> int:
+        try:
+            if isinstance(x, torch.Tensor) and x.shape[dim] == want:
+                return dim % x.dim()
+        except (AttributeError, IndexError, TypeError):
+            pass
+        raise self._bad_rows(what, x, dim, want, name)
 
     def shard(self, x: torch.Tensor, dim: int = 0, fill: float = 0) -> torch.Tensor:
         """This rank's rows of ``x`` laid out on the original stream: ``[T, ...]`` (``dim=0``) or e.g. mRoPE
-        position tensors ``[3, T]`` / ``[4, T]`` with ``dim=1``. Pad slots get ``fill``. Differentiable:
-        the backward scatters gradients back to the original rows (deterministic). No sync."""
-        d = self._rows("shard", x, dim, self.total, "x")
-        if d == 0:
-            return _gather(x, self.index, float(fill))
-        # rows along dim d of [A, T, ...] are rows a*T + t of the flattened [A*T, ...]: one gather, no transpose
-        lead = 1
-        for n in x.shape[:d]:
-            lead *= n
-        index = self._lead_index(lead)
-        out = _gather(x.reshape(lead * self.total, *x.shape[d + 1:]), index, float(fill))
-        return out.view(*x.shape[:d], self.total_local, *x.shape[d + 1:])
-
-    def _lead_index(self, lead: int) -> torch.Tensor:
-        """Index of the local rows of a flattened ``[lead*T, ...]`` (cached per ``lead``)."""
-        cache = self._lead_indices
-        if lead not in cache:
-            offs = torch.arange(lead, device=self.index.device).mul_(self.total)[:, None]
-            cache[lead] = torch.where(self.index >= 0, self.index + offs, -1).reshape(-1)
-        return cache[lead]
+        position tensors ``[3, T]`` / ``[4, T]`` with ``dim=1`` (every leading slice in one launch, no
+        flattened index). Pad slots get ``fill``. Differentiable: the backward scatters gradients back to the
+        original rows (deterministic). No sync."""
+        try:
+            ok = isinstance(x, torch.Tensor) and x.shape[dim] == self.total
+        except (AttributeError, IndexError, TypeError):
+            ok = False
+        if not ok:
+            raise self._bad_rows("shard", x, dim, self.total, "x")
+        return _gather(x, self.index, float(fill), dim)
 
     def labels(self, input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Local next-token labels of the original ``input_ids`` ``[T]``: the next token of the same sequence
         (correct across chunk boundaries), ``ignore_index`` at each sequence's last token and on pads."""
-        self._rows("labels", input_ids, 0, self.total, "input_ids")
-        return _gather(input_ids, self.label_index, float(ignore_index))
+        try:
+            ok = isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == self.total
+        except (AttributeError, IndexError, TypeError):
+            ok = False
+        if not ok:
+            raise self._bad_rows("labels", input_ids, 0, self.total, "input_ids")
+        return _gather(input_ids, self.label_index, float(ignore_index), 0)
 
     def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
         """``[T, ...]`` in original order from all ranks' local outputs ``gathered`` ``[cp, T_local, ...]`` (or
@@ -275,26 +285,39 @@ def shard_plan(
     Syncs: host ``cu_seqlens`` (list / CPU tensor) — none. Device ``cu_seqlens`` — one read of it back to
     the host (``.cpu()``), because the layout's sizes depend on its values.
     """
-    if layout not in _LAYOUTS:
+    code = _LAYOUTS.get(layout) if isinstance(layout, str) else None
+    if code is None:
         raise ValueError(f"packcuda.shard_plan: layout must be 'zigzag' or 'contiguous', got {layout!r}")
     cp_size, cp_rank = int(cp_size), int(cp_rank)
     if device is None:
-        device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
-    device = torch.device(device)
+        device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else _CPU
+    elif type(device) is not torch.device:
+        device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if is_device_tensor(cu_seqlens):
         cu_seqlens = cu_seqlens.cpu()  # the one documented sync of device metadata
-    cu = None
-    if isinstance(cu_seqlens, (list, tuple)) and cu_seqlens:
-        try:  # fast path for a list of Python ints (array checks the element types)
-            cu = torch.frombuffer(array.array("q", cu_seqlens), dtype=torch.int64)
-        except (TypeError, OverflowError):
-            cu = None
+    cu = _host_ints(cu_seqlens) if type(cu_seqlens) in (list, tuple) else None
     if cu is None:
         cu = host_tensor(cu_seqlens, "cu_seqlens")
-    if align is None:
-        align = 2 * cp_size if layout == "zigzag" else 1
-    t = ops.shard_layout(cu, cp_size, cp_rank, _LAYOUTS[layout], int(align), None if bucket is None else int(bucket))
-    return ShardPlan(t, layout=layout, cp_size=cp_size, cp_rank=cp_rank, align=int(align),
-                     bucket=None if bucket is None else int(bucket), device=device)
+    align = (2 * cp_size if code == 0 else 1) if align is None else int(align)
+    bucket = None if bucket is None else int(bucket)
+    built = _shard_plan_op(cu, cp_size, cp_rank, code, align, bucket, device)
+    return ShardPlan(built, layout=layout, cp_size=cp_size, cp_rank=cp_rank, align=align, bucket=bucket,
+                     device=device)
+
+
+_CPU = torch.device("cpu")
+_shard_plan_op = ops.shard_plan.default
+
+
+def _host_ints(values) -> Optional[torch.Tensor]:
+    """CPU int64 tensor of a non-empty list/tuple of Python ints, or None (then the general path checks it).
+    struct packs the list in C, several times faster than array/torch.tensor for a thousand entries."""
+    if not values:
+        return None
+    try:
+        buf = bytearray(struct.pack(f"{len(values)}q", *values))
+    except (struct.error, TypeError, OverflowError):
+        return None
+    return torch.frombuffer(buf, dtype=torch.int64)

@@ -393,3 +393,22 @@ def hf_rope_apply(q, k, positions, *, inv_freq, rotary_dim=None, mrope_section=N
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
 
     return rot(q), rot(k)
+
+
+# ===================================================================================================
+# row gathers / scatters along any dim (shard plans move [A, T, ...] tensors along dim 1)
+# ===================================================================================================
+def gather_rows_dim(src, index, fill=0.0, dim=0):
+    """gather_rows along `dim`: every slice of the leading dims gathers the same rows."""
+    moved = src.movedim(dim, 0)
+    return gather_rows(moved, index, fill).movedim(0, dim)
+
+
+def scatter_rows_dim(src, index, num_rows, dim=0):
+    """Zeros with num_rows rows along `dim`; row index[i] (when >= 0) gets src's row i."""
+    moved = src.movedim(dim, 0)
+    out = torch.zeros((num_rows, *moved.shape[1:]), dtype=src.dtype)
+    for i, r in enumerate(index.tolist()):
+        if r >= 0:
+            out[r] = moved[i]
+    return out.movedim(0, dim)

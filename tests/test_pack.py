@@ -230,3 +230,104 @@ def test_host_metadata_paths_do_not_sync():
     assert torch.equal(pos.cpu(), ref.position_ids(cu))
     assert torch.equal(lab.cpu(), ref.next_token_labels(ids.cpu(), cu))
     assert torch.equal(lab2, lab)
+
+
+# ------------------------------------------------------------------------------------ rows along any dim
+def _views(dtype, g, n):
+    """(name, src, dim): contiguous and strided sources of n rows along dim."""
+    base4 = _rand((4, 1, n), dtype, g)
+    wide = _rand((2, 3, n, 5), dtype, g)
+    t2 = _rand((n, 4), dtype, g)
+    pad = _rand((3, n + 3, 2), dtype, g)
+    return [
+        ("[3, T] dim 1", _rand((3, n), dtype, g), 1),
+        ("[3, T] dim -1", _rand((3, n), dtype, g), -1),
+        ("[2, 3, T, 5] dim 2", wide, 2),
+        ("[4, 1, T][:, 0] (strided lead, no copy)", base4[:, 0, :], 1),
+        ("[T, 4].t() (needs a copy)", t2.t(), 1),
+        ("expanded lead (stride 0)", _rand((1, n), dtype, g).expand(3, n), 1),
+        ("lead stride not a multiple of the row", pad[:, 1:n + 1, :], 1),
+        ("[T, 4] dim 0", t2, 0),
+        ("[T, 2, 2][:, 1] dim 0 (strided rows, needs a copy)", _rand((n, 2, 2), dtype, g)[:, 1], 0),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16, torch.bool])
+def test_gather_scatter_rows_dim(device, dtype):
+    g = torch.Generator().manual_seed(11)
+    n = 37
+    index = torch.tensor([5, -1, 0, 36, 12, -1, 7, 8, 9, 30, 2], dtype=torch.int64)
+    perm = torch.randperm(n + 2, generator=g)[:n]
+    perm[::5] = -1
+    for name, src, dim in _views(dtype, g, n):
+        got = packcuda.gather_rows(src.to(device), index.to(device), 3.0, dim=dim)
+        want = ref.gather_rows_dim(src, index, 3.0, dim)
+        assert got.shape == want.shape and got.is_contiguous(), name
+        assert torch.equal(got.cpu(), want), name
+        back = packcuda.scatter_rows(got, index.to(device), n, dim=dim)
+        assert torch.equal(back.cpu(), ref.scatter_rows_dim(want, index, n, dim)), name
+        # scatter straight from the (strided) source view
+        got = packcuda.scatter_rows(src.to(device), perm.to(device), n + 2, dim=dim)
+        assert torch.equal(got.cpu(), ref.scatter_rows_dim(src, perm, n + 2, dim)), name
+
+
+@pytest.mark.parametrize("inner", [1, 2, 9, 16])
+def test_rows_dim_vector_widths(device, inner):
+    # rows of 8, 16, 72 and 128 bytes, a lead stride that breaks 16-byte alignment, and wide rows (> 64 bytes)
+    # that take the invert-and-gather scatter path on CUDA
+    g = torch.Generator().manual_seed(inner)
+    n = 50
+    base = torch.randint(0, 1 << 40, (3, n + 1, inner), generator=g)
+    src = base[:, 1:]  # lead stride (n+1)*inner*8 bytes; first row offset by one row
+    index = torch.randperm(n, generator=g)[:33]
+    index[::7] = -1
+    got = packcuda.gather_rows(src.to(device), index.to(device), -5, dim=1)
+    assert torch.equal(got.cpu(), ref.gather_rows_dim(src, index, -5, 1))
+    back = packcuda.scatter_rows(src[:, :33].to(device), index.to(device), n, dim=1)
+    assert torch.equal(back.cpu(), ref.scatter_rows_dim(src[:, :33], index, n, 1))
+
+
+def test_rows_dim_gradients(device):
+    g = torch.Generator().manual_seed(2)
+    index = torch.tensor([4, -1, 0, 2, 9], device=device)
+    x = torch.randn(3, 10, 2, dtype=torch.float64, generator=g).to(device).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: packcuda.gather_rows(t, index, 1.0, dim=1), (x,))
+    y = torch.randn(2, 5, dtype=torch.float64, generator=g).to(device).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: packcuda.scatter_rows(t, index, 12, dim=-1), (y,))
+    # the backward is a scatter along the same dim: deterministic, bit-identical across runs
+    w = torch.randn(3, 5, 2, dtype=torch.float64, generator=g).to(device)
+    grads = [torch.autograd.grad((packcuda.gather_rows(x, index, 0.0, dim=1) * w).sum(), x)[0] for _ in range(2)]
+    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(grads[0].cpu(), ref.scatter_rows_dim(w.cpu(), index.cpu(), 10, 1))
+
+
+def test_rows_dim_opcheck_and_compile(device):
+    from torch.library import opcheck
+
+    x = torch.randn(3, 10, 4, device=device)
+    idx = torch.tensor([2, -1, 9, 0], device=device)
+    opcheck(torch.ops.packcuda.gather_rows.default, (x.requires_grad_(), idx, 0.0, 1))
+    opcheck(torch.ops.packcuda.scatter_rows.default, (torch.randn(3, 4, device=device).requires_grad_(), idx, 10, -1))
+
+    def f(x):
+        return packcuda.gather_rows(x.sin(), idx, 0.0, dim=1) * 2
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    x = torch.randn(3, 10, 4, device=device, requires_grad=True)
+    y1, y2 = f(x), cf(x)
+    assert torch.allclose(y1, y2)
+    assert torch.allclose(torch.autograd.grad(y1.sum(), x)[0], torch.autograd.grad(y2.sum(), x)[0])
+
+
+def test_bad_rows_dim():
+    x = torch.randn(3, 5)
+    with pytest.raises(ValueError, match="dim=2 is out of range for src of shape"):
+        packcuda.gather_rows(x, torch.tensor([0]), dim=2)
+    with pytest.raises(ValueError, match="dim=-3 is out of range"):
+        packcuda.scatter_rows(x, torch.tensor([0, 1, 2]), 4, dim=-3)
+    with pytest.raises(ValueError, match=r"index\[0\]=5 is out of range \[-1, 5\)"):
+        packcuda.gather_rows(x, torch.tensor([5]), dim=1)
+    with pytest.raises(ValueError, match="index has 2 entries but src has 5 rows along dim 1"):
+        packcuda.scatter_rows(x, torch.tensor([0, 1]), 7, dim=1)
+    with pytest.raises(ValueError, match="appears twice"):
+        packcuda.scatter_rows(x, torch.tensor([0, 1, 1, 2, 3]), 7, dim=1)

@@ -349,3 +349,106 @@ def test_no_sync(layout):
         [p.shard(pos, dim=1) for p in plans]
         back = plans[2].unshard(torch.stack(shards))
     assert torch.equal(back, x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the one-call plan op, strided dim>0 shards, CUDA graphs
+# ---------------------------------------------------------------------------------------------------
+def test_shard_plan_op(device):
+    cu = torch.tensor(_cu([5, 0, 8, 3]))
+    dev = torch.device(device)
+    for args in [(cu, 2, 1, 0, 4, 16, dev), (cu, 3, 2, 1, 1, 5, dev), (cu.to(torch.int32), 1, 0, 0, 2, None, dev)]:
+        torch.library.opcheck(ops.shard_plan, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    out = ops.shard_plan(cu, 2, 1, 0, 4, 16, dev)
+    assert [t.device.type for t in out] == [device] * 8 + ["cpu", "cpu"]
+    assert [t.dtype for t in out[:8]] == [torch.int64] * 3 + [torch.int32] * 3 + [torch.int64, torch.int32]
+    # every output owns its memory (no output is a view of another)
+    ptrs = [t.untyped_storage().data_ptr() for t in out if t.numel()]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+def test_plan_host_values(device):
+    cu = _cu([7, 0, 30, 1, 12])
+    for layout, bucket in [("zigzag", None), ("zigzag", 60), ("contiguous", 10)]:
+        for r in range(3):
+            plan = packcuda.shard_plan(cu, 3, r, layout=layout, bucket=bucket, device=device)
+            want = ref.shard_layout(cu, 3, r, layout, None, bucket)
+            local = want["cu_local"]
+            assert plan.max_seqlen_local == max(b - a for a, b in zip(local[:-1], local[1:]))
+            assert plan.cu_seqlens_host == cu and plan.cu_seqlens_local_host == local
+            assert plan.cu_seqlens_padded.device.type == device and plan.piece_offset.dtype == torch.int64
+            assert repr(plan).startswith("ShardPlan(") and "sequences=5" in repr(plan)
+
+
+def test_shard_strided_and_leading_dims(device):
+    cu = _cu([9, 0, 21, 4])
+    T = cu[-1]
+    g = torch.Generator().manual_seed(8)
+    pos4 = torch.randint(0, 99, (4, 1, T), generator=g)
+    x = torch.randn(T, 4, generator=g)
+    wide = torch.randn(2, 3, T, 5, generator=g)
+    for r in range(2):
+        plan = packcuda.shard_plan(cu, 2, r, device=device)
+        idx = torch.tensor(ref.shard_layout(cu, 2, r)["index"])
+        for src, dim in [(pos4[:, 0, :], 1), (x.t(), 1), (wide, 2), (wide, -2), (pos4, 2), (x[:, 1], 0)]:
+            got = plan.shard(src.to(device), dim=dim, fill=-1)
+            assert torch.equal(got.cpu(), ref.gather_rows_dim(src, idx, -1, dim))
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        plan.shard([0] * T)
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        plan.shard(torch.tensor(1.0, device=device))
+    with pytest.raises(ValueError, match="input_ids has 3 rows along dim 0"):
+        plan.labels(torch.zeros(3, T, device=device))
+
+
+def test_shard_dim1_backward_deterministic(device):
+    cu = _cu([13, 0, 6, 29])
+    T = cu[-1]
+    plans = _all_ranks(cu, 3, device, layout="contiguous", bucket=7)
+    pos = torch.randn(3, T, 2, dtype=torch.float64, device=device, requires_grad=True)
+    w = [torch.randn(3, p.total_local, 2, dtype=torch.float64, device=device) for p in plans]
+    total = torch.zeros_like(pos)
+    for p, wp in zip(plans, w):
+        g1 = torch.autograd.grad((p.shard(pos, dim=1) * wp).sum(), pos)[0]
+        g2 = torch.autograd.grad((p.shard(pos, dim=1) * wp).sum(), pos)[0]
+        assert torch.equal(g1, g2)
+        assert torch.equal(g1.cpu(), ref.scatter_rows_dim(wp.cpu(), p.index.cpu(), T, 1))
+        total += torch.autograd.grad(p.shard(pos, dim=1).sum(), pos)[0]
+    # every original row lands on exactly one rank: the ranks' gradients of the sums add up to all ones
+    assert torch.equal(total, torch.ones_like(pos))
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_op_rejects_device_metadata_in_one_call():
+    with pytest.raises(ValueError, match="must be host metadata"):
+        ops.shard_plan(torch.tensor([0, 5], device="cuda"), 2, 0, 0, 4, None, torch.device("cuda"))
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    # a plan built before capture: shard / labels / shard along dim 1 replay from a CUDA graph
+    cu = _cu([100, 0, 37, 512, 9])
+    T = cu[-1]
+    plan = packcuda.shard_plan(cu, 4, 1, device="cuda")
+    ids = torch.randint(0, 1000, (T,), device="cuda")
+    pos = torch.randint(0, 1000, (3, T), device="cuda")
+    x = torch.randn(T, 64, device="cuda")
+    fns = [lambda: plan.shard(ids), lambda: plan.labels(ids), lambda: plan.shard(pos, dim=1), lambda: plan.shard(x)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            [f() for f in fns]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [f() for f in fns]
+    ids.copy_(torch.randint(0, 1000, (T,), device="cuda"))
+    pos.copy_(torch.randint(0, 1000, (3, T), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for o, f in zip(outs, fns):
+        assert torch.equal(o, f())

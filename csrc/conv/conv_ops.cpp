@@ -254,14 +254,16 @@ Tensor conv_exchange_nccl(Tensor src, Tensor send_index, std::vector<int64_t> se
   send_index = torch::stable::contiguous(send_index);
   unpack_index = torch::stable::contiguous(unpack_index);
   const int64_t C = src.size(1);
-  Tensor send_buf = torch::stable::new_empty(src, {ns, C});
-  Tensor recv_buf = torch::stable::new_empty(src, {nr, C});
+  // one staging allocation: send rows, then received rows
+  Tensor staging = torch::stable::new_empty(src, {ns + nr, C});
   Tensor out = torch::stable::new_empty(src, {unpack_index.size(0), C});
   PC_CUDA_ONLY({
     CudaScope cs(src);
+    char* send_ptr = static_cast<char*>(staging.mutable_data_ptr());
+    char* recv_ptr = send_ptr + ns * C * static_cast<int64_t>(element_size(src.scalar_type()));
     conv::exchange_rows_nccl(src.const_data_ptr(), src.size(0), send_index.const_data_ptr<int64_t>(),
-                             send_counts.data(), recv_counts.data(), send_buf.mutable_data_ptr(),
-                             recv_buf.mutable_data_ptr(), unpack_index.const_data_ptr<int64_t>(),
+                             send_counts.data(), recv_counts.data(), send_ptr, recv_ptr,
+                             unpack_index.const_data_ptr<int64_t>(),
                              static_cast<int>(unpack_index.size(1)), out.mutable_data_ptr(), out.size(0), C,
                              conv_dtype(src.scalar_type()), cp, rank, reinterpret_cast<ncclComm_t>(comm),
                              cs.stream);

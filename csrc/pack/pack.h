@@ -9,17 +9,22 @@ namespace packcuda::pack {
 
 // Row gather: out[i, :] = index[i] >= 0 ? src[index[i], :] : fill, for rows of `row_bytes` bytes.
 // `fill_elem` holds one element's bytes (elem_size in {1, 2, 4, 8}); index values must be in [-1, n_src).
+// Lead dimension: with lead > 1, src holds `lead` blocks of rows, block l starting src_lead_bytes * l bytes
+// after src (rows dense inside a block), and out is [lead, n_out, row] contiguous:
+// out[l, i, :] = index[i] >= 0 ? src[l][index[i], :] : fill (one launch for all blocks on CUDA).
 void gather_rows_cpu(void* out, const void* src, const int64_t* index, int64_t n_out, int64_t row_bytes,
-                     uint64_t fill_elem, int elem_size);
+                     uint64_t fill_elem, int elem_size, int64_t lead = 1, int64_t src_lead_bytes = 0);
 void gather_rows_cuda(void* out, const void* src, const int64_t* index, int64_t n_out, int64_t row_bytes,
-                      uint64_t fill_elem, int elem_size, cudaStream_t stream);
+                      uint64_t fill_elem, int elem_size, cudaStream_t stream, int64_t lead = 1,
+                      int64_t src_lead_bytes = 0);
 
 // Row scatter into zeros: out = 0 (n_out rows), then out[index[i], :] = src[i, :] for index[i] >= 0.
-// Non-negative indices must be unique (then the result is deterministic).
+// Non-negative indices must be unique (then the result is deterministic). Lead dimension as for the gather:
+// src block l (n_src rows) starts src_lead_bytes * l bytes after src, out is [lead, n_out, row] contiguous.
 void scatter_rows_cpu(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
-                      int64_t row_bytes);
+                      int64_t row_bytes, int64_t lead = 1, int64_t src_lead_bytes = 0);
 void scatter_rows_cuda(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
-                       int64_t row_bytes, cudaStream_t stream);
+                       int64_t row_bytes, cudaStream_t stream, int64_t lead = 1, int64_t src_lead_bytes = 0);
 
 // Inverse of a unique index: inv[index[i]] = i for index[i] >= 0, inv = -1 elsewhere (n_inv entries).
 void invert_index_cpu(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index);

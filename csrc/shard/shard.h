@@ -36,6 +36,32 @@ void plan_index_cuda(int64_t* index, int64_t* position, int64_t* label_index, in
                      const int64_t* cu, int64_t nseq, const int64_t* pieces, const int64_t* piece_offset,
                      const int64_t* piece_seq, int64_t npieces, cudaStream_t stream);
 
+// Everything the plan needs on the device, from the int32 metadata of one packed upload (every value of a
+// layout fits int32 once its padded total does): the per-slot tables above, piece_offset widened to int64,
+// and plain copies of int32 sections into their own tensors (the boundary arrays the plan hands out).
+struct PlanTables {
+  // inputs (sections of the packed metadata)
+  const int32_t* cu = nullptr;  // [nseq+1]
+  int64_t nseq = 0;
+  const int32_t* pieces = nullptr;        // [npieces+1]
+  const int32_t* piece_offset = nullptr;  // [npieces]
+  const int32_t* piece_seq = nullptr;     // [npieces]
+  int64_t npieces = 0;
+  int64_t total_local = 0;
+  // outputs
+  int64_t* index = nullptr;        // [total_local]
+  int64_t* position = nullptr;     // [total_local]
+  int64_t* label_index = nullptr;  // [total_local]
+  int64_t* piece_offset_wide = nullptr;  // [npieces]
+  static constexpr int kCopies = 4;
+  int32_t* copy_dst[kCopies] = {};
+  const int32_t* copy_src[kCopies] = {};
+  int64_t copy_n[kCopies] = {};
+};
+// One pass (one launch on CUDA) over max(total_local, npieces, copy sizes) items.
+void plan_tables_cpu(const PlanTables& p);
+void plan_tables_cuda(const PlanTables& p, cudaStream_t stream);
+
 // out[t] = row of original token t in the rank-major concatenation of all local buffers [cp*total_local].
 void unshard_index_cpu(int64_t* out, int64_t total, const int64_t* cu, int64_t nseq, const int64_t* cu_padded,
                        int64_t cp, int layout, int64_t total_local);

@@ -1,8 +1,10 @@
 // Torch layer of the shard-plan ops: schemas, argument checks, dispatch to the core functions.
+//  - shard_plan: the whole plan of one rank in one call (layout on the host, one packed upload, one launch);
 //  - shard_layout: host metadata in, host tensors out (the layout is O(number of sequences) host work);
 //  - shard_plan_index: the per-slot tables of one rank, one kernel launch, host metadata uploaded without a
 //    device sync;
 //  - shard_unshard_index: each original row's row in the rank-major concatenation of all local buffers.
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -46,9 +48,14 @@ std::vector<int64_t> host_values(const char* op, const char* name, const Tensor&
   return v;
 }
 
-std::vector<Tensor> shard_layout(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
-                                 std::optional<int64_t> bucket_opt) {
-  const char* op = "shard_layout";
+// Host cu_seqlens and the layout of one rank, after every argument check (shared by shard_layout and shard_plan).
+struct CheckedLayout {
+  std::vector<int64_t> cu;
+  shard::HostLayout h;
+};
+
+CheckedLayout checked_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank,
+                             int64_t layout, int64_t align, std::optional<int64_t> bucket_opt) {
   check_layout_args(op, cp_size, layout);
   PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
   PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
@@ -61,19 +68,123 @@ std::vector<Tensor> shard_layout(Tensor cu_seqlens, int64_t cp_size, int64_t cp_
   }
   PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
          device_str(cu_seqlens));
-  Segments seg = segments(op, "cu_seqlens", cu_seqlens, cu_seqlens.device(), -1);
-  const int64_t nseq = seg.count;
+  check_dim(op, "cu_seqlens", cu_seqlens, 1);
+  check_dtype(op, "cu_seqlens", cu_seqlens, {ST::Int, ST::Long});
+  PC_ARG(cu_seqlens.numel() >= 1, op, "cu_seqlens must have at least one entry (it starts with 0)");
+  CheckedLayout out;
+  out.cu = read_host_segments(op, "cu_seqlens", cu_seqlens, -1);
+  const int64_t nseq = static_cast<int64_t>(out.cu.size()) - 1;
   // Padded sizes stay within int32 (the plan's boundary tensors are int32, as attention kernels expect).
   int64_t padded = 0;
-  for (int64_t i = 0; i < nseq; ++i) padded += shard::padded_length(seg.host[i + 1] - seg.host[i], align);
+  for (int64_t i = 0; i < nseq; ++i) padded += shard::padded_length(out.cu[i + 1] - out.cu[i], align);
   const int64_t unit = bucket > 0 ? bucket : 1;
   PC_ARG(padded + unit + cp_size <= std::numeric_limits<int32_t>::max(), op, "the padded stream (", padded,
          " tokens) does not fit int32 boundaries");
-  const shard::HostLayout h =
-      shard::build_layout(seg.host.data(), nseq, cp_size, cp_rank, static_cast<int>(layout), align, unit);
+  out.h = shard::build_layout(out.cu.data(), nseq, cp_size, cp_rank, static_cast<int>(layout), align, unit);
+  return out;
+}
+
+std::vector<Tensor> shard_layout(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
+                                 std::optional<int64_t> bucket_opt) {
+  const CheckedLayout c = checked_layout("shard_layout", cu_seqlens, cp_size, cp_rank, layout, align, bucket_opt);
+  const shard::HostLayout& h = c.h;
   Tensor info = host_i64({h.total, h.total_padded, h.total_local, h.pad_size, h.max_seqlen_padded});
-  return {host_i64(seg.host), host_i64(h.cu_padded), host_i64(h.cu_local), host_i64(h.pieces),
+  return {host_i64(c.cu), host_i64(h.cu_padded), host_i64(h.cu_local), host_i64(h.pieces),
           host_i64(h.piece_offset), host_i64(h.piece_seq), info};
+}
+
+// Number of info values shard_plan returns (see kInfo* below).
+constexpr int64_t kInfoCount = 9;
+
+// The whole plan of one rank in one call: the layout on the host, every boundary array packed into one int32
+// host buffer (pinned for a CUDA target) and uploaded with one non-blocking copy, then one kernel launch that
+// writes the per-slot tables and the plan's own boundary tensors from that upload. Returns
+//   index, position, label_index  int64 [total_local]   (target device)
+//   cu_seqlens_padded             int32 [nseg+1]        (target device)
+//   cu_seqlens_local              int32 [nseg+1]        (target device)
+//   pieces                        int32 [S+1]           (target device)
+//   piece_offset                  int64 [S]             (target device)
+//   piece_seq                     int32 [S]             (target device)
+//   host_meta                     int32 [M]             (CPU) cu_padded | cu_local | pieces | piece_seq |
+//                                                        piece_offset | cu_seqlens, the host copy of the upload
+//   info                          int64 [9]             (CPU) total, total_padded, total_local, pad_size,
+//                                                        max_seqlen_padded, max_seqlen_local, nseq, nseg, S
+// Every output is its own tensor (none aliases another). No device sync.
+using PlanOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
+                       std::optional<int64_t> bucket_opt, std::optional<Device> device) {
+  const char* op = "shard_plan";
+  const Device target = target_device(cu_seqlens, device);
+  const CheckedLayout c = checked_layout(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket_opt);
+  const shard::HostLayout& h = c.h;
+  const int64_t nseq = static_cast<int64_t>(c.cu.size()) - 1;
+  const int64_t nseg = static_cast<int64_t>(h.cu_padded.size()) - 1;
+  const int64_t np = static_cast<int64_t>(h.piece_offset.size());
+  const bool on_cpu = target.type() == torch::headeronly::DeviceType::CPU;
+  const Device cpu(torch::headeronly::DeviceType::CPU);
+
+  // One int32 host buffer (every value is at most total_padded, which checked_layout keeps within int32).
+  const int64_t sizes[6] = {nseg + 1, nseg + 1, np + 1, np, np, nseq + 1};
+  int64_t offs[6];
+  int64_t n_meta = 0;
+  for (int k = 0; k < 6; ++k) offs[k] = n_meta, n_meta += sizes[k];
+  Tensor host_meta = new_tensor({n_meta}, ST::Int, cpu, /*pinned=*/!on_cpu);
+  int32_t* m = host_meta.mutable_data_ptr<int32_t>();
+  for (const std::vector<int64_t>* v : {&h.cu_padded, &h.cu_local, &h.pieces, &h.piece_seq, &h.piece_offset, &c.cu})
+    for (int64_t x : *v) *m++ = static_cast<int32_t>(x);
+  // ... uploaded with one non-blocking copy (the pinned buffer stays with the plan as its host copy)
+  const int32_t* base = host_meta.const_data_ptr<int32_t>();
+  Tensor meta;
+  if (!on_cpu) {
+    meta = new_tensor({n_meta}, ST::Int, target);
+    copy_into(meta, host_meta, /*non_blocking=*/true);
+    base = meta.const_data_ptr<int32_t>();
+  }
+
+  int64_t max_local = 0;
+  for (int64_t i = 0; i < nseg; ++i) max_local = std::max(max_local, h.cu_local[i + 1] - h.cu_local[i]);
+  Tensor info = new_tensor({kInfoCount}, ST::Long, cpu);
+  const int64_t vals[kInfoCount] = {h.total, h.total_padded, h.total_local, h.pad_size, h.max_seqlen_padded,
+                                    max_local, nseq, nseg, np};
+  std::memcpy(info.mutable_data_ptr(), vals, sizeof(vals));
+
+  Tensor index = new_tensor({h.total_local}, ST::Long, target);
+  Tensor position = new_tensor({h.total_local}, ST::Long, target);
+  Tensor label = new_tensor({h.total_local}, ST::Long, target);
+  Tensor cu_padded = new_tensor({sizes[0]}, ST::Int, target);
+  Tensor cu_local = new_tensor({sizes[1]}, ST::Int, target);
+  Tensor pieces = new_tensor({sizes[2]}, ST::Int, target);
+  Tensor piece_seq = new_tensor({sizes[3]}, ST::Int, target);
+  Tensor piece_offset = new_tensor({np}, ST::Long, target);
+
+  shard::PlanTables t;
+  t.cu = base + offs[5];
+  t.nseq = nseq;
+  t.pieces = base + offs[2];
+  t.piece_seq = base + offs[3];
+  t.piece_offset = base + offs[4];
+  t.npieces = np;
+  t.total_local = h.total_local;
+  t.index = index.mutable_data_ptr<int64_t>();
+  t.position = position.mutable_data_ptr<int64_t>();
+  t.label_index = label.mutable_data_ptr<int64_t>();
+  t.piece_offset_wide = piece_offset.mutable_data_ptr<int64_t>();
+  Tensor* copies[shard::PlanTables::kCopies] = {&cu_padded, &cu_local, &pieces, &piece_seq};
+  for (int k = 0; k < shard::PlanTables::kCopies; ++k) {
+    t.copy_dst[k] = copies[k]->mutable_data_ptr<int32_t>();
+    t.copy_src[k] = base + offs[k];
+    t.copy_n[k] = sizes[k];
+  }
+  if (on_cpu) {
+    shard::plan_tables_cpu(t);
+  } else {
+    PC_CUDA_ONLY({
+      CudaScope cs(index);
+      shard::plan_tables_cuda(t, cs.stream);
+    });
+  }
+  return {index, position, label, cu_padded, cu_local, pieces, piece_offset, piece_seq, host_meta, info};
 }
 
 std::tuple<Tensor, Tensor, Tensor> shard_plan_index(Tensor cu_seqlens, Tensor pieces, Tensor piece_offset,
@@ -168,6 +279,9 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def("shard_layout(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket=None) -> Tensor[]");
   m.def(
+      "shard_plan(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket=None, "
+      "Device? device=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "shard_plan_index(Tensor cu_seqlens, Tensor pieces, Tensor piece_offset, Tensor piece_seq, int total_local, "
       "Device? device=None) -> (Tensor, Tensor, Tensor)");
   m.def(
@@ -178,6 +292,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 // The ops take host metadata; the CUDA registration only exists to answer a device tensor with a clear error.
 #define PC_SHARD_IMPLS(m)                                                       \
   m.impl("shard_layout", TORCH_BOX(&packcuda::th::shard_layout));               \
+  m.impl("shard_plan", TORCH_BOX(&packcuda::th::shard_plan));                   \
   m.impl("shard_plan_index", TORCH_BOX(&packcuda::th::shard_plan_index));       \
   m.impl("shard_unshard_index", TORCH_BOX(&packcuda::th::shard_unshard_index));
 

@@ -70,18 +70,42 @@ void check_contiguous(const char* op, const char* name, const Tensor& t) {
   PC_ARG(t.is_contiguous(), op, name, " must be contiguous");
 }
 
+Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stable::Device& device, bool pinned) {
+  const int64_t nd = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> strides(nd);
+  int64_t st = 1;
+  for (int64_t i = nd - 1; i >= 0; --i) {
+    strides[i] = st;
+    st *= sizes[i] > 1 ? sizes[i] : 1;
+  }
+  AtenTensorHandle h = nullptr;
+  const int32_t dt = static_cast<int32_t>(dtype);
+  const int32_t dev = static_cast<int32_t>(device.type());
+  const int32_t idx = device.index();
+  if (pinned) {
+    TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided_pinned(nd, sizes.data(), strides.data(), dt, dev, idx, &h));
+  } else {
+    TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(nd, sizes.data(), strides.data(), dt, dev, idx, &h));
+  }
+  return Tensor(h);
+}
+
+void copy_into(Tensor& dst, const Tensor& src, bool non_blocking) {
+  TORCH_ERROR_CODE_CHECK(aoti_torch_copy_(dst.get(), src.get(), non_blocking ? 1 : 0));
+}
+
 Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Device& target) {
-  std::vector<int64_t> sizes{static_cast<int64_t>(values.size())};
+  const std::vector<int64_t> sizes{static_cast<int64_t>(values.size())};
   const bool to_cpu = target.type() == torch::headeronly::DeviceType::CPU;
   // For a device target the staging buffer is pinned (torch's caching host allocator keeps it alive until
   // the copy has run), so the copy is truly asynchronous: the host never waits for the device. A pageable
   // source would make the driver stage it synchronously behind the work already queued on the stream.
-  Tensor host = torch::stable::empty(sizes, ST::Long, std::nullopt,
-                                     torch::stable::Device(torch::headeronly::DeviceType::CPU),
-                                     /*pin_memory=*/!to_cpu);
+  Tensor host = new_tensor(sizes, ST::Long, torch::stable::Device(torch::headeronly::DeviceType::CPU), !to_cpu);
   if (!values.empty()) std::memcpy(host.mutable_data_ptr(), values.data(), values.size() * sizeof(int64_t));
   if (to_cpu) return host;
-  return torch::stable::to(host, target, /*non_blocking=*/true);
+  Tensor dev = new_tensor(sizes, ST::Long, target);
+  copy_into(dev, host, /*non_blocking=*/true);
+  return dev;
 }
 
 std::vector<int64_t> host_ints(const Tensor& t) {

@@ -62,6 +62,14 @@ std::vector<int64_t> read_host_segments(const char* op, const char* name, const 
 // Copy of host int64 values onto a device (non-blocking, no sync).
 Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Device& target);
 
+// A new uninitialized contiguous tensor, straight through the C shim (no operator lookup by name: these sit
+// on per-call host paths). pinned: page-locked host memory from torch's caching host allocator (CPU only).
+Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stable::Device& device,
+                  bool pinned = false);
+// dst.copy_(src); with non_blocking and a pinned host source the copy is queued on the current stream and the
+// host allocator keeps the source alive until it has run.
+void copy_into(Tensor& dst, const Tensor& src, bool non_blocking);
+
 // Current CUDA stream of a device (only valid in CUDA builds).
 cudaStream_t current_stream(int32_t device_index);
 

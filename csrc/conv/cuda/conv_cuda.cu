@@ -93,12 +93,15 @@ __global__ void conv_reduce_kernel(const typename Acc<S>::type* part, int64_t nt
   if (e < sh.C * (sh.K + 1)) conv_reduce_elem<S>(part, ntiles, sh, dweight, dbias, e);
 }
 
-template <typename S>
+template <typename S, int V>
 __global__ void gather_sum_kernel(S* out, int64_t n_out, const S* a, int64_t na, const S* b,
                                   const int64_t* index, int M, int64_t C) {
-  const int64_t n = n_out * C;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x)
-    gather_sum_elem<S>(out, a, na, b, index, M, C, e / C, e % C);
+  const int64_t cv = C / V;  // V-wide chunks per row
+  const int64_t n = n_out * cv;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e / cv;
+    gather_sum_elem<S, V>(out, a, na, b, index, M, C, r, (e - r * cv) * V);
+  }
 }
 
 }  // namespace
@@ -173,8 +176,14 @@ void gather_sum_cuda(void* out, int64_t n_out, const void* a, int64_t na, const 
   if (n_out == 0 || C == 0) return;
   dispatch_dtype(dtype, [&](auto tag) {
     using S = decltype(tag);
-    gather_sum_kernel<S><<<cuda::grid_for(n_out * C, 256), 256, 0, stream>>>(
-        static_cast<S*>(out), n_out, static_cast<const S*>(a), na, static_cast<const S*>(b), index, M, C);
+    constexpr int V = 16 / sizeof(S);
+    const bool vec = C % V == 0 && aligned(out, 16) && aligned(a, 16) && (b == nullptr || aligned(b, 16));
+    if (vec)
+      gather_sum_kernel<S, V><<<cuda::grid_for(n_out * (C / V), 256), 256, 0, stream>>>(
+          static_cast<S*>(out), n_out, static_cast<const S*>(a), na, static_cast<const S*>(b), index, M, C);
+    else
+      gather_sum_kernel<S, 1><<<cuda::grid_for(n_out * C, 256), 256, 0, stream>>>(
+          static_cast<S*>(out), n_out, static_cast<const S*>(a), na, static_cast<const S*>(b), index, M, C);
   });
   PC_CUDA_LAUNCH_CHECK();
 }

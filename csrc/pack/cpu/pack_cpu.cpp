@@ -6,31 +6,35 @@
 namespace packcuda::pack {
 
 void gather_rows_cpu(void* out, const void* src, const int64_t* index, int64_t n_out, int64_t row_bytes,
-                     uint64_t fill_elem, int elem_size) {
+                     uint64_t fill_elem, int elem_size, int64_t lead, int64_t src_lead_bytes) {
   const Fill16 f = replicate_fill(fill_elem, elem_size);
   const unsigned char* fb = reinterpret_cast<const unsigned char*>(&f);
-  auto* o = static_cast<unsigned char*>(out);
-  const auto* s = static_cast<const unsigned char*>(src);
-  for (int64_t i = 0; i < n_out; ++i) {
-    unsigned char* dst = o + i * row_bytes;
-    const int64_t r = index[i];
-    if (r >= 0) {
-      std::memcpy(dst, s + r * row_bytes, row_bytes);
-    } else if (f.lo == 0) {
-      std::memset(dst, 0, row_bytes);
-    } else {
-      for (int64_t b = 0; b < row_bytes; b += elem_size) std::memcpy(dst + b, fb, elem_size);
+  for (int64_t l = 0; l < lead; ++l) {
+    auto* o = static_cast<unsigned char*>(out) + l * n_out * row_bytes;
+    const auto* s = static_cast<const unsigned char*>(src) + l * src_lead_bytes;
+    for (int64_t i = 0; i < n_out; ++i) {
+      unsigned char* dst = o + i * row_bytes;
+      const int64_t r = index[i];
+      if (r >= 0) {
+        std::memcpy(dst, s + r * row_bytes, row_bytes);
+      } else if (f.lo == 0) {
+        std::memset(dst, 0, row_bytes);
+      } else {
+        for (int64_t b = 0; b < row_bytes; b += elem_size) std::memcpy(dst + b, fb, elem_size);
+      }
     }
   }
 }
 
 void scatter_rows_cpu(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
-                      int64_t row_bytes) {
-  auto* o = static_cast<unsigned char*>(out);
-  const auto* s = static_cast<const unsigned char*>(src);
-  if (n_out > 0) std::memset(o, 0, n_out * row_bytes);
-  for (int64_t i = 0; i < n_src; ++i)
-    if (index[i] >= 0) std::memcpy(o + index[i] * row_bytes, s + i * row_bytes, row_bytes);
+                      int64_t row_bytes, int64_t lead, int64_t src_lead_bytes) {
+  if (n_out > 0 && lead > 0) std::memset(out, 0, lead * n_out * row_bytes);
+  for (int64_t l = 0; l < lead; ++l) {
+    auto* o = static_cast<unsigned char*>(out) + l * n_out * row_bytes;
+    const auto* s = static_cast<const unsigned char*>(src) + l * src_lead_bytes;
+    for (int64_t i = 0; i < n_src; ++i)
+      if (index[i] >= 0) std::memcpy(o + index[i] * row_bytes, s + i * row_bytes, row_bytes);
+  }
 }
 
 void invert_index_cpu(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index) {

@@ -19,69 +19,81 @@ template <> struct VecT<1> { using type = uint8_t; };
 
 // Each thread moves kUnroll vectors, issuing all loads before the stores (more bytes in flight).
 // Gather: out[v] = src[index[row] * vpr + col] (or fill); scatter: out[index[row] * vpr + col] = src[v].
+// Lead blocks (grid y): block l reads src + l * src_lead and writes out + l * out_lead (in vectors); the index
+// is shared by all blocks.
 template <bool kScatter, typename V, typename I>
 __global__ void __launch_bounds__(kThreads) move_rows_kernel(V* __restrict__ out, const V* __restrict__ src,
                                                              const int64_t* __restrict__ index, I n_vec, I vpr,
-                                                             V fill) {
+                                                             V fill, int64_t lead, int64_t out_lead,
+                                                             int64_t src_lead) {
   const I base = static_cast<I>(blockIdx.x) * (kThreads * kUnroll) + threadIdx.x;
-  V vals[kUnroll];
-  int64_t dst[kUnroll];
+  for (int64_t l = blockIdx.y; l < lead; l += gridDim.y) {
+    V* __restrict__ o = out + l * out_lead;
+    const V* __restrict__ s = src + l * src_lead;
+    V vals[kUnroll];
+    int64_t dst[kUnroll];
 #pragma unroll
-  for (int k = 0; k < kUnroll; ++k) {
-    const I v = base + k * kThreads;
-    dst[k] = -1;
-    if (v < n_vec) {
-      const I row = v / vpr;
-      const I col = v - row * vpr;
-      const int64_t r = __ldg(index + row);
-      if (kScatter) {
-        if (r >= 0) {
-          vals[k] = src[v];
-          dst[k] = r * vpr + col;
+    for (int k = 0; k < kUnroll; ++k) {
+      const I v = base + k * kThreads;
+      dst[k] = -1;
+      if (v < n_vec) {
+        const I row = v / vpr;
+        const I col = v - row * vpr;
+        const int64_t r = __ldg(index + row);
+        if (kScatter) {
+          if (r >= 0) {
+            vals[k] = s[v];
+            dst[k] = r * vpr + col;
+          }
+        } else {
+          vals[k] = r >= 0 ? s[r * vpr + col] : fill;
+          dst[k] = v;
         }
-      } else {
-        vals[k] = r >= 0 ? src[r * vpr + col] : fill;
-        dst[k] = v;
       }
     }
-  }
 #pragma unroll
-  for (int k = 0; k < kUnroll; ++k)
-    if (dst[k] >= 0) out[dst[k]] = vals[k];
+    for (int k = 0; k < kUnroll; ++k)
+      if (dst[k] >= 0) o[dst[k]] = vals[k];
+  }
 }
 
+// n_rows: rows per lead block that the kernel walks (out rows for a gather, src rows for a scatter);
+// out_rows: rows of each output block.
 template <bool kScatter, int VW>
 void launch_move(void* out, const void* src, const int64_t* index, int64_t n_rows, int64_t row_bytes,
-                 const Fill16& f, cudaStream_t stream) {
+                 const Fill16& f, int64_t lead, int64_t out_rows, int64_t src_lead_bytes, cudaStream_t stream) {
   using V = typename VecT<VW>::type;
   const int64_t vpr = row_bytes / VW;
   const int64_t n_vec = n_rows * vpr;
-  if (n_vec == 0) return;
+  if (n_vec == 0 || lead == 0) return;
   V fill;
   memcpy(&fill, &f, sizeof(V));
   const int64_t blocks = (n_vec + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(lead < 65535 ? lead : 65535));
+  const int64_t out_lead = out_rows * vpr, src_lead = src_lead_bytes / VW;
   if (n_vec < (int64_t(1) << 31))
-    move_rows_kernel<kScatter, V, uint32_t><<<blocks, kThreads, 0, stream>>>(
+    move_rows_kernel<kScatter, V, uint32_t><<<grid, kThreads, 0, stream>>>(
         static_cast<V*>(out), static_cast<const V*>(src), index, static_cast<uint32_t>(n_vec),
-        static_cast<uint32_t>(vpr), fill);
+        static_cast<uint32_t>(vpr), fill, lead, out_lead, src_lead);
   else
-    move_rows_kernel<kScatter, V, int64_t><<<blocks, kThreads, 0, stream>>>(
-        static_cast<V*>(out), static_cast<const V*>(src), index, n_vec, vpr, fill);
+    move_rows_kernel<kScatter, V, int64_t><<<grid, kThreads, 0, stream>>>(
+        static_cast<V*>(out), static_cast<const V*>(src), index, n_vec, vpr, fill, lead, out_lead, src_lead);
   PC_CUDA_LAUNCH_CHECK();
 }
 
+// Widest vector (16, 8, 4, 2 or 1 bytes) that divides the row, both base pointers and the lead stride.
 template <bool kScatter>
 void move_rows(void* out, const void* src, const int64_t* index, int64_t n_rows, int64_t row_bytes,
-               const Fill16& f, cudaStream_t stream) {
+               const Fill16& f, int64_t lead, int64_t out_rows, int64_t src_lead_bytes, cudaStream_t stream) {
   auto aligned = [&](int w) {
     return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(out) % w == 0 &&
-           reinterpret_cast<uintptr_t>(src) % w == 0;
+           reinterpret_cast<uintptr_t>(src) % w == 0 && (lead <= 1 || src_lead_bytes % w == 0);
   };
-  if (aligned(16)) launch_move<kScatter, 16>(out, src, index, n_rows, row_bytes, f, stream);
-  else if (aligned(8)) launch_move<kScatter, 8>(out, src, index, n_rows, row_bytes, f, stream);
-  else if (aligned(4)) launch_move<kScatter, 4>(out, src, index, n_rows, row_bytes, f, stream);
-  else if (aligned(2)) launch_move<kScatter, 2>(out, src, index, n_rows, row_bytes, f, stream);
-  else launch_move<kScatter, 1>(out, src, index, n_rows, row_bytes, f, stream);
+  if (aligned(16)) launch_move<kScatter, 16>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes, stream);
+  else if (aligned(8)) launch_move<kScatter, 8>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes, stream);
+  else if (aligned(4)) launch_move<kScatter, 4>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes, stream);
+  else if (aligned(2)) launch_move<kScatter, 2>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes, stream);
+  else launch_move<kScatter, 1>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes, stream);
 }
 
 __global__ void invert_index_kernel(int64_t* inv, const int64_t* index, int64_t n_index) {
@@ -147,14 +159,15 @@ __global__ void __launch_bounds__(kThreads) mask_indices_kernel(int64_t* out, co
 }  // namespace
 
 void gather_rows_cuda(void* out, const void* src, const int64_t* index, int64_t n_out, int64_t row_bytes,
-                      uint64_t fill_elem, int elem_size, cudaStream_t stream) {
-  move_rows<false>(out, src, index, n_out, row_bytes, replicate_fill(fill_elem, elem_size), stream);
+                      uint64_t fill_elem, int elem_size, cudaStream_t stream, int64_t lead, int64_t src_lead_bytes) {
+  move_rows<false>(out, src, index, n_out, row_bytes, replicate_fill(fill_elem, elem_size), lead, n_out,
+                   src_lead_bytes, stream);
 }
 
 void scatter_rows_cuda(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
-                       int64_t row_bytes, cudaStream_t stream) {
-  if (n_out > 0) PC_CUDA_CHECK(cudaMemsetAsync(out, 0, n_out * row_bytes, stream));
-  move_rows<true>(out, src, index, n_src, row_bytes, Fill16{0, 0}, stream);
+                       int64_t row_bytes, cudaStream_t stream, int64_t lead, int64_t src_lead_bytes) {
+  if (n_out > 0 && lead > 0) PC_CUDA_CHECK(cudaMemsetAsync(out, 0, lead * n_out * row_bytes, stream));
+  move_rows<true>(out, src, index, n_src, row_bytes, Fill16{0, 0}, lead, n_out, src_lead_bytes, stream);
 }
 
 void invert_index_cuda(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index, cudaStream_t stream) {

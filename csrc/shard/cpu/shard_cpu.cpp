@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "shard/shard.h"
@@ -10,6 +11,7 @@ HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t ran
                         int64_t bucket) {
   HostLayout h;
   h.total = cu[nseq];
+  h.cu_padded.reserve(nseq + 2);
   h.cu_padded.resize(nseq + 1);
   h.cu_padded[0] = 0;
   for (int64_t i = 0; i < nseq; ++i) {
@@ -28,27 +30,46 @@ HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t ran
   const int64_t nseg = static_cast<int64_t>(h.cu_padded.size()) - 1;
   h.total_local = h.total_padded / cp;
   h.cu_local.resize(nseg + 1);
-  h.pieces.push_back(0);
+  // sized up front and written by index (push_back costs several times more on this per-batch host path)
+  const int64_t max_pieces = layout == kZigzag ? 2 * nseg : nseg;
+  h.pieces.resize(max_pieces + 1);
+  h.piece_offset.resize(max_pieces);
+  h.piece_seq.resize(max_pieces);
+  int64_t* pieces = h.pieces.data();
+  int64_t* piece_offset = h.piece_offset.data();
+  int64_t* piece_seq = h.piece_seq.data();
+  const int64_t* cu_padded = h.cu_padded.data();
+  int64_t* cu_local = h.cu_local.data();
+  pieces[0] = 0;
+  int64_t np = 0;
   if (layout == kZigzag) {
-    for (int64_t i = 0; i <= nseg; ++i) h.cu_local[i] = h.cu_padded[i] / cp;
+    // segment i holds 2*h_i local rows, so cu_local[i] = cu_padded[i] / cp accumulates without dividing
+    const int64_t first = zigzag_rank_chunk(rank, cp, 0), second = zigzag_rank_chunk(rank, cp, 1);
+    cu_local[0] = 0;
     for (int64_t i = 0; i < nseg; ++i) {
-      const int64_t hc = zigzag_half_chunk(h.cu_padded[i + 1] - h.cu_padded[i], cp);
-      for (int which = 0; which < 2; ++which) {
-        h.piece_offset.push_back(zigzag_rank_chunk(rank, cp, which) * hc);
-        h.piece_seq.push_back(i);
-        h.pieces.push_back(h.pieces.back() + hc);
-      }
+      const int64_t hc = zigzag_half_chunk(cu_padded[i + 1] - cu_padded[i], cp);
+      cu_local[i + 1] = cu_local[i] + 2 * hc;
+      piece_offset[np] = first * hc;
+      piece_offset[np + 1] = second * hc;
+      piece_seq[np] = piece_seq[np + 1] = i;
+      pieces[np + 1] = cu_local[i] + hc;
+      pieces[np + 2] = cu_local[i + 1];
+      np += 2;
     }
   } else {
     const int64_t lo = contiguous_window_begin(rank, h.total_local), hi = lo + h.total_local;
-    for (int64_t i = 0; i <= nseg; ++i) h.cu_local[i] = std::clamp(h.cu_padded[i], lo, hi) - lo;
+    for (int64_t i = 0; i <= nseg; ++i) cu_local[i] = std::clamp(cu_padded[i], lo, hi) - lo;
     for (int64_t i = 0; i < nseg; ++i) {
-      const int64_t a = std::max(h.cu_padded[i], lo), b = std::min(h.cu_padded[i + 1], hi);
+      const int64_t a = std::max(cu_padded[i], lo), b = std::min(cu_padded[i + 1], hi);
       if (a >= b) continue;
-      h.piece_offset.push_back(a - h.cu_padded[i]);
-      h.piece_seq.push_back(i);
-      h.pieces.push_back(h.pieces.back() + (b - a));
+      piece_offset[np] = a - cu_padded[i];
+      piece_seq[np] = i;
+      pieces[np + 1] = pieces[np] + (b - a);
+      ++np;
     }
+    h.pieces.resize(np + 1);
+    h.piece_offset.resize(np);
+    h.piece_seq.resize(np);
   }
   return h;
 }
@@ -62,6 +83,18 @@ void plan_index_cpu(int64_t* index, int64_t* position, int64_t* label_index, int
     position[s] = src.position;
     label_index[s] = src.label_row;
   }
+}
+
+void plan_tables_cpu(const PlanTables& p) {
+  for (int64_t s = 0; s < p.total_local; ++s) {
+    const SlotSource src = local_slot_source(p.cu, p.nseq, p.pieces, p.piece_offset, p.piece_seq, p.npieces, s);
+    p.index[s] = src.row;
+    p.position[s] = src.position;
+    p.label_index[s] = src.label_row;
+  }
+  for (int64_t k = 0; k < p.npieces; ++k) p.piece_offset_wide[k] = p.piece_offset[k];
+  for (int c = 0; c < PlanTables::kCopies; ++c)
+    if (p.copy_n[c] > 0) std::memcpy(p.copy_dst[c], p.copy_src[c], p.copy_n[c] * sizeof(int32_t));
 }
 
 void unshard_index_cpu(int64_t* out, int64_t total, const int64_t* cu, int64_t nseq, const int64_t* cu_padded,

@@ -22,6 +22,24 @@ __global__ void plan_index_kernel(int64_t* __restrict__ index, int64_t* __restri
   }
 }
 
+// The same tables from the packed int32 metadata, plus the widened piece offsets and the int32 copies, over
+// max(total_local, npieces, copy sizes) items in one launch.
+__global__ void plan_tables_kernel(const PlanTables p, int64_t n_items) {
+  for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < n_items;
+       s += int64_t(gridDim.x) * blockDim.x) {
+    if (s < p.total_local) {
+      const SlotSource src = local_slot_source(p.cu, p.nseq, p.pieces, p.piece_offset, p.piece_seq, p.npieces, s);
+      p.index[s] = src.row;
+      p.position[s] = src.position;
+      p.label_index[s] = src.label_row;
+    }
+    if (s < p.npieces) p.piece_offset_wide[s] = p.piece_offset[s];
+#pragma unroll
+    for (int c = 0; c < PlanTables::kCopies; ++c)
+      if (s < p.copy_n[c]) p.copy_dst[c][s] = p.copy_src[c][s];
+  }
+}
+
 __global__ void unshard_index_kernel(int64_t* __restrict__ out, int64_t total, const int64_t* __restrict__ cu,
                                      int64_t nseq, const int64_t* __restrict__ cu_padded, int64_t cp, int layout,
                                      int64_t total_local) {
@@ -37,6 +55,14 @@ void plan_index_cuda(int64_t* index, int64_t* position, int64_t* label_index, in
   if (total_local == 0) return;
   plan_index_kernel<<<cuda::grid_for(total_local, kThreads), kThreads, 0, stream>>>(
       index, position, label_index, total_local, cu, nseq, pieces, piece_offset, piece_seq, npieces);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+void plan_tables_cuda(const PlanTables& p, cudaStream_t stream) {
+  int64_t n_items = p.total_local > p.npieces ? p.total_local : p.npieces;
+  for (int c = 0; c < PlanTables::kCopies; ++c) n_items = p.copy_n[c] > n_items ? p.copy_n[c] : n_items;
+  if (n_items == 0) return;
+  plan_tables_kernel<<<cuda::grid_for(n_items, kThreads), kThreads, 0, stream>>>(p, n_items);
   PC_CUDA_LAUNCH_CHECK();
 }
 
