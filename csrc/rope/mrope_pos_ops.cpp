@@ -137,7 +137,7 @@ std::string error_message(int64_t key, const Grids& g, int64_t merge, const std:
 // Host work per call, kept small because on CUDA it is most of the op's latency: the host metadata is read in
 // place (no conversions), the block table is written straight into the buffer that goes to the device (pinned:
 // cu_seqlens and the table travel in ONE non-blocking copy) and every allocation goes through the C shim's
-// empty_strided. On CPU the kernels read a host vector.
+// empty_strided (new_tensor). On CPU the kernels read a host vector.
 std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, Tensor cu_seqlens,
                                                               Tensor image_grid_thw, Tensor video_grid_thw,
                                                               Tensor second_per_grid_ts, int64_t image_token_id,
@@ -152,7 +152,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
          image_token_id);
   if (!input_ids.is_contiguous()) input_ids = torch::stable::contiguous(input_ids);
   const int64_t total = input_ids.numel();
-  const Segments seg = segments(kOp, "cu_seqlens", cu_seqlens, input_ids.device(), total, /*upload=*/false);
+  const torch::stable::Device device = input_ids.device();
+  const Segments seg = segments(kOp, "cu_seqlens", cu_seqlens, device, total, /*upload=*/false);
   const bool cu_in_table = seg.on_host;
   const Grids g = read_grids(image_grid_thw, video_grid_thw, second_per_grid_ts, spatial_merge_size,
                              tokens_per_second);
@@ -171,27 +172,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
                                  per_frame, text_after_max);
   };
 
-  Tensor pos = empty_on(input_ids, {3, total}, ST::Long);
-  Tensor text_pos = empty_on(input_ids, {total}, ST::Long);
-  Tensor deltas = empty_on(input_ids, {seg.count}, ST::Long);
-  Tensor status = empty_on(input_ids, {1}, ST::Long);
+  Tensor pos = new_tensor({3, total}, ST::Long, device);
+  Tensor text_pos = new_tensor({total}, ST::Long, device);
+  Tensor deltas = new_tensor({seg.count}, ST::Long, device);
+  Tensor status = new_tensor({1}, ST::Long, device);
   const int esz = id_type == ST::Int ? 4 : 8;
 
   if (input_ids.is_cuda()) {
     PC_CUDA_ONLY({
       CudaScope cs(input_ids);
       // [table][arrival counter = 0]: the kernels' counter travels with the table (no memset).
-      Tensor staging = empty_pinned({L.size() + 1}, ST::Long);
+      Tensor staging = new_tensor({L.size() + 1}, ST::Long, torch::stable::Device(torch::headeronly::DeviceType::CPU),
+                                  /*pinned=*/true);
       int64_t* host = staging.mutable_data_ptr<int64_t>();
       fill(host);
       host[L.size()] = 0;
-      Tensor table = empty_on(input_ids, {L.size() + 1}, ST::Long);
-      copy_async(table, staging);  // the one host-to-device copy (non-blocking; no sync)
+      Tensor table = new_tensor({L.size() + 1}, ST::Long, device);
+      copy_into(table, staging, /*non_blocking=*/true);  // the one host-to-device copy (no sync)
       int64_t* tp = table.mutable_data_ptr<int64_t>();
       const rope::MRopeTables tb =
           L.tables(tp, cu_in_table ? tp : seg.ptr(), seg.count, image_token_id, video_token_id);
       const size_t ws = rope::mrope_pos_cuda_workspace(total, seg.count);
-      Tensor work = empty_on(input_ids, {static_cast<int64_t>(ws)}, ST::Byte);
+      Tensor work = new_tensor({static_cast<int64_t>(ws)}, ST::Byte, device);
       rope::mrope_pos_cuda(pos.mutable_data_ptr<int64_t>(), text_pos.mutable_data_ptr<int64_t>(),
                            deltas.mutable_data_ptr<int64_t>(), status.mutable_data_ptr<int64_t>(),
                            work.mutable_data_ptr(), ws, tp + L.size(), input_ids.const_data_ptr(), esz, total, tb,

@@ -213,53 +213,6 @@ torch::stable::Device target_device(const Tensor& meta, const std::optional<torc
   return meta.device();
 }
 
-namespace {
-int32_t shim_dtype(ST t) {
-  switch (t) {
-    case ST::Byte: return aoti_torch_dtype_uint8();
-    case ST::Int: return aoti_torch_dtype_int32();
-    case ST::Long: return aoti_torch_dtype_int64();
-    case ST::Float: return aoti_torch_dtype_float32();
-    default: throw std::invalid_argument(detail::cat("packcuda: empty_on does not support ", dtype_name(t)));
-  }
-}
-
-Tensor empty_strided_shim(std::initializer_list<int64_t> sizes, ST dtype, int32_t device_type, int32_t index,
-                          bool pinned) {
-  int64_t sz[8], st[8];
-  const int64_t nd = static_cast<int64_t>(sizes.size());
-  int64_t i = 0;
-  for (int64_t v : sizes) sz[i++] = v;
-  int64_t acc = 1;
-  for (int64_t d = nd - 1; d >= 0; --d) {
-    st[d] = acc;
-    acc *= sz[d] > 1 ? sz[d] : 1;
-  }
-  AtenTensorHandle h = nullptr;
-  if (pinned) {
-    TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided_pinned(nd, sz, st, shim_dtype(dtype), device_type, index, &h));
-  } else {
-    TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(nd, sz, st, shim_dtype(dtype), device_type, index, &h));
-  }
-  return Tensor(h);
-}
-}  // namespace
-
-Tensor empty_on(const Tensor& like, std::initializer_list<int64_t> sizes, ST dtype) {
-  int32_t type = 0, index = 0;
-  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &type));
-  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &index));
-  return empty_strided_shim(sizes, dtype, type, index, false);
-}
-
-Tensor empty_pinned(std::initializer_list<int64_t> sizes, ST dtype) {
-  return empty_strided_shim(sizes, dtype, aoti_torch_device_type_cpu(), 0, true);
-}
-
-void copy_async(Tensor& dst, const Tensor& src) {
-  TORCH_ERROR_CODE_CHECK(aoti_torch_copy_(dst.get(), src.get(), /*non_blocking=*/1));
-}
-
 cudaStream_t current_stream(int32_t device_index) {
 #ifdef USE_CUDA
   void* stream = nullptr;

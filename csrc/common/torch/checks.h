@@ -93,14 +93,6 @@ void check_index_range(const char* op, const char* name, const Tensor& index, in
 // The device outputs go to: `device` when given, else the metadata's device.
 torch::stable::Device target_device(const Tensor& meta, const std::optional<torch::stable::Device>& device);
 
-// Uninitialized contiguous tensor of `sizes` on the device of `like` (or pinned host memory), allocated through
-// the C shim's empty_strided: no dispatcher lookup by name, the cheapest allocation the stable ABI offers. For
-// ops whose host time per call matters.
-Tensor empty_on(const Tensor& like, std::initializer_list<int64_t> sizes, ST dtype);
-Tensor empty_pinned(std::initializer_list<int64_t> sizes, ST dtype);
-// dst.copy_(src, non_blocking=true) through the C shim (a pinned host source is copied asynchronously).
-void copy_async(Tensor& dst, const Tensor& src);
-
 #ifdef USE_CUDA
 #define PC_CUDA_ONLY(...) __VA_ARGS__
 #else
