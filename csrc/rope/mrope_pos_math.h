@@ -158,9 +158,9 @@ PC_HD void mrope_positions(int64_t p[3], int ty, int64_t t, int64_t a, const MRo
   const int64_t* row = tb.blocks_of(m) + k * kBlockCols;
   const int64_t h = row[kH], w = row[kW];
   const int64_t off = t - b0;
-  const int64_t ti = off / (h * w);
+  const int64_t ti = div_nonneg(off, h * w);
   const int64_t r = off - ti * (h * w);
-  const int64_t hi = r / w;
+  const int64_t hi = div_nonneg(r, w);
   p[0] = s + temporal_index(ti, interval_of(row));
   p[1] = s + hi;
   p[2] = s + (r - hi * w);

@@ -26,13 +26,6 @@ enum Layout : int { kZigzag = 0, kContiguous = 1 };
 
 // ---- per-segment sizes ------------------------------------------------------------------------------
 
-// a / b for a >= 0, b > 0, with a 32-bit divide when both fit (the layout divides every sequence length, and
-// a 64-bit divide costs several times more); the same quotient either way.
-PC_HD int64_t div_nonneg(int64_t a, int64_t b) {
-  if (((a | b) >> 32) == 0) return static_cast<int64_t>(static_cast<uint32_t>(a) / static_cast<uint32_t>(b));
-  return a / b;
-}
-
 // Padded length of a sequence of `len` real tokens (round_up(len, align)).
 PC_HD int64_t padded_length(int64_t len, int64_t align) { return div_nonneg(len + align - 1, align) * align; }
 
