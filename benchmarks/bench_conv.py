@@ -124,8 +124,43 @@ def run_exchange(quick=False) -> list[dict]:
     lens = [rng.randint(64, 1024) for _ in range(nseq)]
     cu = _cu(lens)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    t = Timer(dev, warmup=5, reps=20 if quick else 100)
+    n_back, trials = (10, 5) if quick else (100, 21)
+
+    def loop_ms(fn):
+        """Per-op time of n back-to-back calls between two CUDA events (median over trials, after a barrier):
+        steady-state cost in a training loop, each rank launching without waiting for the other."""
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(trials):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            dist.barrier()
+            if dev.type == "cuda":
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(n_back):
+                    fn()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e) / n_back)
+            else:
+                import time as _time
+
+                t0 = _time.perf_counter()
+                for _ in range(n_back):
+                    fn()
+                times.append((_time.perf_counter() - t0) * 1e3 / n_back)
+        times.sort()
+        return times[len(times) // 2]
+
+    class _T:
+        median_ms = staticmethod(loop_ms)
+
+    t = _T()
     rows, notes = [], []
+    notes.append(f"Exchange times: {n_back} back-to-back calls between two CUDA events, median of {trials} trials "
+                 "after a barrier (the same method for every row).")
     for layout in ("zigzag", "contiguous"):
         plan = packcuda.shard_plan(cu, world, rank, layout=layout, device=dev)
         x = torch.randn(plan.total_local, C, device=dev, dtype=dtype)
@@ -136,6 +171,24 @@ def run_exchange(quick=False) -> list[dict]:
             packcuda.conv_prefix(x, plan, K, backend=be)  # warm-up: comm creation, peer connections
             dist.barrier()
             res[be] = t.median_ms(lambda: packcuda.conv_prefix(x, plan, K, backend=be))
+        if "nccl" in res:  # device time alone: 20 exchanges captured in a CUDA graph, replayed
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        packcuda.conv_prefix(x, plan, K, backend="nccl")
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                dist.barrier()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(20):
+                        packcuda.conv_prefix(x, plan, K, backend="nccl")
+                torch.cuda.synchronize()
+                res["nccl, CUDA graph"] = t.median_ms(graph.replay) / 20
+            except Exception as e:  # pragma: no cover
+                notes.append(f"CUDA-graph exchange row skipped ({type(e).__name__}: {e}).")
         # bare send/recv of the same rows
         sb = x.new_empty(sum(sched.send_counts), C)
         rb = x.new_empty(sum(sched.recv_counts), C)
@@ -196,11 +249,11 @@ def run_exchange(quick=False) -> list[dict]:
     return rows, notes
 
 
-def run(quick=False, device=None, write=False) -> list[dict]:
+def run(quick=False, device=None, write=False, exchange_only=False) -> list[dict]:
     """Rows of both tables; `write` records them (the one-command report records its own table)."""
     import torch.distributed as dist
 
-    rows, notes = run_conv(quick, device)
+    rows, notes = ([], []) if exchange_only else run_conv(quick, device)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() >= 2:
         xr, xn = run_exchange(quick)
@@ -209,7 +262,7 @@ def run(quick=False, device=None, write=False) -> list[dict]:
         rows += xr
     elif dev.type == "cuda":
         notes.append("exchange rows need `torch distributed launch`: torchrun --nproc_per_node=2 benchmarks/bench_conv.py")
-    if write and (not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0):
+    if write and not exchange_only and (not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0):
         record("causal_conv1d fwd+bwd (varlen, silu)", [r for r in rows if not r["op"].startswith("conv_prefix")],
                device=dev, notes=" ".join(notes), write=not quick)
     return rows
@@ -225,7 +278,7 @@ if __name__ == "__main__":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
         try:
-            run(quick=quick, write=True)
+            run(quick=quick, write=True, exchange_only="--exchange-only" in sys.argv)
         finally:
             dist.destroy_process_group()
     else:

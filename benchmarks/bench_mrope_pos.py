@@ -98,6 +98,14 @@ def run(quick: bool = False, device=None) -> list[dict]:
     shape = f"{n} samples, T={T}, {len(images)} images, {len(videos)} videos"
     t_fast = timer.median_ms(lambda: packcuda.mrope_position_ids(ids, cu, validate=False, **kw))
     t_val = timer.median_ms(lambda: packcuda.mrope_position_ids(ids, cu, validate=True, **kw))
+    # the same host metadata as CPU tensors (what HF processors return for the grids): no list conversion
+    kw_t = dict(kw, image_grid_thw=torch.tensor(images, dtype=torch.int64).reshape(-1, 3),
+                video_grid_thw=torch.tensor(videos, dtype=torch.int64).reshape(-1, 3),
+                second_per_grid_ts=torch.tensor(secs, dtype=torch.float32))
+    cu_t = torch.tensor(cu, dtype=torch.int64)
+    p_t = packcuda.mrope_position_ids(ids, cu_t, validate=False, **kw_t)
+    assert all(torch.equal(a, b) for a, b in zip(p_t, (pos, text_pos, deltas)))
+    t_tensors = timer.median_ms(lambda: packcuda.mrope_position_ids(ids, cu_t, validate=False, **kw_t))
 
     baseline, hf_ms = "n/a (transformers not installed)", float("nan")
     try:
@@ -125,7 +133,8 @@ def run(quick: bool = False, device=None) -> list[dict]:
         hf_ms = Timer(dev, warmup=1, reps=3).median_ms(hf_all)
         baseline = "transformers get_rope_index per sample"
     for op, t in [("mrope_position_ids (validate=False, no sync)", t_fast),
-                  ("mrope_position_ids (validate=True, one sync)", t_val)]:
+                  ("mrope_position_ids (validate=True, one sync)", t_val),
+                  ("mrope_position_ids (validate=False, grids/cu_seqlens as CPU tensors)", t_tensors)]:
         rows.append(dict(op=op, shape=shape, packcuda_ms=t, baseline=baseline, baseline_ms=hf_ms,
                          speedup=hf_ms / t, us_per_batch=1e3 * t))
     if not cpu:
