@@ -44,15 +44,15 @@ Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, co
          "], got ", K);
   PC_ARG(activation == 0 || activation == 1, op, "activation must be 0 (none) or 1 (silu), got ", activation);
   Prepared p;
-  p.x = torch::stable::contiguous(x_in);
-  p.weight = torch::stable::contiguous(weight_in);
+  p.x = dense(x_in);
+  p.weight = dense(weight_in);
   if (bias.has_value()) {
     const Tensor& b = *bias;
     check_same_device(op, "bias", b, "x", x_in);
     PC_ARG(b.dim() == 1 && b.size(0) == C, op, "bias must be [C] with C = ", C, ", got ", shape_str(b));
     PC_ARG(b.scalar_type() == x_in.scalar_type(), op, "bias has dtype ", dtype_name(b.scalar_type()),
            " but x has dtype ", dtype_name(x_in.scalar_type()));
-    p.bias = torch::stable::contiguous(b);
+    p.bias = dense(b);
   }
   int64_t nseg = 1;
   if (cu_seqlens.has_value()) {
@@ -69,7 +69,7 @@ Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, co
            "prefix must be [S, K-1, C] = [", nseg, ", ", K - 1, ", ", C, "], got ", shape_str(pf));
     PC_ARG(pf.scalar_type() == x_in.scalar_type(), op, "prefix has dtype ", dtype_name(pf.scalar_type()),
            " but x has dtype ", dtype_name(x_in.scalar_type()));
-    p.prefix = torch::stable::contiguous(pf);
+    p.prefix = dense(pf);
   }
   ConvArgs& a = p.a;
   a.x = p.x.const_data_ptr();
@@ -89,7 +89,7 @@ Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, co
 Tensor causal_conv1d_fwd(Tensor x, Tensor weight, std::optional<Tensor> bias, std::optional<Tensor> cu_seqlens,
                          std::optional<Tensor> prefix, int64_t activation) {
   Prepared p = prepare("causal_conv1d", x, weight, bias, cu_seqlens, prefix, activation);
-  Tensor y = torch::stable::new_empty(p.x, {p.a.T, p.a.C});
+  Tensor y = new_like(p.x, {p.a.T, p.a.C});
   if (p.a.T == 0 || p.a.C == 0) return y;
   if (x.is_cuda()) {
     PC_CUDA_ONLY({
@@ -113,26 +113,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor dy, Tensor x
          shape_str(x), ", got ", shape_str(dy));
   PC_ARG(dy.scalar_type() == x.scalar_type(), op, "grad_y has dtype ", dtype_name(dy.scalar_type()),
          " but x has dtype ", dtype_name(x.scalar_type()));
-  dy = torch::stable::contiguous(dy);
+  dy = dense(dy);
   const conv::ConvArgs& a = p.a;
-  Tensor dx = torch::stable::new_empty(p.x, {a.T, a.C});
-  Tensor dw = torch::stable::new_empty(p.weight, {a.C, static_cast<int64_t>(a.K)});
-  Tensor db = torch::stable::new_empty(p.x, {a.C});
+  Tensor dx = new_like(p.x, {a.T, a.C});
+  Tensor dw = new_like(p.weight, {a.C, static_cast<int64_t>(a.K)});
+  Tensor db = new_like(p.x, {a.C});
   const int64_t S = p.prefix.has_value() ? a.nseg : 0;
-  Tensor dprefix = torch::stable::new_empty(p.x, {S, static_cast<int64_t>(a.K - 1), a.C});
+  Tensor dprefix = new_like(p.x, {S, static_cast<int64_t>(a.K - 1), a.C});
   const ST acc_t = a.dtype == DType::F64 ? ST::Double : ST::Float;
   if (x.is_cuda()) {
     PC_CUDA_ONLY({
       CudaScope cs(x);
       const int64_t tiles = conv::conv_bwd_tiles_cuda(a.T, a.C);
-      Tensor work = torch::stable::new_empty(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
+      Tensor work = new_like(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
       conv::causal_conv1d_bwd_cuda(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
                                    db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
                                    work.mutable_data_ptr(), tiles, cs.stream);
     });
   } else {
     const int64_t tiles = conv::conv_bwd_tiles_cpu(a.T);
-    Tensor work = torch::stable::new_empty(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
+    Tensor work = new_like(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
     conv::causal_conv1d_bwd_cpu(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
                                 db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
                                 work.mutable_data_ptr(), tiles);
@@ -153,13 +153,13 @@ Tensor conv_gather_sum(Tensor a, Tensor b, Tensor index) {
   check_same_device(op, "index", index, "a", a);
   check_dim(op, "index", index, 2);
   check_dtype(op, "index", index, {ST::Long});
-  a = torch::stable::contiguous(a);
-  b = torch::stable::contiguous(b);
-  index = torch::stable::contiguous(index);
+  a = dense(a);
+  b = dense(b);
+  index = dense(index);
   const int64_t na = a.size(0), nb = b.size(0), C = a.size(1), R = index.size(0);
   const int M = static_cast<int>(index.size(1));
   if (a.is_cpu()) check_index_range(op, "index", index, -1, na + nb, false);
-  Tensor out = torch::stable::new_empty(a, {R, C});
+  Tensor out = new_like(a, {R, C});
   if (R == 0 || C == 0) return out;
   const DType dt = conv_dtype(a.scalar_type());
   if (a.is_cuda()) {
@@ -219,7 +219,7 @@ int64_t conv_nccl_comm_init(Tensor unique_id, int64_t nranks, int64_t rank, int6
          "unique_id must be a CPU uint8 tensor of 128 bytes, got ", dtype_name(unique_id.scalar_type()), " ",
          shape_str(unique_id));
   PC_ARG(nranks >= 1 && rank >= 0 && rank < nranks, op, "rank ", rank, " is not in [0, ", nranks, ")");
-  unique_id = torch::stable::contiguous(unique_id);
+  unique_id = dense(unique_id);
   torch::stable::accelerator::DeviceGuard guard(static_cast<int32_t>(device_index));
   return reinterpret_cast<int64_t>(conv::nccl_comm_init(static_cast<const uint8_t*>(unique_id.const_data_ptr()),
                                                         static_cast<int>(nranks), static_cast<int>(rank)));
@@ -250,13 +250,13 @@ Tensor conv_exchange_nccl(Tensor src, Tensor send_index, std::vector<int64_t> se
     nr += recv_counts[p];
   }
   PC_ARG(send_index.numel() == ns, op, "send_index has ", send_index.numel(), " entries but send_counts sum to ", ns);
-  src = torch::stable::contiguous(src);
-  send_index = torch::stable::contiguous(send_index);
-  unpack_index = torch::stable::contiguous(unpack_index);
+  src = dense(src);
+  send_index = dense(send_index);
+  unpack_index = dense(unpack_index);
   const int64_t C = src.size(1);
   // one staging allocation: send rows, then received rows
-  Tensor staging = torch::stable::new_empty(src, {ns + nr, C});
-  Tensor out = torch::stable::new_empty(src, {unpack_index.size(0), C});
+  Tensor staging = new_like(src, {ns + nr, C});
+  Tensor out = new_like(src, {unpack_index.size(0), C});
   PC_CUDA_ONLY({
     CudaScope cs(src);
     char* send_ptr = static_cast<char*>(staging.mutable_data_ptr());

@@ -26,7 +26,7 @@ rope::Dtype rope_dtype(ST t) {
 // CUDA op are uploaded with a non-blocking copy (no sync).
 Tensor on_device(const Tensor& meta, const Tensor& data) {
   if (data.is_cpu() || !meta.is_cpu()) return meta;
-  return torch::stable::to(torch::stable::contiguous(meta), data.device(), /*non_blocking=*/true);
+  return torch::stable::to(dense(meta), data.device(), /*non_blocking=*/true);
 }
 
 struct Prepared {
@@ -120,7 +120,7 @@ Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor&
 
   Prepared p;
   p.positions = on_device(positions, q);
-  p.inv_freq = on_device(torch::stable::contiguous(inv_freq), q);
+  p.inv_freq = on_device(dense(inv_freq), q);
   rope::RopeArgs& a = p.args;
   a.dtype = rope_dtype(q.scalar_type());
   a.tokens = B * S;

@@ -90,6 +90,15 @@ Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stab
   return Tensor(h);
 }
 
+Tensor dense(const Tensor& t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
+
+Tensor new_like(const Tensor& like, const std::vector<int64_t>& sizes) {
+  return new_tensor(sizes, like.scalar_type(), like.device());
+}
+Tensor new_like(const Tensor& like, const std::vector<int64_t>& sizes, ST dtype) {
+  return new_tensor(sizes, dtype, like.device());
+}
+
 void copy_into(Tensor& dst, const Tensor& src, bool non_blocking) {
   TORCH_ERROR_CODE_CHECK(aoti_torch_copy_(dst.get(), src.get(), non_blocking ? 1 : 0));
 }

@@ -66,6 +66,11 @@ Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Devic
 // on per-call host paths). pinned: page-locked host memory from torch's caching host allocator (CPU only).
 Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stable::Device& device,
                   bool pinned = false);
+// `t` itself when it is already contiguous (one cheap query), else a contiguous copy.
+Tensor dense(const Tensor& t);
+// new_tensor on `like`'s device with `like`'s dtype (or `dtype`).
+Tensor new_like(const Tensor& like, const std::vector<int64_t>& sizes);
+Tensor new_like(const Tensor& like, const std::vector<int64_t>& sizes, ST dtype);
 // dst.copy_(src); with non_blocking and a pinned host source the copy is queued on the current stream and the
 // host allocator keeps the source alive until it has run.
 void copy_into(Tensor& dst, const Tensor& src, bool non_blocking);
