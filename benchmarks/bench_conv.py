@@ -154,10 +154,6 @@ def run_exchange(quick=False) -> list[dict]:
         times.sort()
         return times[len(times) // 2]
 
-    class _T:
-        median_ms = staticmethod(loop_ms)
-
-    t = _T()
     rows, notes = [], []
     notes.append(f"Exchange times: {n_back} back-to-back calls between two CUDA events, median of {trials} trials "
                  "after a barrier (the same method for every row).")
@@ -170,7 +166,7 @@ def run_exchange(quick=False) -> list[dict]:
         for be in backends:
             packcuda.conv_prefix(x, plan, K, backend=be)  # warm-up: comm creation, peer connections
             dist.barrier()
-            res[be] = t.median_ms(lambda: packcuda.conv_prefix(x, plan, K, backend=be))
+            res[be] = loop_ms(lambda: packcuda.conv_prefix(x, plan, K, backend=be))
         if "nccl" in res:  # device time alone: 20 exchanges captured in a CUDA graph, replayed
             try:
                 side = torch.cuda.Stream()
@@ -186,7 +182,7 @@ def run_exchange(quick=False) -> list[dict]:
                     for _ in range(20):
                         packcuda.conv_prefix(x, plan, K, backend="nccl")
                 torch.cuda.synchronize()
-                res["nccl, CUDA graph"] = t.median_ms(graph.replay) / 20
+                res["nccl, CUDA graph"] = loop_ms(graph.replay) / 20
             except Exception as e:  # pragma: no cover
                 notes.append(f"CUDA-graph exchange row skipped ({type(e).__name__}: {e}).")
         # bare send/recv of the same rows
@@ -208,7 +204,7 @@ def run_exchange(quick=False) -> list[dict]:
 
         bare()
         dist.barrier()
-        base = t.median_ms(bare)
+        base = loop_ms(bare)
         best = res.get("nccl", res["torch"])
         shape = f"{layout} cp={world} C={C} K={K} seqs={nseq} rows_in={sched.rows_moved}"
         for be, ms in res.items():
@@ -232,7 +228,7 @@ def run_exchange(quick=False) -> list[dict]:
             prep = CausalConv1dFunctionCP._prepare_initial_state_for_cp
             prep(xl, wt, fctx.cu_seqlens, fctx, dist.group.WORLD)
             dist.barrier()
-            ms = t.median_ms(lambda: prep(xl, wt, fctx.cu_seqlens, fctx, dist.group.WORLD))
+            ms = loop_ms(lambda: prep(xl, wt, fctx.cu_seqlens, fctx, dist.group.WORLD))
             rows.append(dict(op="conv_prefix", shape=shape, packcuda_ms=best,
                              baseline=f"FLA prefix-state preparation ({layout} split of the pack)", baseline_ms=ms,
                              speedup=ms / best))
@@ -240,7 +236,7 @@ def run_exchange(quick=False) -> list[dict]:
                 tails = x[-(K - 1):].contiguous()
                 conv_cp_send_recv_fwd(tails, dist.group.WORLD)
                 dist.barrier()
-                ms = t.median_ms(lambda: conv_cp_send_recv_fwd(tails, dist.group.WORLD))
+                ms = loop_ms(lambda: conv_cp_send_recv_fwd(tails, dist.group.WORLD))
                 rows.append(dict(op="conv_prefix", shape=shape, packcuda_ms=best,
                                  baseline="FLA conv_cp_send_recv_fwd (bare all-gather of tails)", baseline_ms=ms,
                                  speedup=ms / best))

@@ -197,13 +197,11 @@ def _group_backend(group) -> str:
         return ""
 
 
-def _exchange(src, send_index, send_counts, recv_counts, unpack_index, group, rank, backend):
-    """One exchange: rows src[send_index] go to the peers, then out = gather_sum(src, received, unpack_index)."""
+def _exchange_torch(src, send_index, send_counts, recv_counts, unpack_index, group, rank):
+    """One exchange through torch.distributed: rows src[send_index] go to the peers, then
+    out = gather_sum(src, received, unpack_index)."""
     import torch.distributed as dist
 
-    if backend == "nccl":
-        comm = _nccl_comm(group, src.device)
-        return ops.conv_exchange_nccl(src, send_index, send_counts, recv_counts, unpack_index, comm, rank)
     C = src.shape[1]
     send_buf = ops.gather_rows(src, send_index, 0.0)
     recv_buf = src.new_empty((int(sum(recv_counts)), C))
@@ -308,14 +306,15 @@ class _PreparedCall:
     def __init__(self, sched, group, backend, device):
         self.sched, self.group, self.backend = sched, group, backend
         self.send_index, self.unpack, self.bwd_send_index, self.bwd_unpack = sched.on(device)
-        self.send_counts, self.recv_counts = list(sched.send_counts), list(sched.recv_counts)
+        self.send_counts, self.recv_counts = sched.send_counts, sched.recv_counts
         self.comm = _nccl_comm(group, device) if backend == "nccl" else 0
         self.shape_tail = (sched.n_pieces, sched.kernel_size - 1)
 
     def _run(self, src, send_index, send_counts, recv_counts, unpack):
         if self.backend == "nccl":
-            return _exchange_nccl(src, send_index, send_counts, recv_counts, unpack, self.comm, self.sched.rank)
-        return _exchange(src, send_index, send_counts, recv_counts, unpack, self.group, self.sched.rank, "torch")
+            return ops.conv_exchange_nccl.default(src, send_index, send_counts, recv_counts, unpack, self.comm,
+                                                  self.sched.rank)
+        return _exchange_torch(src, send_index, send_counts, recv_counts, unpack, self.group, self.sched.rank)
 
     def forward(self, x_local):
         out = self._run(x_local.contiguous(), self.send_index, self.send_counts, self.recv_counts, self.unpack)
@@ -325,10 +324,6 @@ class _PreparedCall:
         g = grad.reshape(self.shape_tail[0] * self.shape_tail[1], grad.shape[-1]).contiguous()
         # every rank runs the mirror exchange, even when it has nothing to send or receive
         return self._run(g, self.bwd_send_index, self.recv_counts, self.send_counts, self.bwd_unpack)
-
-
-def _exchange_nccl(src, send_index, send_counts, recv_counts, unpack, comm, rank):
-    return ops.conv_exchange_nccl.default(src, send_index, send_counts, recv_counts, unpack, comm, rank)
 
 
 _NCCL_BUILT: Optional[bool] = None

@@ -267,6 +267,20 @@ def test_causal_conv1d_host_metadata_does_not_sync():
 
 
 # ------------------------------------------------------------------------------------ conv-prefix exchange
+def _unsharded_case(plan, seed, C, K, act):
+    """Random fp64 (X [Tp, C], w, b, output gradient G) on the global padded stream of ``plan`` and the
+    unsharded reference over it, split at cu_seqlens_padded: (X, w, b, G, y, dX, dw, db)."""
+    g = torch.Generator().manual_seed(seed)
+    Tp = plan.total_padded
+    X = torch.randn(Tp, C, generator=g, dtype=torch.float64)
+    w = torch.randn(C, K, generator=g, dtype=torch.float64)
+    b = torch.randn(C, generator=g, dtype=torch.float64)
+    G = torch.randn(Tp, C, generator=g, dtype=torch.float64)
+    Xr, wr, br = (t.clone().requires_grad_() for t in (X, w, b))
+    yr = ref.causal_conv1d(Xr, wr, br, plan.cu_seqlens_padded_host, None, act)
+    return (X, w, b, G, yr, *torch.autograd.grad(yr, (Xr, wr, br), G))
+
+
 def _local_padded_rows(plan):
     """Global padded row of every local slot of `plan` (from its pieces)."""
     rows = []
@@ -313,16 +327,8 @@ def _dist_worker(rank, world, init, results):
             group = groups[cp]
             cu = _cu(lens)
             plan = packcuda.shard_plan(cu, cp, rank, layout=layout, bucket=bucket)
-            g = torch.Generator().manual_seed(ci)
-            Tp, C = plan.total_padded, 3
-            X = torch.randn(Tp, C, generator=g, dtype=torch.float64)
-            w = torch.randn(C, K, generator=g, dtype=torch.float64)
-            b = torch.randn(C, generator=g, dtype=torch.float64)
-            G = torch.randn(Tp, C, generator=g, dtype=torch.float64)
-            # unsharded reference over the global padded stream, split at cu_seqlens_padded
-            Xr, wr, br = (t.clone().requires_grad_() for t in (X, w, b))
-            yr = ref.causal_conv1d(Xr, wr, br, plan.cu_seqlens_padded_host, None, act)
-            dXr, dwr, dbr = torch.autograd.grad(yr, (Xr, wr, br), G)
+            C = 3
+            X, w, b, G, yr, dXr, dwr, dbr = _unsharded_case(plan, ci, C, K, act)
             rows = _local_padded_rows(plan)
             xl = X[rows].clone().requires_grad_()
             wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
@@ -443,15 +449,7 @@ def _nccl_worker(rank, world, init, results):
             if cp != world:
                 continue
             plan = packcuda.shard_plan(_cu(lens), cp, rank, layout=layout, bucket=bucket, device=dev)
-            g = torch.Generator().manual_seed(ci)
-            Tp, C = plan.total_padded, 5
-            X = torch.randn(Tp, C, generator=g, dtype=torch.float64)
-            w = torch.randn(C, K, generator=g, dtype=torch.float64)
-            b = torch.randn(C, generator=g, dtype=torch.float64)
-            G = torch.randn(Tp, C, generator=g, dtype=torch.float64)
-            Xr, wr, br = (t.clone().requires_grad_() for t in (X, w, b))
-            yr = ref.causal_conv1d(Xr, wr, br, plan.cu_seqlens_padded_host, None, act)
-            dXr, dwr, dbr = torch.autograd.grad(yr, (Xr, wr, br), G)
+            X, w, b, G, yr, dXr, dwr, dbr = _unsharded_case(plan, ci, 5, K, act)
             rows = _local_padded_rows(plan)
             for backend in ("nccl", "torch"):
                 xl = X[rows].to(dev).requires_grad_()
