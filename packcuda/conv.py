@@ -9,6 +9,7 @@ equals the unsharded conv on this rank's slots, values and gradients.
 from __future__ import annotations
 
 import os
+import weakref
 
 from typing import Optional
 
@@ -300,30 +301,67 @@ def conv_prefix(
     return call.forward(x_local)
 
 
+def _first_rows(index: torch.Tensor, counts) -> list:
+    """Per peer: the first row when the peer's rows of ``index`` (grouped by peer) are consecutive, else -1."""
+    out, o = [], 0
+    for c in counts:
+        seg = index[o:o + c]
+        o += c
+        if c > 0 and bool((seg == torch.arange(int(seg[0]), int(seg[0]) + c)).all()):
+            out.append(int(seg[0]))
+        else:
+            out.append(-1)
+    return out
+
+
 class _PreparedCall:
-    """The resolved exchange of one (plan, kernel size, group, device, backend)."""
+    """The resolved exchange of one (plan, kernel size, group, device, backend). On the NCCL path both
+    directions are prepared once on the C++ side (schedule tensors, counts, communicator, output shape; peers
+    whose rows are consecutive are sent straight from the source, without a pack kernel), so a call is one op
+    with one tensor and a handle."""
 
     def __init__(self, sched, group, backend, device):
         self.sched, self.group, self.backend = sched, group, backend
         self.send_index, self.unpack, self.bwd_send_index, self.bwd_unpack = sched.on(device)
         self.send_counts, self.recv_counts = sched.send_counts, sched.recv_counts
         self.comm = _nccl_comm(group, device) if backend == "nccl" else 0
-        self.shape_tail = (sched.n_pieces, sched.kernel_size - 1)
-
-    def _run(self, src, send_index, send_counts, recv_counts, unpack):
-        if self.backend == "nccl":
-            return ops.conv_exchange_nccl.default(src, send_index, send_counts, recv_counts, unpack, self.comm,
-                                                  self.sched.rank)
-        return _exchange_torch(src, send_index, send_counts, recv_counts, unpack, self.group, self.sched.rank)
+        S, K1 = sched.n_pieces, sched.kernel_size - 1
+        self.shape_tail = (S, K1)
+        self.handles = None
+        if backend == "nccl":
+            fwd = ops.conv_exchange_prepare.default(
+                self.send_index, self.send_counts, self.recv_counts,
+                _first_rows(sched.send_index, self.send_counts), self.unpack, self.comm, sched.rank,
+                sched.n_local, [S, K1])
+            bwd = ops.conv_exchange_prepare.default(
+                self.bwd_send_index, self.recv_counts, self.send_counts,
+                _first_rows(sched.bwd_send_index, self.recv_counts), self.bwd_unpack, self.comm, sched.rank,
+                S * K1, [sched.n_local])
+            self.handles = (fwd, bwd)
+            weakref.finalize(self, _release_exchanges, fwd, bwd)
 
     def forward(self, x_local):
-        out = self._run(x_local.contiguous(), self.send_index, self.send_counts, self.recv_counts, self.unpack)
+        if self.handles is not None:
+            return ops.conv_exchange_run.default(x_local, self.handles[0])
+        out = _exchange_torch(x_local.contiguous(), self.send_index, self.send_counts, self.recv_counts,
+                              self.unpack, self.group, self.sched.rank)
         return out.view(*self.shape_tail, x_local.shape[1])
 
     def backward(self, grad):
-        g = grad.reshape(self.shape_tail[0] * self.shape_tail[1], grad.shape[-1]).contiguous()
         # every rank runs the mirror exchange, even when it has nothing to send or receive
-        return self._run(g, self.bwd_send_index, self.recv_counts, self.send_counts, self.bwd_unpack)
+        if self.handles is not None:
+            return ops.conv_exchange_run.default(grad, self.handles[1])
+        g = grad.reshape(self.shape_tail[0] * self.shape_tail[1], grad.shape[-1]).contiguous()
+        return _exchange_torch(g, self.bwd_send_index, self.recv_counts, self.send_counts, self.bwd_unpack,
+                               self.group, self.sched.rank)
+
+
+def _release_exchanges(*handles):
+    for h in handles:
+        try:
+            ops.conv_exchange_release.default(h)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
 
 _NCCL_BUILT: Optional[bool] = None

@@ -436,6 +436,50 @@ def test_bad_conv_prefix_arguments(tmp_path):
         torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 2, 0, 4, None, 4)
 
 
+def test_bad_prepared_exchange():
+    """The prepared exchange (the NCCL path's per-call op) checks its arguments when it is prepared."""
+    ops = torch.ops.packcuda
+    idx, unpack = torch.zeros(0, dtype=torch.int64), torch.zeros(4, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="send_index must be a CUDA tensor"):
+        ops.conv_exchange_prepare(idx, [0, 0], [0, 0], [-1, -1], unpack, 1, 0, 8, [2, 2])
+    ops.conv_exchange_release(123456)  # unknown handles: nothing to release
+    if HAS_CUDA:
+        idx, unpack = idx.cuda(), unpack.cuda()
+        with pytest.raises(ValueError, match="send_counts, recv_counts and send_first must have cp entries"):
+            ops.conv_exchange_prepare(idx, [0, 0], [0, 0], [-1], unpack, 1, 0, 8, [2, 2])
+        with pytest.raises(ValueError, match="out_lead 2 dims hold 6 rows but unpack_index has 4"):
+            ops.conv_exchange_prepare(idx, [0, 0], [0, 0], [-1, -1], unpack, 1, 0, 8, [2, 3])
+        with pytest.raises(ValueError, match="runs past the 8 source rows"):
+            ops.conv_exchange_prepare(torch.zeros(3, dtype=torch.int64, device="cuda"), [0, 3], [0, 0], [0, 6],
+                                      unpack, 1, 0, 8, [2, 2])
+        with pytest.raises(ValueError, match="unknown or released handle"):
+            ops.conv_exchange_run(torch.zeros(8, 2, device="cuda"), 987654)
+
+
+@requires_cuda
+@pytest.mark.skipif(not (HAS_CUDA and bool(torch.ops.packcuda.conv_nccl_available())), reason="built without NCCL")
+def test_prepared_exchange_one_rank():
+    """One GPU, a one-rank communicator: the prepared exchange's unpack of local rows and zero rows, the output
+    shape, the row-count check and release."""
+    ops = torch.ops.packcuda
+    comm = ops.conv_nccl_comm_init(ops.conv_nccl_unique_id(), 1, 0, torch.cuda.current_device())
+    x = torch.randn(8, 5, device="cuda", dtype=torch.bfloat16)
+    rows = torch.tensor([3, -1, 0, 7, 7, -1], device="cuda")
+    h = ops.conv_exchange_prepare(torch.zeros(0, dtype=torch.int64, device="cuda"), [0], [0], [-1], rows[:, None],
+                                  comm, 0, 8, [2, 3])
+    try:
+        out = ops.conv_exchange_run(x, h)
+        want = torch.where(rows[:, None] >= 0, x[rows.clamp(min=0)], torch.zeros_like(x[:1]))
+        assert out.shape == (2, 3, 5) and torch.equal(out.view(6, 5), want)
+        assert torch.equal(ops.conv_exchange_run(x.view(2, 4, 5), h), out)  # any [..., C] holding 8 rows
+        with pytest.raises(ValueError, match="src has 7 rows but the exchange was prepared for 8"):
+            ops.conv_exchange_run(x[:7], h)
+    finally:
+        ops.conv_exchange_release(h)
+    with pytest.raises(ValueError, match="unknown or released handle"):
+        ops.conv_exchange_run(x, h)
+
+
 # ------------------------------------------------------------------------------------ two GPUs, NCCL
 def _nccl_worker(rank, world, init, results):
     import torch.distributed as dist

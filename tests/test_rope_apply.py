@@ -484,3 +484,29 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cuda_wide_heads_and_tiles(dtype, inplace):
+    """The CUDA walk over (token, head, chunk) items: very wide heads (more 16-byte chunks per head than a
+    block has threads, the largest cos/sin table), partial rotary (the copied channels), head counts that do
+    not divide the block, tiles cut short at the end; against the fp64 reference."""
+    g = _seed("wide", str(dtype), inplace)
+    for T, Hq, Hk, D, rd, section in [(3, 1, 1, 8192, 8192, None), (5, 2, 1, 4096, 2048, [300, 400, 324]),
+                                      (37, 7, 3, 256, 64, [11, 11, 10]), (1029, 5, 1, 128, 128, [16, 24, 24])]:
+        q = torch.randn(T, Hq, D, generator=g).to(dtype)
+        k = torch.randn(T, Hk, D, generator=g).to(dtype)
+        pos = _positions(T, section is not None, g)
+        inv = _inv(1e4, rd)
+        wq, wk = ref.apply_rope(q, k, pos, inv, rd, section, section is not None)
+        kw = dict(inv_freq=inv, rotary_dim=rd, mrope_section=section, mrope_interleaved=section is not None)
+        if inplace:
+            qo, ko = q.cuda(), k.cuda()
+            packcuda.apply_rope_(qo, ko, pos, **kw)
+        else:
+            qo, ko = packcuda.apply_rope(q.cuda(), k.cuda(), pos, **kw)
+        scale = float(max(q.abs().max(), k.abs().max()))
+        _assert_close_ulp(qo, wq, dtype, scale, 4.0)
+        _assert_close_ulp(ko, wk, dtype, scale, 4.0)

@@ -96,5 +96,15 @@ void exchange_rows_nccl(const void* src, int64_t n_src, const int64_t* send_inde
                         const int64_t* recv_counts, void* send_buf, void* recv_buf, const int64_t* unpack_index,
                         int M, void* out, int64_t n_out, int64_t C, DType dtype, int64_t cp, int64_t rank,
                         ncclComm_t comm, cudaStream_t stream);
+// The same with direct sends: when send_first (host, cp entries) is given and send_first[p] >= 0 for every peer
+// p that is sent rows, peer p's rows are the consecutive src rows [send_first[p], send_first[p] +
+// send_counts[p]) and go out straight from src: no pack kernel, and send_buf is not used (may be null).
+// Otherwise (or with send_first = nullptr) every send is packed as above.
+void exchange_rows_nccl(const void* src, int64_t n_src, const int64_t* send_index, const int64_t* send_counts,
+                        const int64_t* recv_counts, const int64_t* send_first, void* send_buf, void* recv_buf,
+                        const int64_t* unpack_index, int M, void* out, int64_t n_out, int64_t C, DType dtype,
+                        int64_t cp, int64_t rank, ncclComm_t comm, cudaStream_t stream);
+// True when exchange_rows_nccl with this send_first sends every row straight from src.
+bool sends_direct(const int64_t* send_counts, const int64_t* send_first, int64_t cp, int64_t rank);
 
 }  // namespace packcuda::conv

@@ -1,5 +1,7 @@
 // Torch layer of the causal conv1d and the conv-prefix exchange: schemas, argument checks, dispatch.
 #include <cstring>
+#include <memory>
+#include <mutex>
 
 #include "common/torch/checks.h"
 #include "conv/conv.h"
@@ -270,6 +272,121 @@ Tensor conv_exchange_nccl(Tensor src, Tensor send_index, std::vector<int64_t> se
   });
   return out;
 }
+
+// Prepared exchanges: one direction of a cached conv-prefix call (schedule tensors, counts, communicator,
+// output shape), kept here so that a call passes one tensor and one handle: the per-call host path is the
+// argument check, two allocations, the kernels and the NCCL group. Handles live until released (the Python
+// call object releases its own); the registry itself is never destroyed, so nothing runs at process exit.
+struct Exchange {
+  Tensor send_index, unpack;
+  std::vector<int64_t> send_counts, recv_counts, send_first, out_lead;
+  int64_t n_src = 0, n_send = 0, n_recv = 0, comm = 0, rank = 0;
+  bool direct = false;
+};
+
+std::mutex& exchange_mutex() {
+  static std::mutex* m = new std::mutex();
+  return *m;
+}
+std::vector<std::unique_ptr<Exchange>>& exchanges() {
+  static auto* v = new std::vector<std::unique_ptr<Exchange>>();
+  return *v;
+}
+
+int64_t conv_exchange_prepare(Tensor send_index, std::vector<int64_t> send_counts, std::vector<int64_t> recv_counts,
+                              std::vector<int64_t> send_first, Tensor unpack_index, int64_t comm, int64_t rank,
+                              int64_t n_src, std::vector<int64_t> out_lead) {
+  const char* op = "conv_exchange_prepare";
+  PC_ARG(send_index.is_cuda(), op, "send_index must be a CUDA tensor, got ", device_str(send_index));
+  check_same_device(op, "unpack_index", unpack_index, "send_index", send_index);
+  check_dtype(op, "send_index", send_index, {ST::Long});
+  check_dtype(op, "unpack_index", unpack_index, {ST::Long});
+  check_dim(op, "unpack_index", unpack_index, 2);
+  const int64_t cp = static_cast<int64_t>(send_counts.size());
+  PC_ARG(static_cast<int64_t>(recv_counts.size()) == cp && static_cast<int64_t>(send_first.size()) == cp, op,
+         "send_counts, recv_counts and send_first must have cp entries each, got ", cp, ", ", recv_counts.size(),
+         ", ", send_first.size());
+  PC_ARG(rank >= 0 && rank < cp, op, "rank ", rank, " is not in [0, ", cp, ")");
+  PC_ARG(comm != 0, op, "comm must be a communicator handle (from conv_nccl_comm_init), got 0");
+  PC_ARG(n_src >= 0, op, "n_src must be >= 0, got ", n_src);
+  auto e = std::make_unique<Exchange>();
+  for (int64_t p = 0; p < cp; ++p) {
+    PC_ARG(send_counts[p] >= 0 && recv_counts[p] >= 0, op, "counts must be >= 0");
+    PC_ARG(send_first[p] < 0 || send_first[p] + send_counts[p] <= n_src, op, "send_first[", p, "] = ",
+           send_first[p], " with ", send_counts[p], " rows runs past the ", n_src, " source rows");
+    e->n_send += send_counts[p];
+    e->n_recv += recv_counts[p];
+  }
+  PC_ARG(send_index.numel() == e->n_send, op, "send_index has ", send_index.numel(),
+         " entries but send_counts sum to ", e->n_send);
+  int64_t lead = 1;
+  for (int64_t d : out_lead) {
+    PC_ARG(d >= 0, op, "out_lead entries must be >= 0");
+    lead *= d;
+  }
+  PC_ARG(lead == unpack_index.size(0), op, "out_lead ", out_lead.size(), " dims hold ", lead,
+         " rows but unpack_index has ", unpack_index.size(0));
+  e->send_index = dense(send_index);
+  e->unpack = dense(unpack_index);
+  e->direct = conv::sends_direct(send_counts.data(), send_first.data(), cp, rank);
+  e->send_counts = std::move(send_counts);
+  e->recv_counts = std::move(recv_counts);
+  e->send_first = std::move(send_first);
+  e->out_lead = std::move(out_lead);
+  e->n_src = n_src;
+  e->comm = comm;
+  e->rank = rank;
+  std::lock_guard<std::mutex> lock(exchange_mutex());
+  exchanges().push_back(std::move(e));
+  return static_cast<int64_t>(exchanges().size());
+}
+
+const Exchange& exchange_of(const char* op, int64_t handle) {
+  std::lock_guard<std::mutex> lock(exchange_mutex());
+  auto& v = exchanges();
+  PC_ARG(handle >= 1 && handle <= static_cast<int64_t>(v.size()) && v[handle - 1], op, "unknown or released handle ",
+         handle);
+  return *v[handle - 1];
+}
+
+void conv_exchange_release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(exchange_mutex());
+  auto& v = exchanges();
+  if (handle >= 1 && handle <= static_cast<int64_t>(v.size())) v[handle - 1].reset();
+}
+
+// Runs a prepared exchange on src [n_src, C] (or any [..., C] holding n_src rows); returns [*out_lead, C].
+Tensor conv_exchange_run(Tensor src, int64_t handle) {
+  const char* op = "conv_exchange_run";
+  const Exchange& e = exchange_of(op, handle);
+  PC_ARG(src.is_cuda(), op, "src must be a CUDA tensor, got ", device_str(src));
+  PC_ARG(src.dim() >= 2, op, "src must be [rows, C] (or [..., C]), got ", shape_str(src));
+  check_dtype(op, "src", src, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
+  check_same_device(op, "src", src, "the prepared exchange", e.send_index);
+  const int64_t C = src.size(src.dim() - 1);
+  PC_ARG(C == 0 || src.numel() / C == e.n_src, op, "src has ", C == 0 ? 0 : src.numel() / C,
+         " rows but the exchange was prepared for ", e.n_src);
+  src = dense(src);
+  std::vector<int64_t> out_sizes = e.out_lead;
+  out_sizes.push_back(C);
+  const int64_t n_stage = (e.direct ? 0 : e.n_send) + e.n_recv;
+  Tensor staging = new_like(src, {n_stage, C});
+  Tensor out = new_like(src, out_sizes);
+  PC_CUDA_ONLY({
+    CudaScope cs(src);
+    char* base = static_cast<char*>(staging.mutable_data_ptr());
+    const int64_t row_bytes = C * element_size(src.scalar_type());
+    char* send_ptr = e.direct ? nullptr : base;
+    char* recv_ptr = base + (e.direct ? 0 : e.n_send * row_bytes);
+    conv::exchange_rows_nccl(src.const_data_ptr(), e.n_src, e.send_index.const_data_ptr<int64_t>(),
+                             e.send_counts.data(), e.recv_counts.data(), e.send_first.data(), send_ptr, recv_ptr,
+                             e.unpack.const_data_ptr<int64_t>(), static_cast<int>(e.unpack.size(1)),
+                             out.mutable_data_ptr(), e.unpack.size(0), C, conv_dtype(src.scalar_type()),
+                             static_cast<int64_t>(e.send_counts.size()), e.rank,
+                             reinterpret_cast<ncclComm_t>(e.comm), cs.stream);
+  });
+  return out;
+}
 }  // namespace
 }  // namespace packcuda::th
 
@@ -286,12 +403,18 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def("conv_nccl_comm_init(Tensor unique_id, int nranks, int rank, int device_index) -> int");
   m.def("conv_exchange_nccl(Tensor src, Tensor send_index, int[] send_counts, int[] recv_counts, "
         "Tensor unpack_index, int comm, int rank) -> Tensor");
+  m.def("conv_exchange_prepare(Tensor send_index, int[] send_counts, int[] recv_counts, int[] send_first, "
+        "Tensor unpack_index, int comm, int rank, int n_src, int[] out_lead) -> int");
+  m.def("conv_exchange_run(Tensor src, int handle) -> Tensor");
+  m.def("conv_exchange_release(int handle) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
   m.impl("conv_nccl_available", TORCH_BOX(&packcuda::th::conv_nccl_available));
   m.impl("conv_nccl_unique_id", TORCH_BOX(&packcuda::th::conv_nccl_unique_id));
   m.impl("conv_nccl_comm_init", TORCH_BOX(&packcuda::th::conv_nccl_comm_init));
+  m.impl("conv_exchange_prepare", TORCH_BOX(&packcuda::th::conv_exchange_prepare));
+  m.impl("conv_exchange_release", TORCH_BOX(&packcuda::th::conv_exchange_release));
 }
 
 #define PC_CONV_IMPLS(m)                                                    \
@@ -307,5 +430,6 @@ STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
   PC_CONV_IMPLS(m)
   m.impl("conv_exchange_nccl", TORCH_BOX(&packcuda::th::conv_exchange_nccl));
+  m.impl("conv_exchange_run", TORCH_BOX(&packcuda::th::conv_exchange_run));
 }
 #endif

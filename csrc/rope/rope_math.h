@@ -56,16 +56,34 @@ PC_HD void rope_cos_sin(float angle, F scaling, bool inverse, F* c, F* s) {
 }
 
 // Rotation of one pair in the compute type: (lo, hi) -> (lo*c - hi*s, hi*c + lo*s).
+// On the GPU each output is one fused multiply-add over the other product rounded first, written out so that
+// every kernel instantiation (vector width, in place or not) rounds the same way; left to itself the compiler
+// may contract either product.
 template <typename F>
 PC_HD void rotate_pair(F lo, F hi, F c, F s, F* out_lo, F* out_hi) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(F) == 4) {
+    *out_lo = fmaf(lo, c, -__fmul_rn(hi, s));
+    *out_hi = fmaf(hi, c, __fmul_rn(lo, s));
+  } else {
+    *out_lo = fma(lo, c, -__dmul_rn(hi, s));
+    *out_hi = fma(hi, c, __dmul_rn(lo, s));
+  }
+#else
   *out_lo = lo * c - hi * s;
   *out_hi = hi * c + lo * s;
+#endif
 }
 
-// Offset (in elements) of token t of a [B, S, H, D] / [T, H, D] view: t = b * seq + s.
+// Token t of a [B, S, H, D] / [T, H, D] view is (b, s) = (t / seq, t % seq); its offset (in elements) is
+// b * stride_b + s * stride_s.
+struct TokenIndex {
+  int64_t b, s;
+  PC_HD TokenIndex(int64_t t, int64_t seq) : b(t < seq ? 0 : t / seq), s(t - b * seq) {}
+  PC_HD int64_t offset(int64_t stride_b, int64_t stride_s) const { return b * stride_b + s * stride_s; }
+};
 PC_HD int64_t token_offset(int64_t t, int64_t seq, int64_t stride_b, int64_t stride_s) {
-  const int64_t b = t / seq;
-  return b * stride_b + (t - b * seq) * stride_s;
+  return TokenIndex(t, seq).offset(stride_b, stride_s);
 }
 
 }  // namespace packcuda::rope

@@ -18,6 +18,12 @@ void exchange_rows_nccl(const void*, int64_t, const int64_t*, const int64_t*, co
                         cudaStream_t) {
   no_nccl();
 }
+void exchange_rows_nccl(const void*, int64_t, const int64_t*, const int64_t*, const int64_t*, const int64_t*, void*,
+                        void*, const int64_t*, int, void*, int64_t, int64_t, DType, int64_t, int64_t, ncclComm_t,
+                        cudaStream_t) {
+  no_nccl();
+}
+bool sends_direct(const int64_t*, const int64_t*, int64_t, int64_t) { return false; }
 
 }  // namespace packcuda::conv
 #endif

@@ -1,6 +1,11 @@
 // Fused rotary application on the GPU. Token-linear grid: a block takes a tile of tokens, computes cos/sin
 // of every (token, slot) once into shared memory, then rotates all Hq + Hk heads of q and k with vector
 // loads/stores along head_dim (16 bytes where alignment allows). No allocation, no sync.
+//
+// The pass is memory-bound, so the per-item instruction count decides how many loads stay in flight: each
+// thread keeps one vector chunk lane for the whole tile and walks the tile's (token, head) rows with a fixed
+// step (no per-item division), and the next row's loads are issued before the current row is rotated and
+// stored (one item always in flight per thread, besides the one being computed).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -12,9 +17,9 @@ namespace packcuda::rope {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kItemsPerBlock = 4096;   // target (token, head, chunk) items per block
+constexpr int kItemsPerBlock = 1024;   // target (token, head, chunk) items per block (H200 sweep: 1k-4k)
 constexpr int kMaxTokensPerBlock = 32;
-constexpr int kSmemBudget = 32 * 1024;
+constexpr int kSmemBudget = 16 * 1024;  // cos/sin table (more only when one token needs it)
 
 template <typename T> struct Cvt;
 template <> struct Cvt<double> {
@@ -43,54 +48,168 @@ struct alignas(ALIGN) Vec {
   T v[VE];
 };
 
+// (cos, sin) of one (token, slot).
+template <typename F>
+struct alignas(2 * sizeof(F)) CosSin {
+  F c, s;
+};
+
 struct TokenBase {
   int64_t q_in, q_out, k_in, k_out, pos;
 };
+
+// How the threads of a block cover the items (row = (token, head) of the tile, chunk) of one phase: thread
+// tid takes chunk lane tid % lanes and rows tid / lanes, + step, + 2 * step, ... (threads with
+// tid / lanes >= step idle); a row index advances by step = (dq tokens, dr heads).
+struct Walk {
+  int chunks;  // chunks per row
+  int lanes;   // min(chunks, kThreads)
+  int step;    // kThreads / lanes
+  int dq, dr;  // step / H, step % H
+};
+
+Walk make_walk(int chunks, int64_t H) {
+  Walk w;
+  w.chunks = chunks;
+  w.lanes = chunks < kThreads ? (chunks > 0 ? chunks : 1) : kThreads;
+  w.step = kThreads / w.lanes;
+  w.dq = static_cast<int>(w.step / H);
+  w.dr = static_cast<int>(w.step % H);
+  return w;
+}
 
 struct KParams {
   RopeArgs a;
   int64_t n;            // rotary_dim / 2
   int tok_per_block;
-  int chunks_rot;       // vector chunks per head that hold rotary pairs (neox: n / VE, gptj: rd / VE)
-  int chunks_pass;      // chunks per head of passthrough channels (0 when not copied)
+  Walk rot;             // rotary chunks: VE elements (neox: chunks of the first half, paired with the second)
+  Walk pass;            // passthrough channels (out-of-place only; chunks == 0 when not copied)
   bool pass_vec;        // passthrough chunks are vectors of VE elements (else single elements)
+  int cs_bytes;         // dynamic shared memory taken by the cos/sin table (16-byte multiple)
 };
 
-// One item = (local token, head over q then k, chunk). Loads for U items are issued before any store.
+// Advances a row cursor (tl, h) by one walk step.
+__device__ __forceinline__ void step_row(const Walk& w, int H, int& tl, int& h) {
+  tl += w.dq;
+  h += w.dr;
+  if (h >= H) {
+    h -= H;
+    ++tl;
+  }
+}
+
+// Runs load(tl, h, c, regs) / store(regs) over this thread's items of a walk; the next item's loads are issued
+// before the current item is stored.
+template <typename Regs, typename Load, typename Store>
+__device__ __forceinline__ void walk_rows(const Walk& w, int ntok, int H, Load load, Store store) {
+  const int r0 = threadIdx.x / w.lanes;
+  if (r0 >= w.step) return;
+  for (int c = threadIdx.x - r0 * w.lanes; c < w.chunks; c += w.lanes) {
+    int tl = r0 / H, h = r0 - (r0 / H) * H;
+    if (tl >= ntok) return;
+    Regs cur;
+    load(tl, h, c, cur);
+    for (;;) {
+      int tl2 = tl, h2 = h;
+      step_row(w, H, tl2, h2);
+      const bool more = tl2 < ntok;
+      Regs nxt;
+      if (more) load(tl2, h2, c, nxt);
+      store(cur);
+      if (!more) break;
+      cur = nxt;
+      tl = tl2;
+      h = h2;
+    }
+  }
+}
+
+// 16-byte asynchronous global -> shared copies (sm_80+; a plain copy before that). Each thread reads back only
+// what it staged itself, so waiting on its own copy groups is enough (no barrier).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *static_cast<int4*>(smem) = *static_cast<const int4*>(gmem);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// The staged walk: like walk_rows for one chunk lane per thread (lanes == chunks), but the loads of the next
+// kStages - 1 items are in flight in shared memory (not registers) while one item is consumed. start() issues
+// the first kStages - 1 (before the cos/sin phase, so the tile's first loads overlap it); run() the rest.
+constexpr int kStages = 4;
+struct StagedWalk {
+  int4* lo;  // [kStages][kThreads]
+  int4* hi;  // [kStages][kThreads] (neox partner chunks)
+  int c, itl, ih, ctl, ch;
+  bool active;
+
+  template <bool TWO, typename Src>
+  __device__ __forceinline__ void issue(const Walk& w, int ntok, int H, int slot, Src src) {
+    if (itl < ntok) {
+      const void *a, *b;
+      src(itl, ih, c, a, b);
+      cp_async16(lo + slot * kThreads + threadIdx.x, a);
+      if (TWO) cp_async16(hi + slot * kThreads + threadIdx.x, b);
+      step_row(w, H, itl, ih);
+    }
+    cp_async_commit();
+  }
+  template <bool TWO, typename Src>
+  __device__ __forceinline__ void start(const Walk& w, int ntok, int H, int4* stage, Src src) {
+    lo = stage;
+    hi = stage + kStages * kThreads;
+    const int r0 = threadIdx.x / w.lanes;
+    active = r0 < w.step;
+    c = threadIdx.x - r0 * w.lanes;
+    itl = ctl = r0 / H;
+    ih = ch = r0 - (r0 / H) * H;
+    if (!active) itl = ctl = ntok;
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) issue<TWO>(w, ntok, H, s, src);
+  }
+  template <bool TWO, typename Src, typename Consume>
+  __device__ __forceinline__ void run(const Walk& w, int ntok, int H, Src src, Consume consume) {
+    for (int k = 0; ctl < ntok; ++k) {
+      issue<TWO>(w, ntok, H, (k + kStages - 1) % kStages, src);
+      cp_async_wait<kStages - 1>();
+      const int slot = k % kStages;
+      consume(ctl, ch, c, lo + slot * kThreads + threadIdx.x, hi + slot * kThreads + threadIdx.x);
+      step_row(w, H, ctl, ch);
+    }
+    cp_async_wait<0>();
+  }
+};
+
 template <typename T, int VE, int ALIGN, bool GPTJ>
 __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
   using V = Vec<T, VE, ALIGN>;
   using F = typename Cvt<T>::F;  // compute type
+  constexpr int NS = GPTJ ? (VE >= 2 ? VE / 2 : 1) : VE;  // frequency slots per chunk (gptj needs VE >= 2)
+  constexpr bool kStaged = ALIGN == 16 && VE * sizeof(T) == 16;
   const RopeArgs& a = p.a;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  F* cs = reinterpret_cast<F*>(smem_raw);  // [tok_per_block][n][2] = (cos, sin)
+  // cos/sin of slot j = c * NS + m of local token tl at [(tl * NS + m) * chunks + c]: the lanes of a warp
+  // (consecutive chunks c) read consecutive pairs. The staged walk's buffers follow (p.cs_bytes on).
+  CosSin<F>* cs = reinterpret_cast<CosSin<F>*>(smem_raw);
   __shared__ TokenBase base[kMaxTokensPerBlock];
 
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * p.tok_per_block;
   const int ntok = static_cast<int>(min(static_cast<int64_t>(p.tok_per_block), a.tokens - t0));
   const int n = static_cast<int>(p.n);
-
-  // 1. the tile's token base offsets, then cos/sin of every (token, slot) of the tile.
-  for (int tl = threadIdx.x; tl < ntok; tl += kThreads) {
-    const int64_t t = t0 + tl;
-    base[tl] = TokenBase{token_offset(t, a.seq, a.q.in_sb, a.q.in_ss), token_offset(t, a.seq, a.q.out_sb, a.q.out_ss),
-                         token_offset(t, a.seq, a.k.in_sb, a.k.in_ss), token_offset(t, a.seq, a.k.out_sb, a.k.out_ss),
-                         token_offset(t, a.seq, a.pos_sb, a.pos_ss)};
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < ntok * n; i += kThreads) {
-    const int tl = i / n, j = i - tl * n;
-    const int r = slot_axis(j, a.layout, a.section[0], a.section[1], a.section[2]);
-    const int64_t off = r * a.pos_row_stride + base[tl].pos;
-    const int64_t pos = a.pos_int64 ? __ldg(static_cast<const long long*>(a.pos) + off)
-                                    : __ldg(static_cast<const int*>(a.pos) + off);
-    F c, s;
-    rope_cos_sin(rope_angle(pos, __ldg(a.inv_freq + j)), static_cast<F>(a.scaling), a.inverse, &c, &s);
-    cs[2 * i] = c;
-    cs[2 * i + 1] = s;
-  }
-  __syncthreads();
-
+  const int cpr = p.rot.chunks;
   const int H = static_cast<int>(a.q.heads + a.k.heads);
   const int hq = static_cast<int>(a.q.heads);
   // No __restrict__: in place, q.in == q.out. Every element is read and then written by one thread only.
@@ -98,110 +217,135 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
   const T* kin = static_cast<const T*>(a.k.in);
   T* qout = static_cast<T*>(a.q.out);
   T* kout = static_cast<T*>(a.k.out);
+  // row (tl, h) -> input / output pointers of the head
+  auto row_in = [&](int tl, int h) {
+    return h < hq ? qin + base[tl].q_in + h * a.q.in_sh : kin + base[tl].k_in + (h - hq) * a.k.in_sh;
+  };
+  auto row_out = [&](int tl, int h) {
+    return h < hq ? qout + base[tl].q_out + h * a.q.out_sh : kout + base[tl].k_out + (h - hq) * a.k.out_sh;
+  };
+  const int hoff = GPTJ ? 0 : n;  // neox: the partner chunk sits n channels later
+  auto src_of = [&](int tl, int h, int c, const void*& lo, const void*& hi) {
+    const T* s = row_in(tl, h) + c * VE;
+    lo = s;
+    hi = s + hoff;
+  };
 
-  // 2. rotary chunks
-  constexpr int U = 2;
-  const int cpr = p.chunks_rot;
-  const int items = ntok * H * cpr;
-  for (int b0 = threadIdx.x; b0 < items; b0 += U * kThreads) {
-    V lo[U], hi[U];
-    const T* src[U];
-    T* dst[U];
-    int slot0[U], tl_[U];
-    bool ok[U];
+  // 1. the tile's token base offsets; the staged walk's first loads; cos/sin of every (token, slot) of the tile.
+  for (int tl = threadIdx.x; tl < ntok; tl += kThreads) {
+    const TokenIndex ti(t0 + tl, a.seq);
+    base[tl] = TokenBase{ti.offset(a.q.in_sb, a.q.in_ss), ti.offset(a.q.out_sb, a.q.out_ss),
+                         ti.offset(a.k.in_sb, a.k.in_ss), ti.offset(a.k.out_sb, a.k.out_ss),
+                         ti.offset(a.pos_sb, a.pos_ss)};
+  }
+  __syncthreads();
+  StagedWalk sw;
+  const bool staged = kStaged && p.rot.lanes == p.rot.chunks;
+  if (kStaged && staged)
+    sw.start<!GPTJ>(p.rot, ntok, H, reinterpret_cast<int4*>(smem_raw + p.cs_bytes), src_of);
+  for (int i = threadIdx.x; i < ntok * n; i += kThreads) {
+    const int tl = i / n, j = i - tl * n;
+    const int c = j / NS, m = j - c * NS;
+    const int r = slot_axis(j, a.layout, a.section[0], a.section[1], a.section[2]);
+    const int64_t off = r * a.pos_row_stride + base[tl].pos;
+    const int64_t pos = a.pos_int64 ? __ldg(static_cast<const long long*>(a.pos) + off)
+                                    : __ldg(static_cast<const int*>(a.pos) + off);
+    CosSin<F> w;
+    rope_cos_sin(rope_angle(pos, __ldg(a.inv_freq + j)), static_cast<F>(a.scaling), a.inverse, &w.c, &w.s);
+    cs[(tl * NS + m) * cpr + c] = w;
+  }
+  __syncthreads();
+
+  // 2. rotary chunks: rotate (lo, hi) of row (tl, h), chunk c, and store.
+  auto rotate_store = [&](int tl, int h, int c, const V& lo, const V& hi) {
+    const CosSin<F>* w = cs + tl * NS * cpr + c;
+    T* dst = row_out(tl, h) + c * VE;
+    if (GPTJ) {
+      V y;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int it = b0 + u * kThreads;
-      ok[u] = it < items;
-      if (!ok[u]) continue;
-      const int c = it % cpr;
-      const int rest = it / cpr;
-      const int h = rest % H;
-      const int tl = rest / H;
-      tl_[u] = tl;
-      const bool isq = h < hq;
-      const int hh = isq ? h : h - hq;
-      src[u] = isq ? qin + base[tl].q_in + hh * a.q.in_sh : kin + base[tl].k_in + hh * a.k.in_sh;
-      dst[u] = isq ? qout + base[tl].q_out + hh * a.q.out_sh : kout + base[tl].k_out + hh * a.k.out_sh;
-      if (GPTJ) {
-        slot0[u] = c * (VE / 2);
-        lo[u] = *reinterpret_cast<const V*>(src[u] + c * VE);
-      } else {
-        slot0[u] = c * VE;
-        lo[u] = *reinterpret_cast<const V*>(src[u] + c * VE);
-        hi[u] = *reinterpret_cast<const V*>(src[u] + n + c * VE);
+      for (int m = 0; m < NS; ++m) {
+        const CosSin<F> cw = w[m * cpr];
+        F o0, o1;
+        rotate_pair<F>(Cvt<T>::load(lo.v[2 * m]), Cvt<T>::load(lo.v[2 * m + 1]), cw.c, cw.s, &o0, &o1);
+        y.v[2 * m] = Cvt<T>::store(o0);
+        y.v[2 * m + 1] = Cvt<T>::store(o1);
       }
-    }
+      *reinterpret_cast<V*>(dst) = y;
+    } else {
+      V ylo, yhi;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (!ok[u]) continue;
-      const F* csr = cs + 2 * (tl_[u] * n + slot0[u]);
-      if (GPTJ) {
-        V y;
-#pragma unroll
-        for (int m = 0; m < VE / 2; ++m) {
-          F o0, o1;
-          rotate_pair<F>(Cvt<T>::load(lo[u].v[2 * m]), Cvt<T>::load(lo[u].v[2 * m + 1]), csr[2 * m], csr[2 * m + 1],
-                         &o0, &o1);
-          y.v[2 * m] = Cvt<T>::store(o0);
-          y.v[2 * m + 1] = Cvt<T>::store(o1);
-        }
-        *reinterpret_cast<V*>(dst[u] + (slot0[u] * 2)) = y;
-      } else {
-        V ylo, yhi;
-#pragma unroll
-        for (int m = 0; m < VE; ++m) {
-          F o0, o1;
-          rotate_pair<F>(Cvt<T>::load(lo[u].v[m]), Cvt<T>::load(hi[u].v[m]), csr[2 * m], csr[2 * m + 1], &o0, &o1);
-          ylo.v[m] = Cvt<T>::store(o0);
-          yhi.v[m] = Cvt<T>::store(o1);
-        }
-        *reinterpret_cast<V*>(dst[u] + slot0[u]) = ylo;
-        *reinterpret_cast<V*>(dst[u] + n + slot0[u]) = yhi;
+      for (int m = 0; m < NS; ++m) {
+        const CosSin<F> cw = w[m * cpr];
+        F o0, o1;
+        rotate_pair<F>(Cvt<T>::load(lo.v[m]), Cvt<T>::load(hi.v[m]), cw.c, cw.s, &o0, &o1);
+        ylo.v[m] = Cvt<T>::store(o0);
+        yhi.v[m] = Cvt<T>::store(o1);
       }
+      *reinterpret_cast<V*>(dst) = ylo;
+      *reinterpret_cast<V*>(dst + hoff) = yhi;
     }
+  };
+  if (kStaged && staged) {
+    sw.run<!GPTJ>(p.rot, ntok, H, src_of, [&](int tl, int h, int c, const int4* lo, const int4* hi) {
+      V l = *reinterpret_cast<const V*>(lo), hh;
+      if (!GPTJ) hh = *reinterpret_cast<const V*>(hi);
+      rotate_store(tl, h, c, l, hh);
+    });
+  } else {
+    struct Rot {
+      V lo, hi;
+      int tl, h, c;
+    };
+    walk_rows<Rot>(
+        p.rot, ntok, H,
+        [&](int tl, int h, int c, Rot& r) {
+          const T* src = row_in(tl, h) + c * VE;
+          r.lo = *reinterpret_cast<const V*>(src);
+          if (!GPTJ) r.hi = *reinterpret_cast<const V*>(src + hoff);
+          r.tl = tl;
+          r.h = h;
+          r.c = c;
+        },
+        [&](const Rot& r) { rotate_store(r.tl, r.h, r.c, r.lo, r.hi); });
   }
 
-  // 3. passthrough channels (out-of-place only): plain copies, PU independent loads in flight per thread
-  //    before any store (a copy has no math to hide the load latency behind).
-  const int cpp = p.chunks_pass;
-  if (cpp == 0) return;
+  // 3. passthrough channels (out-of-place only): plain copies.
+  if (p.pass.chunks == 0) return;
   const int rd = static_cast<int>(a.rotary_dim);
-  const int pitems = ntok * H * cpp;
-  constexpr int PU = 4;
-  for (int b0 = threadIdx.x; b0 < pitems; b0 += PU * kThreads) {
-    const T* ps[PU];
-    T* pd[PU];
-    V pv[PU];
-    T pe[PU];
-#pragma unroll
-    for (int u = 0; u < PU; ++u) {
-      const int it = b0 + u * kThreads;
-      if (it >= pitems) continue;
-      const int c = it % cpp;
-      const int rest = it / cpp;
-      const int h = rest % H;
-      const int tl = rest / H;
-      const bool isq = h < hq;
-      const int hh = isq ? h : h - hq;
-      ps[u] = isq ? qin + base[tl].q_in + hh * a.q.in_sh : kin + base[tl].k_in + hh * a.k.in_sh;
-      pd[u] = isq ? qout + base[tl].q_out + hh * a.q.out_sh : kout + base[tl].k_out + hh * a.k.out_sh;
-      if (p.pass_vec) {
-        ps[u] += rd + c * VE;
-        pd[u] += rd + c * VE;
-        pv[u] = *reinterpret_cast<const V*>(ps[u]);
-      } else {
-        ps[u] += rd + c;
-        pd[u] += rd + c;
-        pe[u] = *ps[u];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < PU; ++u) {
-      if (b0 + u * kThreads >= pitems) continue;
-      if (p.pass_vec) *reinterpret_cast<V*>(pd[u]) = pv[u];
-      else *pd[u] = pe[u];
-    }
+  if (kStaged && p.pass_vec && p.pass.lanes == p.pass.chunks) {
+    // staged like the rotary chunks (this thread's own stage slots are free again: run() waited for them)
+    auto psrc = [&](int tl, int h, int c, const void*& lo, const void*& hi) {
+      lo = hi = row_in(tl, h) + rd + c * VE;
+    };
+    StagedWalk pw;
+    pw.start<false>(p.pass, ntok, H, reinterpret_cast<int4*>(smem_raw + p.cs_bytes), psrc);
+    pw.run<false>(p.pass, ntok, H, psrc, [&](int tl, int h, int c, const int4* v, const int4*) {
+      *reinterpret_cast<int4*>(row_out(tl, h) + rd + c * VE) = *v;
+    });
+  } else if (p.pass_vec) {
+    struct Pass {
+      V v;
+      T* dst;
+    };
+    walk_rows<Pass>(
+        p.pass, ntok, H,
+        [&](int tl, int h, int c, Pass& r) {
+          r.v = *reinterpret_cast<const V*>(row_in(tl, h) + rd + c * VE);
+          r.dst = row_out(tl, h) + rd + c * VE;
+        },
+        [&](const Pass& r) { *reinterpret_cast<V*>(r.dst) = r.v; });
+  } else {
+    struct Pass1 {
+      T v;
+      T* dst;
+    };
+    walk_rows<Pass1>(
+        p.pass, ntok, H,
+        [&](int tl, int h, int c, Pass1& r) {
+          r.v = row_in(tl, h)[rd + c];
+          r.dst = row_out(tl, h) + rd + c;
+        },
+        [&](const Pass1& r) { *r.dst = r.v; });
   }
 }
 
@@ -217,22 +361,29 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   KParams p;
   p.a = a;
   p.n = a.rotary_dim / 2;
-  p.chunks_rot = static_cast<int>(GPTJ ? a.rotary_dim / VE : p.n / VE);
+  const int64_t H = a.q.heads + a.k.heads;
+  const int chunks_rot = static_cast<int>(GPTJ ? a.rotary_dim / VE : p.n / VE);
   const int64_t npass = a.copy_passthrough ? a.head_dim - a.rotary_dim : 0;
   p.pass_vec = npass % VE == 0;
-  p.chunks_pass = static_cast<int>(p.pass_vec ? npass / VE : npass);
-  const int64_t H = a.q.heads + a.k.heads;
-  const int64_t per_tok = H * (p.chunks_rot + p.chunks_pass);
+  const int chunks_pass = static_cast<int>(p.pass_vec ? npass / VE : npass);
+  p.rot = make_walk(chunks_rot, H);
+  p.pass = make_walk(chunks_pass, H);
+  const int64_t per_tok = H * (chunks_rot + chunks_pass);
   int64_t tok = (kItemsPerBlock + per_tok - 1) / (per_tok > 0 ? per_tok : 1);
   using F = typename Cvt<T>::F;
-  const int64_t smem_tok = kSmemBudget / (p.n * static_cast<int64_t>(2 * sizeof(F)));
+  constexpr bool staged = ALIGN == 16 && VE * sizeof(T) == 16;
+  constexpr size_t stage_bytes = staged ? 2 * kStages * kThreads * sizeof(int4) : 0;
+  const int64_t smem_tok = kSmemBudget / (p.n * static_cast<int64_t>(sizeof(CosSin<F>)));
   if (tok > smem_tok) tok = smem_tok;
   if (tok > kMaxTokensPerBlock) tok = kMaxTokensPerBlock;
   if (tok < 1) tok = 1;
   p.tok_per_block = static_cast<int>(tok);
-  const size_t smem = static_cast<size_t>(tok) * p.n * 2 * sizeof(F);
+  const size_t cs_bytes = (static_cast<size_t>(tok) * p.n * sizeof(CosSin<F>) + 15) / 16 * 16;
+  p.cs_bytes = static_cast<int>(cs_bytes);
+  const size_t smem = cs_bytes + stage_bytes;
   auto kern = rope_kernel<T, VE, ALIGN, GPTJ>;
-  if (smem > 48 * 1024)
+  // above 48 KB of static + dynamic shared memory a kernel must opt in
+  if (smem + sizeof(TokenBase) * kMaxTokensPerBlock > 48 * 1024)
     PC_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = (a.tokens + tok - 1) / tok;
   kern<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
