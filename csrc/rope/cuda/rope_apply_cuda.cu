@@ -86,6 +86,7 @@ struct KParams {
   Walk pass;            // passthrough channels (out-of-place only; chunks == 0 when not copied)
   bool pass_vec;        // passthrough chunks are vectors of VE elements (else single elements)
   int cs_bytes;         // dynamic shared memory taken by the cos/sin table (16-byte multiple)
+  bool pass_staged;     // the passthrough chunks get their own staged walk (buffers after the rotary walk's)
 };
 
 // Advances a row cursor (tl, h) by one walk step.
@@ -239,10 +240,19 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
                          ti.offset(a.pos_sb, a.pos_ss)};
   }
   __syncthreads();
-  StagedWalk sw;
+  // Both staged walks issue their first loads now, so they overlap the cos/sin phase (and the passthrough
+  // copies overlap the rotary chunks). Waiting on copy groups counts both walks' groups: a walk may wait for
+  // a few of the other's loads early, never too few of its own.
+  const int rd = static_cast<int>(a.rotary_dim);
+  auto psrc = [&](int tl, int h, int c, const void*& lo, const void*& hi) {
+    lo = hi = row_in(tl, h) + rd + c * VE;
+  };
+  StagedWalk sw, pw;
   const bool staged = kStaged && p.rot.lanes == p.rot.chunks;
-  if (kStaged && staged)
-    sw.start<!GPTJ>(p.rot, ntok, H, reinterpret_cast<int4*>(smem_raw + p.cs_bytes), src_of);
+  const bool pass_staged = kStaged && p.pass_staged;
+  int4* stage = reinterpret_cast<int4*>(smem_raw + p.cs_bytes);
+  if (staged) sw.start<!GPTJ>(p.rot, ntok, H, stage, src_of);
+  if (pass_staged) pw.start<false>(p.pass, ntok, H, stage + 2 * kStages * kThreads, psrc);
   for (int i = threadIdx.x; i < ntok * n; i += kThreads) {
     const int tl = i / n, j = i - tl * n;
     const int c = j / NS, m = j - c * NS;
@@ -311,14 +321,7 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
 
   // 3. passthrough channels (out-of-place only): plain copies.
   if (p.pass.chunks == 0) return;
-  const int rd = static_cast<int>(a.rotary_dim);
-  if (kStaged && p.pass_vec && p.pass.lanes == p.pass.chunks) {
-    // staged like the rotary chunks (this thread's own stage slots are free again: run() waited for them)
-    auto psrc = [&](int tl, int h, int c, const void*& lo, const void*& hi) {
-      lo = hi = row_in(tl, h) + rd + c * VE;
-    };
-    StagedWalk pw;
-    pw.start<false>(p.pass, ntok, H, reinterpret_cast<int4*>(smem_raw + p.cs_bytes), psrc);
+  if (pass_staged) {
     pw.run<false>(p.pass, ntok, H, psrc, [&](int tl, int h, int c, const int4* v, const int4*) {
       *reinterpret_cast<int4*>(row_out(tl, h) + rd + c * VE) = *v;
     });
@@ -380,7 +383,8 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   p.tok_per_block = static_cast<int>(tok);
   const size_t cs_bytes = (static_cast<size_t>(tok) * p.n * sizeof(CosSin<F>) + 15) / 16 * 16;
   p.cs_bytes = static_cast<int>(cs_bytes);
-  const size_t smem = cs_bytes + stage_bytes;
+  p.pass_staged = staged && p.pass_vec && chunks_pass > 0 && p.pass.lanes == p.pass.chunks;
+  const size_t smem = cs_bytes + stage_bytes + (p.pass_staged ? kStages * kThreads * sizeof(int4) : 0);
   auto kern = rope_kernel<T, VE, ALIGN, GPTJ>;
   // above 48 KB of static + dynamic shared memory a kernel must opt in
   if (smem + sizeof(TokenBase) * kMaxTokensPerBlock > 48 * 1024)
