@@ -227,52 +227,6 @@ int64_t conv_nccl_comm_init(Tensor unique_id, int64_t nranks, int64_t rank, int6
                                                         static_cast<int>(nranks), static_cast<int>(rank)));
 }
 
-// One grouped NCCL exchange + unpack (see conv.h). Counts are host lists (cp entries); index tensors on src's
-// device; returns the unpacked [n_out, C].
-Tensor conv_exchange_nccl(Tensor src, Tensor send_index, std::vector<int64_t> send_counts,
-                          std::vector<int64_t> recv_counts, Tensor unpack_index, int64_t comm, int64_t rank) {
-  const char* op = "conv_exchange_nccl";
-  PC_ARG(src.is_cuda(), op, "src must be a CUDA tensor, got ", device_str(src));
-  check_dim(op, "src", src, 2);
-  check_dtype(op, "src", src, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
-  check_same_device(op, "send_index", send_index, "src", src);
-  check_same_device(op, "unpack_index", unpack_index, "src", src);
-  check_dtype(op, "send_index", send_index, {ST::Long});
-  check_dtype(op, "unpack_index", unpack_index, {ST::Long});
-  check_dim(op, "unpack_index", unpack_index, 2);
-  const int64_t cp = static_cast<int64_t>(send_counts.size());
-  PC_ARG(static_cast<int64_t>(recv_counts.size()) == cp, op, "send_counts has ", cp, " entries but recv_counts has ",
-         recv_counts.size());
-  PC_ARG(rank >= 0 && rank < cp, op, "rank ", rank, " is not in [0, ", cp, ")");
-  PC_ARG(comm != 0, op, "comm must be a communicator handle (from conv_nccl_comm_init), got 0");
-  int64_t ns = 0, nr = 0;
-  for (int64_t p = 0; p < cp; ++p) {
-    PC_ARG(send_counts[p] >= 0 && recv_counts[p] >= 0, op, "counts must be >= 0");
-    ns += send_counts[p];
-    nr += recv_counts[p];
-  }
-  PC_ARG(send_index.numel() == ns, op, "send_index has ", send_index.numel(), " entries but send_counts sum to ", ns);
-  src = dense(src);
-  send_index = dense(send_index);
-  unpack_index = dense(unpack_index);
-  const int64_t C = src.size(1);
-  // one staging allocation: send rows, then received rows
-  Tensor staging = new_like(src, {ns + nr, C});
-  Tensor out = new_like(src, {unpack_index.size(0), C});
-  PC_CUDA_ONLY({
-    CudaScope cs(src);
-    char* send_ptr = static_cast<char*>(staging.mutable_data_ptr());
-    char* recv_ptr = send_ptr + ns * C * static_cast<int64_t>(element_size(src.scalar_type()));
-    conv::exchange_rows_nccl(src.const_data_ptr(), src.size(0), send_index.const_data_ptr<int64_t>(),
-                             send_counts.data(), recv_counts.data(), send_ptr, recv_ptr,
-                             unpack_index.const_data_ptr<int64_t>(),
-                             static_cast<int>(unpack_index.size(1)), out.mutable_data_ptr(), out.size(0), C,
-                             conv_dtype(src.scalar_type()), cp, rank, reinterpret_cast<ncclComm_t>(comm),
-                             cs.stream);
-  });
-  return out;
-}
-
 // Prepared exchanges: one direction of a cached conv-prefix call (schedule tensors, counts, communicator,
 // output shape), kept here so that a call passes one tensor and one handle: the per-call host path is the
 // argument check, two allocations, the kernels and the NCCL group. Handles live until released (the Python
@@ -401,8 +355,6 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def("conv_nccl_available() -> bool");
   m.def("conv_nccl_unique_id() -> Tensor");
   m.def("conv_nccl_comm_init(Tensor unique_id, int nranks, int rank, int device_index) -> int");
-  m.def("conv_exchange_nccl(Tensor src, Tensor send_index, int[] send_counts, int[] recv_counts, "
-        "Tensor unpack_index, int comm, int rank) -> Tensor");
   m.def("conv_exchange_prepare(Tensor send_index, int[] send_counts, int[] recv_counts, int[] send_first, "
         "Tensor unpack_index, int comm, int rank, int n_src, int[] out_lead) -> int");
   m.def("conv_exchange_run(Tensor src, int handle) -> Tensor");
@@ -429,7 +381,6 @@ STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
 #ifdef USE_CUDA
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
   PC_CONV_IMPLS(m)
-  m.impl("conv_exchange_nccl", TORCH_BOX(&packcuda::th::conv_exchange_nccl));
   m.impl("conv_exchange_run", TORCH_BOX(&packcuda::th::conv_exchange_run));
 }
 #endif
