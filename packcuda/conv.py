@@ -301,6 +301,23 @@ def conv_prefix(
     return call.forward(x_local)
 
 
+# handle -> lead dims of conv_exchange_run's output (the fake kernel's shape; handles are never reused)
+_EXCHANGE_LEAD: dict = {}
+
+
+def _prepare_exchange(send_index, send_counts, recv_counts, send_first, unpack, comm, rank, n_src, out_lead) -> int:
+    """conv_exchange_prepare, with the output shape kept for the fake kernel of conv_exchange_run."""
+    h = ops.conv_exchange_prepare.default(send_index, send_counts, recv_counts, send_first, unpack, comm, rank,
+                                          n_src, list(out_lead))
+    _EXCHANGE_LEAD[h] = tuple(out_lead)
+    return h
+
+
+@torch.library.register_fake("packcuda::conv_exchange_run")
+def _exchange_run_fake(src, handle):
+    return src.new_empty((*_EXCHANGE_LEAD[handle], src.shape[-1]))
+
+
 def _first_rows(index: torch.Tensor, counts) -> list:
     """Per peer: the first row when the peer's rows of ``index`` (grouped by peer) are consecutive, else -1."""
     out, o = [], 0
@@ -329,14 +346,12 @@ class _PreparedCall:
         self.shape_tail = (S, K1)
         self.handles = None
         if backend == "nccl":
-            fwd = ops.conv_exchange_prepare.default(
-                self.send_index, self.send_counts, self.recv_counts,
-                _first_rows(sched.send_index, self.send_counts), self.unpack, self.comm, sched.rank,
-                sched.n_local, [S, K1])
-            bwd = ops.conv_exchange_prepare.default(
-                self.bwd_send_index, self.recv_counts, self.send_counts,
-                _first_rows(sched.bwd_send_index, self.recv_counts), self.bwd_unpack, self.comm, sched.rank,
-                S * K1, [sched.n_local])
+            fwd = _prepare_exchange(self.send_index, self.send_counts, self.recv_counts,
+                                    _first_rows(sched.send_index, self.send_counts), self.unpack, self.comm,
+                                    sched.rank, sched.n_local, (S, K1))
+            bwd = _prepare_exchange(self.bwd_send_index, self.recv_counts, self.send_counts,
+                                    _first_rows(sched.bwd_send_index, self.recv_counts), self.bwd_unpack, self.comm,
+                                    sched.rank, S * K1, (sched.n_local,))
             self.handles = (fwd, bwd)
             weakref.finalize(self, _release_exchanges, fwd, bwd)
 
@@ -358,6 +373,7 @@ class _PreparedCall:
 
 def _release_exchanges(*handles):
     for h in handles:
+        _EXCHANGE_LEAD.pop(h, None)
         try:
             ops.conv_exchange_release.default(h)
         except Exception:  # pragma: no cover - interpreter shutdown

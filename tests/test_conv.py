@@ -456,6 +456,24 @@ def test_bad_prepared_exchange():
             ops.conv_exchange_run(torch.zeros(8, 2, device="cuda"), 987654)
 
 
+def test_prepared_exchange_fake_kernel():
+    """The fake kernel of conv_exchange_run (what torch.compile traces): [*out_lead, C] of the prepared handle."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from packcuda import conv as pconv
+
+    h = -7  # never a real handle (those count up from 1)
+    pconv._EXCHANGE_LEAD[h] = (3, 2)
+    try:
+        with FakeTensorMode():
+            x = torch.empty(10, 16, device="cuda", dtype=torch.bfloat16)
+            out = torch.ops.packcuda.conv_exchange_run(x, h)
+            assert out.shape == (3, 2, 16) and out.dtype == x.dtype and out.device == x.device
+    finally:
+        pconv._release_exchanges(h)
+    assert h not in pconv._EXCHANGE_LEAD
+
+
 @requires_cuda
 @pytest.mark.skipif(not (HAS_CUDA and bool(torch.ops.packcuda.conv_nccl_available())), reason="built without NCCL")
 def test_prepared_exchange_one_rank():
