@@ -2,6 +2,7 @@
 // header like this one, so the two backends cannot drift apart.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define PC_HD __host__ __device__ __forceinline__
@@ -22,6 +23,26 @@ PC_HD int64_t find_segment(const I* cu, int64_t n, int64_t t) {
     else hi = mid;
   }
   return lo;
+}
+
+// The bits of an fp32 value and back (host: memcpy; device: the intrinsic).
+PC_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+PC_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
 }
 
 // a / b for a >= 0, b > 0, with a 32-bit divide when both fit (a 64-bit divide costs several times more, on CPU

@@ -9,7 +9,6 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "common/hd.h"
 #include "conv/conv.h"
@@ -36,24 +35,6 @@ struct f16_t {
   uint16_t bits;
 };
 
-PC_HD uint32_t f32_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-PC_HD float bits_f32(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
 
 PC_HD float to_f(float v) { return v; }
 PC_HD float to_f(bf16_t v) { return bits_f32(static_cast<uint32_t>(v.bits) << 16); }

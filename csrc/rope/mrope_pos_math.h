@@ -13,7 +13,6 @@
 // knows the run's first token (the latest start) and where the run ends: the checks need no random access either.
 #pragma once
 #include <cstdint>
-#include <cstring>
 
 #include "common/hd.h"
 
@@ -86,16 +85,7 @@ PC_HD int64_t block_advance(int64_t t, int64_t h, int64_t w, float interval, boo
   return max3(temporal_index(t - 1, interval), h - 1, w - 1) + 1;
 }
 
-PC_HD float interval_of(const int64_t* row) {
-  const uint32_t bits = static_cast<uint32_t>(row[kInterval]);
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
-}
+PC_HD float interval_of(const int64_t* row) { return bits_f32(static_cast<uint32_t>(row[kInterval])); }
 
 PC_HD int token_type(int64_t id, const MRopeTables& tb) {
   return id == tb.token_id[0] ? 1 : (id == tb.token_id[1] ? 2 : 0);

@@ -1,5 +1,4 @@
 // Host block table of the mRoPE position kernels (framework-free; shared by the torch layer and C++ users).
-#include <cstring>
 
 #include "rope/mrope_pos.h"
 
@@ -29,13 +28,11 @@ void fill_mrope_block_table(int64_t* out, const MRopeTableLayout& L, const MRope
     *px++ = 0;
     auto add = [&](int64_t t, int64_t h, int64_t w, float interval) {
       const int64_t hm = md.div(h), wm = md.div(w);
-      uint32_t bits;
-      std::memcpy(&bits, &interval, sizeof(bits));
       row[kLen] = t * hm * wm;  // = t*h*w / merge**2 (h and w are multiples of merge)
       row[kT] = t;
       row[kH] = hm;
       row[kW] = wm;
-      row[kInterval] = static_cast<int64_t>(bits);
+      row[kInterval] = static_cast<int64_t>(f32_bits(interval));  // read back by interval_of
       row[kAdvance] = block_advance(t, hm, wm, interval, text_after_max);
       acc += row[kLen] - row[kAdvance];
       *px++ = acc;
