@@ -72,6 +72,44 @@ __device__ __forceinline__ int type_at(const I* ids, int64_t t, int64_t total, c
   return t >= 0 && t < total ? token_type(static_cast<int64_t>(ids[t]), tb) : 0;
 }
 
+// A warp's walk over its tile, 32 tokens a step: the segment cursor, the runs started so far per modality, the
+// latest run start and the type of the token before the step. Both tile kernels take the same steps: begin()
+// finds each lane's segment and the run starts of the step (ballots), finish() folds the step in.
+struct TileWalk {
+  SegCursor cur;
+  int64_t n_img = 0, n_vid = 0, latest = -1;
+  int prev_last = 0;
+  struct Step {
+    int64_t b, t;
+    SegCursor my;  // the lane's segment
+    bool moved;    // warp-uniform: a segment boundary falls inside the step
+    unsigned bi, bv;  // lanes starting an image / video run
+  };
+  __device__ Step begin(int ty, int64_t b, int lane, int64_t total, const MRopeTables& tb) const {
+    Step s;
+    s.b = b;
+    s.t = b + lane;
+    s.my = cur;
+    s.moved = s.my.step(tb, b, s.t, total);
+    int prev = __shfl_up_sync(kAll, ty, 1);
+    if (lane == 0) prev = prev_last;
+    const bool start = s.t < total && mrope_is_run_start(ty, prev, s.t == s.my.a);
+    s.bi = __ballot_sync(kAll, start && ty == 1);
+    s.bv = __ballot_sync(kAll, start && ty == 2);
+    return s;
+  }
+  __device__ void finish(const Step& s, int ty) {
+    n_img += __popc(s.bi);
+    n_vid += __popc(s.bv);
+    if (s.bi | s.bv) latest = last_lane_token(s.b, s.bi | s.bv);
+    prev_last = __shfl_sync(kAll, ty, 31);
+    if (s.moved) {
+      cur = s.my;
+      cur.take_lane(31);
+    }
+  }
+};
+
 // Inclusive scan of (counts, latest start) over the lanes of a warp.
 __device__ __forceinline__ MRopeScan warp_scan(MRopeScan v, int lane) {
   const MRopeScanOp op;
@@ -163,37 +201,23 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t t0 = w * kTile;
     int ty[kSteps];
     load_types(ty, ids, t0, lane, total, tb);
-    int prev_last = type_at(ids, t0 - 1, total, tb);
-    SegCursor cur;
-    cur.at(tb, t0);
-    int64_t n_img = 0, n_vid = 0, latest = -1;
+    TileWalk wk;
+    wk.prev_last = type_at(ids, t0 - 1, total, tb);
+    wk.cur.at(tb, t0);
 #pragma unroll
     for (int k = 0; k < kSteps; ++k) {
       const int64_t b = t0 + k * 32;
       if (b >= total) break;  // warp-uniform
-      const int64_t t = b + lane;
-      SegCursor my = cur;
-      const bool moved = my.step(tb, b, t, total);
-      int prev = __shfl_up_sync(kAll, ty[k], 1);
-      if (lane == 0) prev = prev_last;
-      const bool start = t < total && mrope_is_run_start(ty[k], prev, t == my.a);
-      const unsigned bi = __ballot_sync(kAll, start && ty[k] == 1);
-      const unsigned bv = __ballot_sync(kAll, start && ty[k] == 2);
+      const TileWalk::Step st = wk.begin(ty[k], b, lane, total, tb);
       // runs started in the tile before each segment start (the nonempty segment whose first token is t)
-      if (t < total && t == my.a) {
-        const int64_t ci = n_img + __popc(bi & lanes_below(lane)), cv = n_vid + __popc(bv & lanes_below(lane));
-        seg_part[my.seg] = MRopeScan{ci | (cv << 32), -1};
+      if (st.t < total && st.t == st.my.a) {
+        const unsigned below = lanes_below(lane);
+        const int64_t ci = wk.n_img + __popc(st.bi & below), cv = wk.n_vid + __popc(st.bv & below);
+        seg_part[st.my.seg] = MRopeScan{ci | (cv << 32), -1};
       }
-      n_img += __popc(bi);
-      n_vid += __popc(bv);
-      if (bi | bv) latest = last_lane_token(b, bi | bv);
-      prev_last = __shfl_sync(kAll, ty[k], 31);
-      if (moved) {
-        cur = my;
-        cur.take_lane(31);
-      }
+      wk.finish(st, ty[k]);
     }
-    if (lane == 0) tiles[w] = MRopeScan{n_img | (n_vid << 32), latest};
+    if (lane == 0) tiles[w] = MRopeScan{wk.n_img | (wk.n_vid << 32), wk.latest};
   }
 
   // The last block to get here scans the tiles: every other block's writes are fenced before its arrival.
@@ -219,24 +243,24 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t t0 = w * kTile;
   int ty[kSteps];
   load_types(ty, ids, t0, lane, total, tb);
-  int prev_last = type_at(ids, t0 - 1, total, tb);
   const int after_tile = type_at(ids, t0 + kTile, total, tb);
   const MRopeScan prefix = tiles[w];
-  int64_t n_img = scan_count(prefix, 0), n_vid = scan_count(prefix, 1), latest = prefix.start;
-  SegCursor cur;
-  cur.at(tb, t0);
-  int64_t cur_e0 = excess_before(seg_base[cur.seg], tb);
+  TileWalk wk;
+  wk.n_img = scan_count(prefix, 0);
+  wk.n_vid = scan_count(prefix, 1);
+  wk.latest = prefix.start;
+  wk.prev_last = type_at(ids, t0 - 1, total, tb);
+  wk.cur.at(tb, t0);
+  int64_t cur_e0 = excess_before(seg_base[wk.cur.seg], tb);
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     const int64_t b = t0 + k * 32;
     if (b >= total) break;  // warp-uniform
-    const int64_t t = b + lane;
-    SegCursor my = cur;
+    const TileWalk::Step st = wk.begin(ty[k], b, lane, total, tb);
+    const int64_t t = st.t;
+    const SegCursor& my = st.my;
     int64_t e0 = cur_e0;
-    const bool moved = my.step(tb, b, t, total);
-    if (moved && t < total) e0 = excess_before(seg_base[my.seg], tb);
-    int prev = __shfl_up_sync(kAll, ty[k], 1);
-    if (lane == 0) prev = prev_last;
+    if (st.moved && t < total) e0 = excess_before(seg_base[my.seg], tb);
     int next = __shfl_down_sync(kAll, ty[k], 1);
     if (k + 1 < kSteps) {
       const int first_next = __shfl_sync(kAll, ty[k + 1 < kSteps ? k + 1 : k], 0);
@@ -244,14 +268,11 @@ __global__ void __launch_bounds__(kThreads)
     } else if (lane == 31) {
       next = after_tile;
     }
-    const bool start = t < total && mrope_is_run_start(ty[k], prev, t == my.a);
-    const unsigned bi = __ballot_sync(kAll, start && ty[k] == 1);
-    const unsigned bv = __ballot_sync(kAll, start && ty[k] == 2);
     if (t < total) {
       const unsigned upto = lanes_upto(lane);
-      const int64_t ci = n_img + __popc(bi & upto), cv = n_vid + __popc(bv & upto);
-      const unsigned started = (bi | bv) & upto;
-      const MRopeScan sv{ci | (cv << 32), started ? last_lane_token(b, started) : latest};
+      const int64_t ci = wk.n_img + __popc(st.bi & upto), cv = wk.n_vid + __popc(st.bv & upto);
+      const unsigned started = (st.bi | st.bv) & upto;
+      const MRopeScan sv{ci | (cv << 32), started ? last_lane_token(b, started) : wk.latest};
       int64_t p[3];
       mrope_positions(p, ty[k], t, my.a, sv, e0, tb);
       pos[t] = p[0];
@@ -268,15 +289,8 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    n_img += __popc(bi);
-    n_vid += __popc(bv);
-    if (bi | bv) latest = last_lane_token(b, bi | bv);
-    prev_last = __shfl_sync(kAll, ty[k], 31);
-    if (moved) {
-      cur = my;
-      cur.take_lane(31);
-      cur_e0 = __shfl_sync(kAll, e0, 31);
-    }
+    wk.finish(st, ty[k]);
+    if (st.moved) cur_e0 = __shfl_sync(kAll, e0, 31);
   }
 }
 
