@@ -483,8 +483,10 @@ def test_prepared_exchange_one_rank():
     comm = ops.conv_nccl_comm_init(ops.conv_nccl_unique_id(), 1, 0, torch.cuda.current_device())
     x = torch.randn(8, 5, device="cuda", dtype=torch.bfloat16)
     rows = torch.tensor([3, -1, 0, 7, 7, -1], device="cuda")
-    h = ops.conv_exchange_prepare(torch.zeros(0, dtype=torch.int64, device="cuda"), [0], [0], [-1], rows[:, None],
-                                  comm, 0, 8, [2, 3])
+    from packcuda.conv import _prepare_exchange, _release_exchanges
+
+    h = _prepare_exchange(torch.zeros(0, dtype=torch.int64, device="cuda"), [0], [0], [-1], rows[:, None], comm, 0,
+                          8, [2, 3])
     try:
         out = ops.conv_exchange_run(x, h)
         want = torch.where(rows[:, None] >= 0, x[rows.clamp(min=0)], torch.zeros_like(x[:1]))
@@ -492,8 +494,11 @@ def test_prepared_exchange_one_rank():
         assert torch.equal(ops.conv_exchange_run(x.view(2, 4, 5), h), out)  # any [..., C] holding 8 rows
         with pytest.raises(ValueError, match="src has 7 rows but the exchange was prepared for 8"):
             ops.conv_exchange_run(x[:7], h)
+        # schema, fake kernel (the output shape kept by _prepare_exchange) and the compiled-graph path
+        torch.library.opcheck(ops.conv_exchange_run.default, (x, h))
+        torch.library.opcheck(ops.conv_exchange_run.default, (x.float().view(4, 2, 5), h))
     finally:
-        ops.conv_exchange_release(h)
+        _release_exchanges(h)
     with pytest.raises(ValueError, match="unknown or released handle"):
         ops.conv_exchange_run(x, h)
 

@@ -99,6 +99,11 @@ __device__ __forceinline__ void step_row(const Walk& w, int H, int& tl, int& h) 
   }
 }
 
+template <typename X>
+struct TypeTag {
+  using type = X;
+};
+
 // Runs load(tl, h, c, regs) / store(regs) over this thread's items of a walk; the next item's loads are issued
 // before the current item is stored.
 template <typename Regs, typename Load, typename Store>
@@ -325,30 +330,26 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
     pw.run<false>(p.pass, ntok, H, psrc, [&](int tl, int h, int c, const int4* v, const int4*) {
       *reinterpret_cast<int4*>(row_out(tl, h) + rd + c * VE) = *v;
     });
-  } else if (p.pass_vec) {
-    struct Pass {
-      V v;
-      T* dst;
-    };
-    walk_rows<Pass>(
-        p.pass, ntok, H,
-        [&](int tl, int h, int c, Pass& r) {
-          r.v = *reinterpret_cast<const V*>(row_in(tl, h) + rd + c * VE);
-          r.dst = row_out(tl, h) + rd + c * VE;
-        },
-        [&](const Pass& r) { *reinterpret_cast<V*>(r.dst) = r.v; });
   } else {
-    struct Pass1 {
-      T v;
-      T* dst;
+    // register walk: 16-byte vectors when the strides allow, single elements otherwise
+    auto copy_walk = [&](auto tag, int width) {
+      using E = typename decltype(tag)::type;
+      struct Copy {
+        E v;
+        T* dst;
+      };
+      walk_rows<Copy>(
+          p.pass, ntok, H,
+          [&](int tl, int h, int c, Copy& r) {
+            r.v = *reinterpret_cast<const E*>(row_in(tl, h) + rd + c * width);
+            r.dst = row_out(tl, h) + rd + c * width;
+          },
+          [&](const Copy& r) { *reinterpret_cast<E*>(r.dst) = r.v; });
     };
-    walk_rows<Pass1>(
-        p.pass, ntok, H,
-        [&](int tl, int h, int c, Pass1& r) {
-          r.v = row_in(tl, h)[rd + c];
-          r.dst = row_out(tl, h) + rd + c;
-        },
-        [&](const Pass1& r) { *r.dst = r.v; });
+    if (p.pass_vec)
+      copy_walk(TypeTag<V>{}, VE);
+    else
+      copy_walk(TypeTag<T>{}, 1);
   }
 }
 
