@@ -99,9 +99,11 @@ __device__ __forceinline__ void step_row(const Walk& w, int H, int& tl, int& h) 
   }
 }
 
-template <typename X>
-struct TypeTag {
+// A copy unit of the register walk: X, holding W elements.
+template <typename X, int W>
+struct CopyUnit {
   using type = X;
+  static constexpr int width = W;
 };
 
 // Runs load(tl, h, c, regs) / store(regs) over this thread's items of a walk; the next item's loads are issued
@@ -332,8 +334,9 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
     });
   } else {
     // register walk: 16-byte vectors when the strides allow, single elements otherwise
-    auto copy_walk = [&](auto tag, int width) {
-      using E = typename decltype(tag)::type;
+    auto copy_walk = [&](auto unit) {
+      using E = typename decltype(unit)::type;
+      constexpr int width = decltype(unit)::width;
       struct Copy {
         E v;
         T* dst;
@@ -347,9 +350,9 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
           [&](const Copy& r) { *reinterpret_cast<E*>(r.dst) = r.v; });
     };
     if (p.pass_vec)
-      copy_walk(TypeTag<V>{}, VE);
+      copy_walk(CopyUnit<V, VE>{});
     else
-      copy_walk(TypeTag<T>{}, 1);
+      copy_walk(CopyUnit<T, 1>{});
   }
 }
 
