@@ -23,18 +23,12 @@ if __package__ in (None, ""):
 
 import packcuda  # noqa: E402
 from benchmarks.harness import Timer, record  # noqa: E402
+from packcuda._meta import cu_from_lengths  # noqa: E402
 
 
 def _lengths(n, total, rng):
     cuts = sorted(rng.sample(range(1, total), n - 1))
     return [b - a for a, b in zip([0] + cuts, cuts + [total])]
-
-
-def _cu(lens):
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return cu
 
 
 def _reference_conv(x, w, b, cu):
@@ -61,7 +55,7 @@ def run_conv(quick=False, device=None) -> list[dict]:
     T, C, K, nseq = (2048, 64, 4, 16) if quick or dev.type == "cpu" else (32768, 8192, 4, 64)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rng = random.Random(0)
-    cu = _cu(_lengths(nseq, T, rng))
+    cu = cu_from_lengths(_lengths(nseq, T, rng))
     t = Timer(dev, warmup=2 if quick else 5, reps=5 if quick else 30)
     x = torch.randn(T, C, device=dev, dtype=dtype, requires_grad=True)
     w = torch.randn(C, K, device=dev, dtype=dtype, requires_grad=True)
@@ -122,7 +116,7 @@ def run_exchange(quick=False) -> list[dict]:
     C, K, nseq = (64, 4, 8) if quick else (8192, 4, 64)
     rng = random.Random(1)
     lens = [rng.randint(64, 1024) for _ in range(nseq)]
-    cu = _cu(lens)
+    cu = cu_from_lengths(lens)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     n_back, trials = (10, 5) if quick else (100, 21)
 
