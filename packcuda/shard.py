@@ -162,48 +162,35 @@ class ShardPlan:
                 self.total_local, self.device)
         return self._unshard_index
 
-    def _bad_rows(self, what: str, x, dim: int, want: int, name: str) -> Exception:
-        """The error for a tensor that does not have ``want`` rows along ``dim``."""
-        if not isinstance(x, torch.Tensor):
-            return TypeError(f"packcuda.ShardPlan.{what}: {name} must be a tensor, got {type(x).__name__}")
-        if x.dim() == 0:
-            return ValueError(f"packcuda.ShardPlan.{what}: {name} must have at least 1 dimension")
-        if not -x.dim() <= dim < x.dim():
-            return ValueError(f"packcuda.ShardPlan.{what}: dim={dim} is out of range for {name} of shape "
-                              f"{tuple(x.shape)}")
-        d = dim % x.dim()
-        return ValueError(f"packcuda.ShardPlan.{what}: {name} has {x.shape[d]} rows along dim {d}, expected {want}")
-
     def _rows(self, what: str, x: torch.Tensor, dim: int, want: int, name: str) -> int:
+        """``dim`` made non-negative, after checking that ``x`` is a tensor with ``want`` rows along it."""
         try:
             if isinstance(x, torch.Tensor) and x.shape[dim] == want:
                 return dim % x.dim()
         except (AttributeError, IndexError, TypeError):
             pass
-        raise self._bad_rows(what, x, dim, want, name)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"packcuda.ShardPlan.{what}: {name} must be a tensor, got {type(x).__name__}")
+        if x.dim() == 0:
+            raise ValueError(f"packcuda.ShardPlan.{what}: {name} must have at least 1 dimension")
+        if not -x.dim() <= dim < x.dim():
+            raise ValueError(f"packcuda.ShardPlan.{what}: dim={dim} is out of range for {name} of shape "
+                             f"{tuple(x.shape)}")
+        d = dim % x.dim()
+        raise ValueError(f"packcuda.ShardPlan.{what}: {name} has {x.shape[d]} rows along dim {d}, expected {want}")
 
     def shard(self, x: torch.Tensor, dim: int = 0, fill: float = 0) -> torch.Tensor:
         """This rank's rows of ``x`` laid out on the original stream: ``[T, ...]`` (``dim=0``) or e.g. mRoPE
         position tensors ``[3, T]`` / ``[4, T]`` with ``dim=1`` (every leading slice in one launch, no
         flattened index). Pad slots get ``fill``. Differentiable: the backward scatters gradients back to the
         original rows (deterministic). No sync."""
-        try:
-            ok = isinstance(x, torch.Tensor) and x.shape[dim] == self.total
-        except (AttributeError, IndexError, TypeError):
-            ok = False
-        if not ok:
-            raise self._bad_rows("shard", x, dim, self.total, "x")
+        self._rows("shard", x, dim, self.total, "x")
         return _gather(x, self.index, float(fill), dim)
 
     def labels(self, input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Local next-token labels of the original ``input_ids`` ``[T]``: the next token of the same sequence
         (correct across chunk boundaries), ``ignore_index`` at each sequence's last token and on pads."""
-        try:
-            ok = isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == self.total
-        except (AttributeError, IndexError, TypeError):
-            ok = False
-        if not ok:
-            raise self._bad_rows("labels", input_ids, 0, self.total, "input_ids")
+        self._rows("labels", input_ids, 0, self.total, "input_ids")
         return _gather(input_ids, self.label_index, float(ignore_index), 0)
 
     def unshard(self, gathered: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,7 @@ Tensor checked_index(const char* op, const Tensor& src, Tensor index) {
   check_dtype(op, "index", index, {ST::Long});
   check_dim(op, "index", index, 1);
   check_same_device(op, "index", index, "src", src);
-  if (!index.is_contiguous()) index = torch::stable::contiguous(index);
-  return index;
+  return dense(index);
 }
 
 // Shape of src with dim `dim` resized to n.

@@ -150,7 +150,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
   PC_ARG(spatial_merge_size >= 1, kOp, "spatial_merge_size must be >= 1, got ", spatial_merge_size);
   PC_ARG(image_token_id != video_token_id, kOp, "image_token_id and video_token_id must differ, both are ",
          image_token_id);
-  if (!input_ids.is_contiguous()) input_ids = torch::stable::contiguous(input_ids);
+  input_ids = dense(input_ids);
   const int64_t total = input_ids.numel();
   const torch::stable::Device device = input_ids.device();
   const Segments seg = segments(kOp, "cu_seqlens", cu_seqlens, device, total, /*upload=*/false);

@@ -83,6 +83,17 @@ PC_HD SlotSource local_slot_source(const I* cu, int64_t nseq, const P* pieces, c
   return segment_slot_source(cu, nseq, static_cast<int64_t>(piece_seq[k]), o);
 }
 
+// The per-slot tables of local slot s: index (source row), position, label_index (label source row).
+template <typename I, typename P>
+PC_HD void write_slot_tables(int64_t* index, int64_t* position, int64_t* label_index, const I* cu, int64_t nseq,
+                             const P* pieces, const P* piece_offset, const P* piece_seq, int64_t npieces,
+                             int64_t s) {
+  const SlotSource src = local_slot_source(cu, nseq, pieces, piece_offset, piece_seq, npieces, s);
+  index[s] = src.row;
+  position[s] = src.position;
+  label_index[s] = src.label_row;
+}
+
 // ---- inverse: where does a padded token live? -------------------------------------------------------
 
 struct Location {

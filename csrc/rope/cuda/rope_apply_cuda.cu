@@ -4,8 +4,9 @@
 //
 // The pass is memory-bound, so the per-item instruction count decides how many loads stay in flight: each
 // thread keeps one vector chunk lane for the whole tile and walks the tile's (token, head) rows with a fixed
-// step (no per-item division), and the next row's loads are issued before the current row is rotated and
-// stored (one item always in flight per thread, besides the one being computed).
+// step (no per-item division). With 16-byte chunks the loads run kStages deep through cp.async into shared
+// memory (the staged walk); otherwise the next row's loads are issued into registers before the current row
+// is rotated and stored (the register walk).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

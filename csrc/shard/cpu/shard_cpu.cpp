@@ -77,21 +77,14 @@ HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t ran
 void plan_index_cpu(int64_t* index, int64_t* position, int64_t* label_index, int64_t total_local,
                     const int64_t* cu, int64_t nseq, const int64_t* pieces, const int64_t* piece_offset,
                     const int64_t* piece_seq, int64_t npieces) {
-  for (int64_t s = 0; s < total_local; ++s) {
-    const SlotSource src = local_slot_source(cu, nseq, pieces, piece_offset, piece_seq, npieces, s);
-    index[s] = src.row;
-    position[s] = src.position;
-    label_index[s] = src.label_row;
-  }
+  for (int64_t s = 0; s < total_local; ++s)
+    write_slot_tables(index, position, label_index, cu, nseq, pieces, piece_offset, piece_seq, npieces, s);
 }
 
 void plan_tables_cpu(const PlanTables& p) {
-  for (int64_t s = 0; s < p.total_local; ++s) {
-    const SlotSource src = local_slot_source(p.cu, p.nseq, p.pieces, p.piece_offset, p.piece_seq, p.npieces, s);
-    p.index[s] = src.row;
-    p.position[s] = src.position;
-    p.label_index[s] = src.label_row;
-  }
+  for (int64_t s = 0; s < p.total_local; ++s)
+    write_slot_tables(p.index, p.position, p.label_index, p.cu, p.nseq, p.pieces, p.piece_offset, p.piece_seq,
+                      p.npieces, s);
   for (int64_t k = 0; k < p.npieces; ++k) p.piece_offset_wide[k] = p.piece_offset[k];
   for (int c = 0; c < PlanTables::kCopies; ++c)
     if (p.copy_n[c] > 0) std::memcpy(p.copy_dst[c], p.copy_src[c], p.copy_n[c] * sizeof(int32_t));

@@ -14,12 +14,8 @@ __global__ void plan_index_kernel(int64_t* __restrict__ index, int64_t* __restri
                                   const int64_t* __restrict__ piece_offset, const int64_t* __restrict__ piece_seq,
                                   int64_t npieces) {
   for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < total_local;
-       s += int64_t(gridDim.x) * blockDim.x) {
-    const SlotSource src = local_slot_source(cu, nseq, pieces, piece_offset, piece_seq, npieces, s);
-    index[s] = src.row;
-    position[s] = src.position;
-    label_index[s] = src.label_row;
-  }
+       s += int64_t(gridDim.x) * blockDim.x)
+    write_slot_tables(index, position, label_index, cu, nseq, pieces, piece_offset, piece_seq, npieces, s);
 }
 
 // The same tables from the packed int32 metadata, plus the widened piece offsets and the int32 copies, over
@@ -27,12 +23,9 @@ __global__ void plan_index_kernel(int64_t* __restrict__ index, int64_t* __restri
 __global__ void plan_tables_kernel(const PlanTables p, int64_t n_items) {
   for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < n_items;
        s += int64_t(gridDim.x) * blockDim.x) {
-    if (s < p.total_local) {
-      const SlotSource src = local_slot_source(p.cu, p.nseq, p.pieces, p.piece_offset, p.piece_seq, p.npieces, s);
-      p.index[s] = src.row;
-      p.position[s] = src.position;
-      p.label_index[s] = src.label_row;
-    }
+    if (s < p.total_local)
+      write_slot_tables(p.index, p.position, p.label_index, p.cu, p.nseq, p.pieces, p.piece_offset, p.piece_seq,
+                        p.npieces, s);
     if (s < p.npieces) p.piece_offset_wide[s] = p.piece_offset[s];
 #pragma unroll
     for (int c = 0; c < PlanTables::kCopies; ++c)
