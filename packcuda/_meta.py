@@ -9,11 +9,69 @@ device sync — and says so in the function's docstring.
 from __future__ import annotations
 
 import itertools
-from typing import Sequence, Union
+import math
+import numbers
+from typing import Optional, Sequence, Union
 
 import torch
 
 IntsLike = Union[Sequence[int], torch.Tensor]
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# scalar arguments: integers that are really integers, finite floats, devices (one vocabulary for every op)
+# ---------------------------------------------------------------------------------------------------
+def check_int(op: str, name: str, value, *, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    """`value` as a Python int, refusing what is not an integer (bool, float, 0-d float tensor) with a TypeError
+    and what lies outside [lo, hi] (default: int64) with a ValueError, both naming ``packcuda.<op>`` and `name`."""
+    if isinstance(value, bool) or isinstance(value, float) or not (
+        isinstance(value, numbers.Integral) or hasattr(value, "__index__")
+    ):
+        raise TypeError(f"packcuda.{op}: {name} must be an integer, got {value!r} ({type(value).__name__})")
+    try:
+        v = int(value.__index__())
+    except TypeError as e:  # a tensor of a non-integer dtype or with several elements
+        raise TypeError(f"packcuda.{op}: {name} must be an integer, got {value!r}") from e
+    lo = INT64_MIN if lo is None else lo
+    hi = INT64_MAX if hi is None else hi
+    if not lo <= v <= hi:
+        raise ValueError(f"packcuda.{op}: {name}={v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def check_float(op: str, name: str, value, *, lo: Optional[float] = None, hi: Optional[float] = None,
+                lo_open: bool = False) -> float:
+    """`value` as a finite Python float in [lo, hi] (or (lo, hi] with lo_open); bools and non-numbers are a
+    TypeError, NaN/inf and out-of-range values a ValueError, naming ``packcuda.<op>`` and `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"packcuda.{op}: {name} must be a real number, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"packcuda.{op}: {name} must be finite, got {v}")
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise ValueError(f"packcuda.{op}: {name}={v} must be {'>' if lo_open else '>='} {lo}")
+    if hi is not None and v > hi:
+        raise ValueError(f"packcuda.{op}: {name}={v} must be <= {hi}")
+    return v
+
+
+def resolve_device(op: str, name: str, device) -> Optional[torch.device]:
+    """A device argument as a concrete torch.device: None stays None, an index-less "cuda" means the current
+    CUDA device; devices packcuda has no kernels for (meta, mps, ...) are a ValueError naming the op."""
+    if device is None:
+        return None
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise (TypeError if not isinstance(device, (str, int)) else ValueError)(
+            f"packcuda.{op}: {name}={device!r} is not a device") from e
+    if d.type == "cuda":
+        return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+    if d.type != "cpu":
+        raise ValueError(f"packcuda.{op}: {name}={d} is not supported (packcuda runs on cpu and cuda)")
+    return d
 
 
 def is_device_tensor(x) -> bool:
