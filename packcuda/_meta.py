@@ -78,60 +78,82 @@ def is_device_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type != "cpu"
 
 
-def host_tensor(values: IntsLike, name: str = "cu_seqlens") -> torch.Tensor:
-    """CPU int64 1-D tensor of host metadata (no device involved)."""
+def _who(op: Optional[str]) -> str:
+    return f"packcuda.{op}" if op else "packcuda"
+
+
+def host_tensor(values: IntsLike, name: str = "cu_seqlens", *, op: Optional[str] = None) -> torch.Tensor:
+    """CPU int64 1-D tensor of host metadata (no device involved). Refuses what is not a 1-D sequence of
+    integers (None, floats, bools, nested lists, 2-D tensors or arrays) and values outside int64."""
+    who = _who(op)
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
-            raise ValueError(f"packcuda: {name} must be host metadata here, got a {values.device} tensor")
+            raise ValueError(f"{who}: {name} must be host metadata here, got a {values.device} tensor")
         if values.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"packcuda: {name} must be an integer tensor, got {values.dtype}")
-        return values.reshape(-1).to(torch.int64)
+            raise TypeError(f"{who}: {name} must be an int32/int64 tensor, got {values.dtype}")
+        if values.dim() != 1:
+            raise ValueError(f"{who}: {name} must be 1-D, got shape {list(values.shape)}")
+        return values.to(torch.int64)
     try:
         import numpy as np
 
         if isinstance(values, np.ndarray):
             if values.dtype.kind not in "iu":
-                raise TypeError(f"packcuda: {name} must hold integers, got numpy dtype {values.dtype}")
-            return torch.from_numpy(values.astype("int64").reshape(-1))
+                raise TypeError(f"{who}: {name} must hold integers, got numpy dtype {values.dtype}")
+            if values.ndim != 1:
+                raise ValueError(f"{who}: {name} must be 1-D, got shape {list(values.shape)}")
+            if values.dtype.kind == "u" and values.size and int(values.max()) > INT64_MAX:
+                raise ValueError(f"{who}: {name} holds {int(values.max())}, above int64")
+            return torch.from_numpy(values.astype("int64"))
     except ImportError:  # pragma: no cover
         pass
+    if values is None or isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{who}: {name} must be a sequence of integers or an integer tensor, got "
+                        f"{type(values).__name__}")
     vals = list(values)
-    for v in vals:
-        if isinstance(v, bool) or not isinstance(v, int) and not hasattr(v, "__index__"):
-            raise TypeError(f"packcuda: {name} must hold integers, got {type(v).__name__}")
-    return torch.tensor([int(v) for v in vals], dtype=torch.int64)
+    out = []
+    for i, v in enumerate(vals):
+        if isinstance(v, (bool, float)) or not (isinstance(v, numbers.Integral) or hasattr(v, "__index__")):
+            raise TypeError(f"{who}: {name}[{i}] must be an integer, got {v!r} ({type(v).__name__})")
+        try:
+            iv = int(v.__index__())
+        except TypeError as e:
+            raise TypeError(f"{who}: {name}[{i}] must be an integer, got {v!r}") from e
+        if not INT64_MIN <= iv <= INT64_MAX:
+            raise ValueError(f"{who}: {name}[{i}]={iv} is outside int64")
+        out.append(iv)
+    return torch.tensor(out, dtype=torch.int64)
 
 
-def op_metadata(values: IntsLike, name: str = "cu_seqlens") -> torch.Tensor:
-    """The tensor to hand to an op: device tensors as they are, host metadata as a CPU int64 tensor."""
+def op_metadata(values: IntsLike, name: str = "cu_seqlens", *, op: Optional[str] = None) -> torch.Tensor:
+    """The tensor to hand to an op: device tensors as they are (1-D int32/int64 checked), host metadata as a
+    CPU int64 tensor."""
     if is_device_tensor(values):
+        if values.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{_who(op)}: {name} must be an int32/int64 tensor, got {values.dtype}")
+        if values.dim() != 1:
+            raise ValueError(f"{_who(op)}: {name} must be 1-D, got shape {list(values.shape)}")
         return values
-    return host_tensor(values, name)
+    return host_tensor(values, name, op=op)
 
 
-def host_list(values: IntsLike, name: str = "cu_seqlens") -> list[int]:
+def host_list(values: IntsLike, name: str = "cu_seqlens", *, op: Optional[str] = None) -> list[int]:
     """Python ints of metadata; a device tensor is read back (one device sync)."""
-    if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype == torch.bool:
-            raise TypeError(f"packcuda: {name} must be an integer tensor, got {values.dtype}")
-        return values.reshape(-1).tolist()
-    if isinstance(values, (list, tuple)):
-        out = []
-        for v in values:
-            if isinstance(v, bool) or not (isinstance(v, int) or hasattr(v, "__index__")):
-                raise TypeError(f"packcuda: {name} must hold integers, got {type(v).__name__}")
-            out.append(int(v))
-        return out
-    return host_tensor(values, name).tolist()
+    if is_device_tensor(values):
+        return op_metadata(values, name, op=op).tolist()
+    return host_tensor(values, name, op=op).tolist()
 
 
-def cu_from_lengths(lengths: IntsLike, name: str = "lengths") -> list[int]:
+def cu_from_lengths(lengths: IntsLike, name: str = "lengths", *, op: Optional[str] = None) -> list[int]:
     """Host cu_seqlens (Python ints, N+1 entries) from host lengths (a device tensor is read back: one sync)."""
-    lens = host_list(lengths, name)
+    lens = host_list(lengths, name, op=op)
     for i, n in enumerate(lens):
         if n < 0:
-            raise ValueError(f"packcuda: {name}[{i}]={n} is negative")
-    return list(itertools.accumulate(lens, initial=0))
+            raise ValueError(f"{_who(op)}: {name}[{i}]={n} is negative")
+    cu = list(itertools.accumulate(lens, initial=0))
+    if cu[-1] > INT64_MAX:
+        raise ValueError(f"{_who(op)}: the sum of {name} ({cu[-1]}) overflows int64")
+    return cu
 
 
 def to_device_async(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
