@@ -133,9 +133,20 @@ def record(title: str, rows: Sequence[dict], device=None, notes: str = "", colum
         text += f"\n{notes}\n"
     print(text, flush=True)
     if write and os.environ.get("PACKCUDA_BENCH_NO_WRITE") != "1":
-        with open(RESULTS, "a") as f:
-            f.write(text)
+        append_results(text)
     return text
+
+
+def append_results(text: str) -> None:
+    """Appends a report to RESULTS.md (the history is append-only: nothing here rewrites it). With
+    ``PACKCUDA_RESULTS_RUN`` set, the report also goes to that file: the rows of one run alone, which is what a
+    remote machine sends back (``python -m benchmarks.append_results FILE`` appends them here)."""
+    with open(RESULTS, "a") as f:
+        f.write(text)
+    run_file = os.environ.get("PACKCUDA_RESULTS_RUN")
+    if run_file:
+        with open(run_file, "a") as f:
+            f.write(text)
 
 
 def cli(run, title: str, notes: str = "") -> None:
