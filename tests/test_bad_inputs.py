@@ -7,7 +7,8 @@ from conftest import HAS_CUDA
 CASES = catalogue.all_cases()
 
 
-@pytest.mark.parametrize("module,case", CASES, ids=[f"{c.target}-{c.name}" for _, c in CASES])
+@pytest.mark.parametrize("module,case", [
+    pytest.param(m, c, marks=[pytest.mark.gpu] if c.cuda else [], id=f"{c.target}-{c.name}") for m, c in CASES])
 def test_refused_cleanly(module, case):
     if case.cuda and not HAS_CUDA:
         pytest.skip("needs a CUDA device and a CUDA build of packcuda")
