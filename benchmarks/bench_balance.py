@@ -4,6 +4,7 @@
 Baselines, measured in the same run:
   - Python KK, one pass at the start count (what a pure-Python KK costs; it ignores the cap),
   - Python KK + retry: partition again with one more micro-batch until every micro-batch fits the cap.
+`--adversarial`: worst-case distributions at 16k sequences (one call each, times printed).
 Reported: wall time, micro-batch count, the largest token sum, and max/mean micro-batch workload.
 """
 from __future__ import annotations
@@ -77,7 +78,36 @@ def run(quick=False, device=None) -> list[dict]:
     return rows
 
 
+def adversarial(n=16384) -> None:
+    """Worst-case length distributions for the planners (count scan, repair, local search, first fit): prints
+    one call's wall time each; every planner call should stay well under 1 s on one core."""
+    rng = random.Random(0)
+    lu = _lengths(n, 1, 32, 32768)
+    cases = [
+        ("all equal 1000, cap 4096", [1000] * n, 4096, {}),
+        ("all > cap/2", [rng.randint(5001, 10000) for _ in range(n)], 10000, {}),
+        ("[3]*n, cap 4", [3] * n, 4, {}),
+        ("tiny, tight cap", [rng.randint(1, 4) for _ in range(n)], 5, {}),
+        ("cap exactly 2x", [4096] * n, 8192, {}),
+        ("0.6 / 0.45 cap mix", [600 if i % 2 else 450 for i in range(n)], 1000, {}),
+        ("cap/3 + 1", [334] * n, 1000, {}),
+        ("logU, min_micro_batches=4n", lu, 65536, {"min_micro_batches": 4 * n}),
+        ("logU, multiple_of=1024", lu, 65536, {"multiple_of": 1024}),
+        ("logU[16,4096], cap = max", _lengths(n, 2, 16, 4096), 4096, {}),
+    ]
+    for name, lens, cap, kw in cases:
+        s = torch.tensor(lens)
+        for method in ["karmarkar_karp", "first_fit_decreasing"]:
+            ms, parts = _once_ms(lambda: packcuda.plan_micro_batches(s, cap, method=method, **kw))
+            print(f"{name:30s} {method:22s} {ms:9.1f} ms  {len(parts)} micro-batches")
+        ms, _ = _once_ms(lambda: packcuda.balance_across_ranks(s, 64))
+        print(f"{name:30s} {'balance_across_ranks(64)':22s} {ms:9.1f} ms")
+
+
 if __name__ == "__main__":
+    if "--adversarial" in sys.argv:
+        adversarial(512 if "--quick" in sys.argv else 16384)
+        sys.exit(0)
     quick = "--quick" in sys.argv
     rows = run(quick=quick)
     record("Micro-batch planning (host): packcuda vs Python Karmarkar-Karp" + (" [quick]" if quick else ""), rows,

@@ -10,7 +10,7 @@ from typing import List
 import torch
 
 from . import _lib
-from ._meta import IntsLike, host_tensor
+from ._meta import INT64_MAX, IntsLike, check_int, host_tensor
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -18,6 +18,14 @@ ops = torch.ops.packcuda
 __all__ = ["plan_micro_batches", "balance_across_ranks", "sequence_workloads"]
 
 DEFAULT_WORKLOAD_COEF = 24576
+
+# Bounds shared with the C++ torch layer (csrc/balance/balance_ops.cpp): the planners allocate one bin per
+# micro-batch (rank), so counts are bounded; lengths and coefficients are bounded so that every workload and
+# every sum of workloads is exact in int64.
+MAX_PARTS = 2**20  # world_size, min_micro_batches, multiple_of
+MAX_LENGTH = 2**30  # one sequence's tokens (planners)
+MAX_WORKLOAD_COEF = 2**40
+_WORKLOADS = ("attention", "tokens")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -44,7 +52,23 @@ def _seqlens(seqlens: IntsLike, op: str) -> torch.Tensor:
     if isinstance(seqlens, torch.Tensor) and seqlens.device.type != "cpu":
         raise ValueError(f"packcuda.{op}: seqlens must be host metadata (a list, numpy array or CPU tensor), "
                          f"got a {seqlens.device} tensor; planning runs on the host")
-    return host_tensor(seqlens, "seqlens")
+    return host_tensor(seqlens, "seqlens", op=op)
+
+
+def _choice(op: str, name: str, value, allowed) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"packcuda.{op}: {name} must be a string, one of {list(allowed)}, got {value!r} "
+                        f"({type(value).__name__})")
+    if value not in allowed:
+        raise ValueError(f"packcuda.{op}: {name} must be " + " or ".join(repr(a) for a in allowed)
+                         + f", got {value!r}")
+    return value
+
+
+def _workload_args(op: str, workload, workload_coef):
+    workload = _choice(op, "workload", workload, _WORKLOADS)
+    coef = check_int(op, "workload_coef", workload_coef, lo=0, hi=MAX_WORKLOAD_COEF)
+    return workload, coef
 
 
 def _lists(indices: torch.Tensor, offsets: torch.Tensor) -> List[List[int]]:
@@ -54,13 +78,23 @@ def _lists(indices: torch.Tensor, offsets: torch.Tensor) -> List[List[int]]:
 
 def sequence_workloads(seqlens: IntsLike, workload: str = "attention",
                        workload_coef: int = DEFAULT_WORKLOAD_COEF) -> List[int]:
-    """Per-sequence cost used by the planners: ``coef·L + L²`` (``"attention"``) or ``L`` (``"tokens"``)."""
-    lens = _seqlens(seqlens, "sequence_workloads").tolist()
-    if workload == "tokens":
-        return lens
-    if workload != "attention":
-        raise ValueError(f"packcuda.sequence_workloads: workload must be 'attention' or 'tokens', got {workload!r}")
-    return [int(workload_coef) * n + n * n for n in lens]
+    """Per-sequence cost used by the planners: ``coef·L + L²`` (``"attention"``) or ``L`` (``"tokens"``).
+
+    Lengths must be >= 0, ``workload_coef`` in ``[0, 2^40]``, and every cost must fit in int64 (the planners'
+    integer type); anything else is a ``ValueError`` / ``TypeError`` naming the argument."""
+    op = "sequence_workloads"
+    workload, coef = _workload_args(op, workload, workload_coef)
+    lens = _seqlens(seqlens, op).tolist()
+    out = []
+    for i, n in enumerate(lens):
+        if n < 0:
+            raise ValueError(f"packcuda.{op}: seqlens[{i}]={n} is negative")
+        w = n if workload == "tokens" else coef * n + n * n
+        if w > INT64_MAX:
+            raise ValueError(f"packcuda.{op}: the workload of seqlens[{i}]={n} (workload_coef={coef}) is {w}, "
+                             f"above int64")
+        out.append(w)
+    return out
 
 
 def plan_micro_batches(
@@ -88,12 +122,20 @@ def plan_micro_batches(
     - ``order``: ``"as_planned"`` (micro-batches by their smallest sequence index) or ``"pipeline"``
       (heaviest in the middle, lighter towards both ends).
 
+    Bounds: ``max_tokens >= 1``; ``min_micro_batches`` and ``multiple_of`` in ``[1, 2^20]``; lengths in
+    ``[0, min(max_tokens, 2^30)]``; ``workload_coef`` in ``[0, 2^40]``; the total workload below ``2^61``.
     Deterministic (integer arithmetic, index tie-breaks): the same input gives the same plan on every rank.
-    A sequence longer than ``max_tokens`` raises ``ValueError``. Host work only; no device sync.
+    Host work only; no device sync.
     """
-    s = _seqlens(seqlens, "plan_micro_batches")
-    idx, off = ops.plan_micro_batches(s, int(max_tokens), int(min_micro_batches), int(multiple_of), str(workload),
-                                      int(workload_coef), str(method), str(order))
+    op = "plan_micro_batches"
+    max_tokens = check_int(op, "max_tokens", max_tokens, lo=1)
+    min_micro_batches = check_int(op, "min_micro_batches", min_micro_batches, lo=1, hi=MAX_PARTS)
+    multiple_of = check_int(op, "multiple_of", multiple_of, lo=1, hi=MAX_PARTS)
+    workload, coef = _workload_args(op, workload, workload_coef)
+    method = _choice(op, "method", method, ("karmarkar_karp", "first_fit_decreasing"))
+    order = _choice(op, "order", order, ("as_planned", "pipeline"))
+    s = _seqlens(seqlens, op)
+    idx, off = ops.plan_micro_batches(s, max_tokens, min_micro_batches, multiple_of, workload, coef, method, order)
     return _lists(idx, off)
 
 
@@ -108,7 +150,14 @@ def balance_across_ranks(
     """Partition a global batch across ``world_size`` data-parallel ranks, minimizing the largest rank
     workload (Karmarkar–Karp plus a local search). Returns ``world_size`` lists of sequence indices (rank r
     gets list r, ascending). ``equal_count=True`` gives every rank the same number of sequences (needs
-    ``len(seqlens) % world_size == 0``). Deterministic; host work only."""
-    s = _seqlens(seqlens, "balance_across_ranks")
-    idx, off = ops.balance_across_ranks(s, int(world_size), bool(equal_count), str(workload), int(workload_coef))
+    ``len(seqlens) % world_size == 0``). ``world_size`` in ``[1, 2^20]``; lengths in ``[0, 2^30]``;
+    ``workload_coef`` in ``[0, 2^40]``; the total workload below ``2^61``. Deterministic; host work only."""
+    op = "balance_across_ranks"
+    world_size = check_int(op, "world_size", world_size, lo=1, hi=MAX_PARTS)
+    if not isinstance(equal_count, bool):
+        raise TypeError(f"packcuda.{op}: equal_count must be a bool, got {equal_count!r} "
+                        f"({type(equal_count).__name__})")
+    workload, coef = _workload_args(op, workload, workload_coef)
+    s = _seqlens(seqlens, op)
+    idx, off = ops.balance_across_ranks(s, world_size, equal_count, workload, coef)
     return _lists(idx, off)

@@ -236,17 +236,18 @@ def test_adds_micro_batches_only_when_cap_forces_it():
     [
         (lambda: packcuda.plan_micro_batches([1, 70000], 65536), r"seqlens\[1\]=70000 exceeds max_tokens=65536"),
         (lambda: packcuda.plan_micro_batches([1, -2], 10), r"seqlens\[1\]=-2 is negative"),
-        (lambda: packcuda.plan_micro_batches([1], 0), r"max_tokens must be >= 1, got 0"),
-        (lambda: packcuda.plan_micro_batches([1], 10, min_micro_batches=0), r"min_micro_batches must be >= 1"),
-        (lambda: packcuda.plan_micro_batches([1], 10, multiple_of=0), r"multiple_of must be >= 1, got 0"),
+        (lambda: packcuda.plan_micro_batches([1], 0), r"max_tokens=0 is out of range \[1, "),
+        (lambda: packcuda.plan_micro_batches([1], 10, min_micro_batches=0), r"min_micro_batches=0 is out of range \[1, 1048576\]"),
+        (lambda: packcuda.plan_micro_batches([1], 10, multiple_of=0), r"multiple_of=0 is out of range \[1, 1048576\]"),
         (lambda: packcuda.plan_micro_batches([1], 10, workload="flops"), r"workload must be .* got 'flops'"),
         (lambda: packcuda.plan_micro_batches([1], 10, method="greedy"), r"method must be .* got 'greedy'"),
         (lambda: packcuda.plan_micro_batches([1], 10, order="zigzag"), r"order must be .* got 'zigzag'"),
-        (lambda: packcuda.plan_micro_batches([1], 10, workload_coef=-1), r"workload_coef must be in .* got -1"),
-        (lambda: packcuda.plan_micro_batches([2**30] * 4, 2**31, workload_coef=2**40), r"total workload"),
+        (lambda: packcuda.plan_micro_batches([1], 10, workload_coef=-1), r"workload_coef=-1 is out of range \[0, 1099511627776\]"),
+        (lambda: packcuda.plan_micro_batches([2**30] * 4, 2**31, workload_coef=2**40), r"workload of seqlens .* overflows int64"),
+        (lambda: packcuda.plan_micro_batches([2**30] * 4, 2**31, workload_coef=2**30), r"total workload"),
         (lambda: packcuda.balance_across_ranks([1, 2, 3], 2, equal_count=True),
          r"number of sequences \(3\) to be a multiple of world_size \(2\)"),
-        (lambda: packcuda.balance_across_ranks([1, 2, 3], 0), r"world_size must be in \[1, 2\^20\], got 0"),
+        (lambda: packcuda.balance_across_ranks([1, 2, 3], 0), r"world_size=0 is out of range \[1, 1048576\]"),
         (lambda: ops.plan_micro_batches(torch.ones(2, 2, dtype=torch.int64), 10), r"seqlens must be 1-D"),
         (lambda: ops.plan_micro_batches(torch.ones(2), 10), r"seqlens must have dtype in \{int32, int64\}"),
     ],
@@ -282,3 +283,78 @@ def test_compile_fullgraph():
     want = f(s)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+# ------------------------------------------------------------------------------------------ adversarial
+ADVERSARIAL = [
+    ("all_equal", lambda n: [1000] * n, 4096),
+    ("all_over_half", lambda n: [5001 + (i * 37) % 4999 for i in range(n)], 10000),
+    ("threes_cap_4", lambda n: [3] * n, 4),
+    ("tiny_tight_cap", lambda n: [1 + (i * 7) % 4 for i in range(n)], 5),
+    ("exact_multiple", lambda n: [4096] * n, 8192),
+    ("big_small_mix", lambda n: [600 if i % 2 else 450 for i in range(n)], 1000),
+    ("third_plus_one", lambda n: [334] * n, 1000),
+    ("with_zeros", lambda n: [0 if i % 3 == 0 else 1 + i % 9 for i in range(n)], 10),
+]
+
+
+@pytest.mark.parametrize("method", ["karmarkar_karp", "first_fit_decreasing"])
+@pytest.mark.parametrize("name,make,cap", ADVERSARIAL, ids=[a[0] for a in ADVERSARIAL])
+def test_adversarial_distributions(name, make, cap, method):
+    # correctness on the distributions the benchmark times at 16k sequences (bench_balance --adversarial)
+    for n, kw in [(300, {}), (200, {"min_micro_batches": 500}), (257, {"multiple_of": 64})]:
+        lens = make(n)
+        parts = packcuda.plan_micro_batches(lens, cap, method=method, **kw)
+        _check_partition(parts, n)
+        assert all(sum(lens[i] for i in p) <= cap for p in parts)
+        assert len(parts) >= _start_count(lens, cap, kw.get("min_micro_batches", 1), kw.get("multiple_of", 1))
+        assert len(parts) % kw.get("multiple_of", 1) == 0
+        if method == "karmarkar_karp" and not kw:
+            want = ref.plan_micro_batches(lens, cap)
+            assert len(parts) <= len(want)
+            if len(parts) == len(want):
+                assert ref.max_workload(parts, lens) <= ref.max_workload(want, lens)
+
+
+def test_count_lower_bound_cases():
+    # every sequence above cap / 2: one per micro-batch, found without scanning the counts up from sum / cap
+    assert len(packcuda.plan_micro_batches([6] * 10, 10)) == 10
+    assert len(packcuda.plan_micro_batches([334] * 9, 1000)) == 5  # two to a micro-batch
+    assert len(packcuda.plan_micro_batches([600, 450] * 4, 1000)) == 6  # 600s alone, 450s in pairs
+
+
+def test_never_worse_than_python_kk_tokens_case():
+    lens = [195, 35, 4014, 111, 610, 1132, 54, 117, 1674, 840, 3018, 1354, 1637, 22, 2093, 1507, 23, 12, 175, 8,
+            668, 257, 905, 129, 24, 3092, 465, 465, 16, 2937, 8, 244, 338]
+    want = ref.plan_micro_batches(lens, 8637, multiple_of=4, workload="tokens")
+    got = packcuda.plan_micro_batches(lens, 8637, multiple_of=4, workload="tokens")
+    assert len(got) == len(want) == 4
+    assert ref.max_workload(got, lens, "tokens") <= ref.max_workload(want, lens, "tokens")
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 60), mult=st.integers(1, 4),
+       cap_scale=st.floats(1.0, 3.0), workload=st.sampled_from(["attention", "tokens"]))
+def test_never_worse_than_python_kk_any_cap(seed, n, mult, cap_scale, workload):
+    rng = random.Random(seed)
+    lens = _log_uniform(rng, n, 8, 4096)
+    cap = int(max(lens) * cap_scale)
+    want = ref.plan_micro_batches(lens, cap, multiple_of=mult, workload=workload)
+    got = packcuda.plan_micro_batches(lens, cap, multiple_of=mult, workload=workload)
+    assert len(got) <= len(want)
+    if len(got) == len(want):
+        assert ref.max_workload(got, lens, workload) <= ref.max_workload(want, lens, workload)
+
+
+@settings(max_examples=100, deadline=None)
+@given(lens=st.lists(st.integers(0, 2**30), max_size=20), coef=st.integers(0, 2**40),
+       workload=st.sampled_from(["attention", "tokens"]))
+def test_sequence_workloads_hypothesis(lens, coef, workload):
+    assert packcuda.sequence_workloads(lens, workload, coef) == ref.workloads(lens, workload, coef)
+
+
+def test_sequence_workloads_edges():
+    assert packcuda.sequence_workloads([]) == []
+    assert packcuda.sequence_workloads([0], workload_coef=2**40) == [0]
+    big = 3037000499  # the largest L with L * L in int64 (coef 0)
+    assert packcuda.sequence_workloads([big], workload_coef=0) == [big * big]

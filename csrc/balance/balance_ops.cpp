@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "balance/balance.h"
+#include "common/checked.h"
 #include "common/torch/checks.h"
 
 namespace packcuda::th {
@@ -20,18 +21,22 @@ std::vector<int64_t> host_lengths(const char* op, const Tensor& seqlens, int64_t
          device_str(seqlens), " tensor");
   std::vector<int64_t> v = host_ints(seqlens);
   const int64_t n = static_cast<int64_t>(v.size());
-  // Limit on the total workload: partial sums and the local search's trial sums stay below 2^62.
-  const __int128 limit = static_cast<__int128>(1) << 61;
-  __int128 total = 0;
+  // Limit on the total workload: partial sums and the local search's trial sums stay below 2^62. Each
+  // workload and the running total are checked int64 arithmetic: an overflow is refused, never wrapped.
+  const int64_t limit = int64_t{1} << 61;
+  int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
     PC_ARG(v[i] >= 0, op, "seqlens[", i, "]=", v[i], " is negative");
     if (max_len >= 0)
       PC_ARG(v[i] <= max_len, op, "seqlens[", i, "]=", v[i], " exceeds ", max_name, "=", max_len,
              ": a single sequence must fit in one micro-batch");
     PC_ARG(v[i] <= (int64_t{1} << 30), op, "seqlens[", i, "]=", v[i], " is too long (at most 2^30 tokens)");
-    total += wl == balance::Workload::Tokens
-                 ? static_cast<__int128>(v[i])
-                 : static_cast<__int128>(coef) * v[i] + static_cast<__int128>(v[i]) * v[i];
+    const int64_t w = wl == balance::Workload::Tokens
+                          ? v[i]
+                          : checked::add(op, "the workload of seqlens (workload_coef * L + L^2)",
+                                         checked::mul(op, "the workload of seqlens (workload_coef * L)", coef, v[i]),
+                                         v[i] * v[i]);
+    total = checked::add(op, "the total workload of seqlens", total, w);
     PC_ARG(total < limit, op, "the total workload of seqlens exceeds 2^61 (workload_coef=", coef,
            "); lower workload_coef or split the batch");
   }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "balance/balance.h"
+#include "common/checked.h"
 #include "common/hd.h"
 
 namespace packcuda::balance {
@@ -132,6 +133,9 @@ struct Bins {
   int64_t coef;
   std::vector<std::vector<int64_t>> items;
   std::vector<int64_t> W, T;
+  // Deterministic work counter: candidate steps offered plus items scanned. The repair and the local
+  // search stop when it passes their budget, which bounds a planner call's time on any input.
+  int64_t work = 0;
   std::set<std::pair<int64_t, int64_t>> by_load;    // (W[p], p), every bin
   std::set<std::pair<int64_t, int64_t>> by_tokens;  // (T[p], p), every bin: the most room first
 
@@ -146,7 +150,15 @@ struct Bins {
     for (auto& v : items) std::sort(v.begin(), v.end(), [this](int64_t a, int64_t b) { return less(a, b); });
     for (int64_t p = 0; p < k; ++p) index(p);
   }
-  int64_t wl(int64_t l) const { return workload_of(l, workload, coef); }
+  // Workload of a hypothetical length l >= 0 (a pruning bound), saturated at int64 max instead of wrapping:
+  // the bounds it feeds only get looser, never wrong.
+  int64_t wl(int64_t l) const {
+    if (workload == Workload::Tokens) return l;
+    int64_t a, b, r;
+    if (__builtin_mul_overflow(coef, l, &a) || __builtin_mul_overflow(l, l, &b) || __builtin_add_overflow(a, b, &r))
+      return std::numeric_limits<int64_t>::max();
+    return r;
+  }
   bool less(int64_t a, int64_t b) const { return len[a] != len[b] ? len[a] < len[b] : a < b; }
   int64_t room(int64_t p) const { return cap < 0 ? kNoCap : cap - T[p]; }
   void index(int64_t p) {
@@ -221,8 +233,9 @@ void pair_windows(const Bins& bins, const std::vector<int64_t>& v, int64_t s0, i
 // The best step out of bin p whose two new workloads stay below `limit`. Repair (p over the cap): the step
 // must take tokens out of p, and steps that bring p under the cap come first. Local search (p fits): p must
 // still fit afterwards. q always fits afterwards.
-Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
+Step best_step(Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
   Step best;
+  int64_t& work = bins.work;
   const int64_t Wp = bins.W[p];
   const int64_t z = bins.room(p);     // p's token change dT <= z leaves it within the cap
   const int64_t hi = z < 0 ? -1 : z;  // allowed token change of p: the repair must lower it
@@ -238,6 +251,7 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
   auto single_gain = [&](int64_t room_q) { return bins.wl(Lp) - bins.wl(std::max<int64_t>(Lp - room_q, 0)); };
 
   auto offer = [&](int64_t q, int64_t g0, int64_t g1, int64_t t0, int64_t t1) {
+    ++work;
     int64_t dT = 0, dW = 0;
     for (int64_t x : {g0, g1})
       if (x >= 0) dT -= len[x], dW -= w[x];
@@ -256,6 +270,7 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
   // part is empty (repair), the step taking the most tokens out of p is offered.
   auto singles = [&](int64_t q) {
     const auto& Q = bins.items[q];
+    work += 1 + np + static_cast<int64_t>(Q.size());
     const int64_t lo = -bins.room(q), target = bins.W[q] - Wp;
     // In the local search only the x with w(l_x) - w(l_x - room_q) above the needed gain can help (moved
     // or swapped for a shorter j): a suffix of p, from s0.
@@ -306,6 +321,7 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
   auto pairs = [&](int64_t q) {
     const auto& Q = bins.items[q];
     if (Q.empty()) return;
+    work += (1 + np + static_cast<int64_t>(Q.size())) * (1 + np + static_cast<int64_t>(Q.size()));
     const int64_t lo = -bins.room(q), target = bins.W[q] - Wp;
     // Local search: p must gain more than `need`. Giving i for two items of total length >= l_i - room_q
     // gains at most w(l_i) - 2 w((l_i - room_q) / 2) (convexity), which grows with l_i: a suffix of p.
@@ -353,6 +369,7 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
   };
   if (kinds.singles && bins.cap >= 0) {
     for (const auto& [Tq, q] : bins.by_tokens) {
+      ++work;
       if (q == p) continue;
       const int64_t room_q = bins.cap - Tq;
       if (repairing) {
@@ -366,6 +383,7 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
     }
   } else if (kinds.singles) {
     for (const auto& [Wq, q] : bins.by_load) {
+      ++work;
       if (q == p) continue;
       if (skip_half(Wq)) break;
       singles(q);
@@ -375,6 +393,7 @@ Step best_step(const Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
   if (!kinds.pairs || np > kPairItems) return best;
   int64_t tried = 0;
   for (const auto& [Wq, q] : bins.by_load) {
+    ++work;
     if (tried >= kPairPartners || skip_half(Wq)) break;
     const int64_t room_q = bins.room(q);
     if (q == p || static_cast<int64_t>(bins.items[q].size()) > kPairItems ||
@@ -399,9 +418,10 @@ void apply(Bins& bins, int64_t p, const Step& c) {
 
 // Cap repair: while a bin is over the cap, take tokens out of the one with the largest token sum by an
 // exchange with a bin that stays within the cap. Every step lowers the total excess by at least one token,
-// so this ends.
-bool repair(Bins& bins, Kinds kinds) {
+// so this ends; it also gives up (false) once bins.work passes work_limit.
+bool repair(Bins& bins, Kinds kinds, int64_t work_limit) {
   while (bins.room(bins.by_tokens.rbegin()->second) < 0) {
+    if (bins.work > work_limit) return false;
     const int64_t o = bins.by_tokens.rbegin()->second;
     const Step c = best_step(bins, o, kNone, kinds);
     if (!c.found()) return false;
@@ -417,11 +437,11 @@ bool repair(Bins& bins, Kinds kinds) {
 // would cost time for no measurable balance.
 constexpr int64_t kTolerance = 10000;
 
-void refine(Bins& bins, Kinds kinds, int64_t max_steps) {
+void refine(Bins& bins, Kinds kinds, int64_t max_steps, int64_t work_limit) {
   int64_t total = 0;
   for (int64_t v : bins.W) total += v;
   const int64_t mean = total / bins.k, slack = mean / kTolerance;
-  for (int64_t step = 0; step < max_steps; ++step) {
+  for (int64_t step = 0; step < max_steps && bins.work <= work_limit; ++step) {
     const int64_t p = bins.by_load.rbegin()->second;
     if (bins.W[p] - mean <= slack) return;
     const Step c = best_step(bins, p, bins.W[p], kinds);
@@ -433,28 +453,110 @@ void refine(Bins& bins, Kinds kinds, int64_t max_steps) {
 // --------------------------------------------------------------------------------- first fit decreasing
 // Sequences by decreasing workload; each goes to the first micro-batch, scanning from the least loaded, whose
 // token sum has room (if none has, to the least loaded one; the cap repair follows).
+// The least loaded bin with room is found in O(log k): a min segment tree over the bins holds (W, index) of
+// every bin with room for the current sequence; the others wait in a max-heap by room and rejoin the tree
+// once the (non-increasing) lengths fit them again.
 void first_fit_decreasing(const int64_t* w, const int64_t* len, int64_t n, int64_t k, int64_t cap,
                           int64_t* part) {
+  using Key = std::pair<int64_t, int64_t>;
+  const Key none{kNone, kNone};
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return w[a] != w[b] ? w[a] > w[b] : a < b; });
-  std::vector<int64_t> W(k, 0), T(k, 0), bins(k);  // bins sorted by (W, index)
-  std::iota(bins.begin(), bins.end(), 0);
+  std::vector<int64_t> W(k, 0), T(k, 0);
+  int64_t size = 1;
+  while (size < k) size *= 2;
+  std::vector<Key> tree(2 * size, none);  // bins with room for the current length
+  auto set_leaf = [&](int64_t p, Key v) {
+    int64_t node = size + p;
+    tree[node] = v;
+    for (node /= 2; node >= 1; node /= 2) tree[node] = std::min(tree[2 * node], tree[2 * node + 1]);
+  };
+  for (int64_t p = 0; p < k; ++p) tree[size + p] = Key{0, p};
+  for (int64_t node = size - 1; node >= 1; --node) tree[node] = std::min(tree[2 * node], tree[2 * node + 1]);
+  std::set<Key> all;  // every bin by (W, index): the least loaded when none has room
+  for (int64_t p = 0; p < k; ++p) all.emplace(0, p);
+  std::priority_queue<Key> waiting;  // (room, bin) of bins out of the tree
   for (int64_t i : order) {
-    int64_t pos = 0;
-    while (pos < k && T[bins[pos]] + len[i] > cap) ++pos;
-    if (pos == k) pos = 0;
-    const int64_t p = bins[pos];
+    while (!waiting.empty() && waiting.top().first >= len[i]) {
+      const auto [room, p] = waiting.top();
+      waiting.pop();
+      if (room == cap - T[p]) set_leaf(p, Key{W[p], p});  // else a stale entry: p filled up since
+    }
+    const int64_t p = tree[1] != none ? tree[1].second : all.begin()->second;
     part[i] = p;
+    all.erase(Key{W[p], p});
     W[p] += w[i];
     T[p] += len[i];
-    // restore the order: bin p only got heavier, so bubble it towards the end
-    while (pos + 1 < k && (W[bins[pos + 1]] < W[p] || (W[bins[pos + 1]] == W[p] && bins[pos + 1] < p))) {
-      bins[pos] = bins[pos + 1];
-      ++pos;
+    all.emplace(W[p], p);
+    if (cap - T[p] >= len[i]) {
+      set_leaf(p, Key{W[p], p});
+    } else {
+      set_leaf(p, none);
+      waiting.emplace(cap - T[p], p);
     }
-    bins[pos] = p;
   }
+}
+
+// Lower bound on the number of bins of capacity cap (>= every length) that can hold these lengths: no
+// partition into fewer meets the cap. The largest of: ceil(sum / cap); for j >= 1, the lengths above
+// cap / (j + 1) fit at most j to a bin; Martello and Toth's L2 (for each K <= cap / 2: the lengths above
+// cap - K each need a bin of their own, those in (cap / 2, cap - K] too, and the lengths in [K, cap / 2]
+// fill what those leave free before needing more). O(n log n).
+int64_t min_bins(const int64_t* len, int64_t n, int64_t cap) {
+  if (n == 0) return 0;
+  std::vector<int64_t> v(len, len + n);
+  std::sort(v.begin(), v.end(), std::greater<int64_t>());  // longest first
+  std::vector<__int128> pre(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) pre[i + 1] = pre[i] + v[i];
+  const __int128 c = cap;
+  // count of lengths l with pred(l) true, where pred holds for a prefix of the (descending) order
+  auto count = [&](auto pred) {
+    return std::partition_point(v.begin(), v.end(), pred) - v.begin();
+  };
+  __int128 best = (pre[n] + c - 1) / c;
+  for (int64_t j = 1; j <= 64 && (n + j - 1) / j > best; ++j) {  // ceil(n / j) bounds the j-th term
+    const int64_t cj = count([&](int64_t l) { return static_cast<__int128>(l) * (j + 1) > c; });
+    best = std::max<__int128>(best, (cj + j - 1) / j);
+  }
+  const int64_t half = count([&](int64_t l) { return 2 * static_cast<__int128>(l) > c; });  // l > cap / 2
+  // K = 0, then every distinct length K <= cap / 2
+  for (int64_t i = half - 1; i < n; ++i) {
+    const int64_t K = i < half ? 0 : v[i];
+    if (i >= half && i + 1 < n && v[i + 1] == K) continue;  // the last position of this length
+    const int64_t j1 = count([&](int64_t l) { return static_cast<__int128>(l) > c - K; });
+    const int64_t j2 = half - std::min(j1, half);
+    const int64_t e3 = i < half ? n : i + 1;  // lengths in [K, cap / 2]: positions [half, e3)
+    const __int128 s2 = pre[half] - pre[std::min(j1, half)], s3 = pre[e3] - pre[half];
+    const __int128 free2 = static_cast<__int128>(j2) * c - s2;
+    const __int128 extra = s3 > free2 ? (s3 - free2 + c - 1) / c : 0;
+    best = std::max<__int128>(best, static_cast<__int128>(std::max(j1, half)) + extra);
+  }
+  return static_cast<int64_t>(std::min<__int128>(best, n));
+}
+
+// First-fit decreasing bin packing by tokens (longest first, each into the first bin with room): a plan that
+// always meets the cap, with at most 11/9 of the fewest bins possible plus one. part[i] = bin; returns the
+// number of bins. A segment tree over the bins' rooms finds the first bin with room in O(log n).
+int64_t pack_tokens(const int64_t* len, int64_t n, int64_t cap, int64_t* part) {
+  if (n == 0) return 0;
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len[a] != len[b] ? len[a] > len[b] : a < b; });
+  int64_t size = 1;
+  while (size < n) size *= 2;
+  std::vector<int64_t> room(2 * size, cap);  // a leaf per possible bin (n at most); node = max room below
+  int64_t used = 0;
+  for (int64_t i : order) {
+    int64_t node = 1;
+    while (node < size) node = room[2 * node] >= len[i] ? 2 * node : 2 * node + 1;
+    const int64_t b = node - size;
+    part[i] = b;
+    used = std::max(used, b + 1);
+    room[node] -= len[i];
+    for (node /= 2; node >= 1; node /= 2) room[node] = std::max(room[2 * node], room[2 * node + 1]);
+  }
+  return used;
 }
 
 Partition to_partition(const Bins& bins, Order order) {
@@ -490,33 +592,69 @@ Partition to_partition(const Bins& bins, Order order) {
 
 int64_t refine_steps(int64_t n, int64_t k) { return 4 * (n + k) + 64; }
 
+// Work budgets (units of Bins::work: a candidate step offered or an item scanned; about 10 ns each). The
+// repair attempts may spend kRepairWork in all; the local search kSearchWork; the count scan tries counts while
+// the attempts' sizes (n + k each) sum to at most kScanWork, then jumps to the count that the token packing
+// needs. Together they bound a planner call on any input (tens of milliseconds for 16k sequences); on
+// ordinary batches none of them is reached.
+constexpr int64_t kRepairWork = int64_t{1} << 23;
+constexpr int64_t kSearchWork = int64_t{1} << 24;
+constexpr int64_t kScanWork = int64_t{1} << 19;
+
+// The local search, unless no step can lower the heaviest bin: every bin holds at most one sequence.
+void search(Bins& bins, int64_t n, bool moves, bool pairs) {
+  bool single = true;
+  for (const auto& v : bins.items) single = single && v.size() <= 1;
+  if (single) return;
+  const int64_t limit = bins.work + kSearchWork;
+  // Single steps to convergence, then the one-for-two / two-for-one exchanges (which the singles cannot
+  // find), then single steps again on what they changed.
+  refine(bins, Kinds{moves, true, false}, refine_steps(n, bins.k), limit);
+  if (!pairs) return;
+  refine(bins, Kinds{moves, false, true}, refine_steps(n, bins.k), limit);
+  refine(bins, Kinds{moves, true, false}, refine_steps(n, bins.k), limit);
+}
+
 }  // namespace
 
 Partition plan_micro_batches(const int64_t* seqlens, int64_t n, int64_t max_tokens, int64_t min_micro_batches,
                              int64_t multiple_of, Workload workload, int64_t coef, Method method, Order order) {
+  const char* op = "plan_micro_batches";
   std::vector<int64_t> w(n);
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
     w[i] = workload_of(seqlens[i], workload, coef);
-    total += seqlens[i];
+    total = checked::add(op, "the total of seqlens", total, seqlens[i]);
   }
-  int64_t k = round_up(std::max(ceil_div(total, max_tokens), min_micro_batches), multiple_of);
+  const int64_t k_start = checked::round_up(op, "the micro-batch count",
+                                            std::max(total / max_tokens + (total % max_tokens != 0), min_micro_batches), multiple_of);
+  // No count below min_bins can meet the cap, so starting the scan at the first multiple above it gives the
+  // same plan as scanning up from k_start, without the attempts that must fail.
+  int64_t k = std::max(k_start, checked::round_up(op, "the micro-batch count", min_bins(seqlens, n, max_tokens),
+                                                  multiple_of));
+  std::vector<int64_t> packed(n);
+  const int64_t k_pack = pack_tokens(seqlens, n, max_tokens, packed.data());  // always meets the cap
   std::vector<int64_t> part(n);
+  int64_t scan = 0, repair_work = 0;
   for (;;) {
     if (method == Method::KarmarkarKarp)
       karmarkar_karp(w.data(), n, k, /*equal_count=*/false, part.data());
     else
       first_fit_decreasing(w.data(), seqlens, n, k, max_tokens, part.data());
     Bins bins(k, max_tokens, w.data(), seqlens, workload, coef, n, part.data());
-    if (!repair(bins, Kinds{true, true, false})) {
-      k += multiple_of;
+    bool ok = repair(bins, Kinds{true, true, false}, kRepairWork - repair_work);
+    repair_work += bins.work;
+    if (!ok && k >= k_pack) {  // the token packing meets the cap with this many micro-batches
+      bins = Bins(k, max_tokens, w.data(), seqlens, workload, coef, n, packed.data());
+      ok = true;
+    }
+    if (!ok) {
+      scan += n + k;
+      k = checked::add(op, "the micro-batch count", k, multiple_of);
+      if (scan > kScanWork) k = std::max(k, checked::round_up(op, "the micro-batch count", k_pack, multiple_of));
       continue;
     }
-    // Single steps to convergence, then the one-for-two / two-for-one exchanges (which the singles cannot
-    // find), then single steps again on what they changed.
-    refine(bins, Kinds{true, true, false}, refine_steps(n, k));
-    refine(bins, Kinds{true, false, true}, refine_steps(n, k));
-    refine(bins, Kinds{true, true, false}, refine_steps(n, k));
+    search(bins, n, /*moves=*/true, /*pairs=*/true);
     return to_partition(bins, order);
   }
 }
@@ -528,7 +666,7 @@ Partition balance_across_ranks(const int64_t* seqlens, int64_t n, int64_t world_
   std::vector<int64_t> part(n);
   karmarkar_karp(w.data(), n, world_size, equal_count, part.data());
   Bins bins(world_size, /*cap=*/-1, w.data(), seqlens, workload, coef, n, part.data());
-  refine(bins, Kinds{!equal_count, true, false}, refine_steps(n, world_size));
+  search(bins, n, /*moves=*/!equal_count, /*pairs=*/false);
   return to_partition(bins, Order::AsPlanned);
 }
 
