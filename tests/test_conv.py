@@ -384,6 +384,78 @@ def test_conv_prefix_gloo_equivalence(tmp_path):
     assert dict(results) == per_rank and n_cases == 72
 
 
+def _mismatch_worker(rank, world, init, results):
+    """Ranks that disagree (plan, kernel size, channel count) all raise the same ValueError before any row moves,
+    and the group stays usable; a rank that never calls makes the others fail after the group's timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        groups = {cp: dist.new_group(list(range(cp))) for cp in (2, 3)}
+        short = {cp: dist.new_group(list(range(cp)), timeout=datetime.timedelta(seconds=3)) for cp in (2, 3)}
+        for cp in (2, 3):
+            if rank >= cp:
+                continue
+            group = groups[cp]
+            same = packcuda.shard_plan([0, 10, 23], cp, rank)
+            scenarios = {
+                "plan": (packcuda.shard_plan([0, 10, 16 + 4 * rank], cp, rank), 4, 4),
+                "kernel_size": (same, 2 + rank, 4),
+                "C": (same, 3, 5 if rank == cp - 1 else 4),
+            }
+            for what, (plan, K, C) in scenarios.items():
+                x = torch.randn(plan.total_local, C, dtype=torch.float64)
+                try:
+                    packcuda.conv_prefix(x, plan, K, group)
+                    results[(cp, what, rank)] = "accepted"
+                except ValueError as e:
+                    results[(cp, what, rank)] = str(e)
+            # the group is still usable, and a good call gives the right rows
+            x = torch.randn(same.total_local, 4, dtype=torch.float64)
+            p = packcuda.conv_prefix(x, same, 3, group)
+            results[(cp, "good", rank)] = tuple(p.shape)
+            # a rank that never calls: the others raise once the group's timeout has passed
+            lonely = packcuda.shard_plan([0, 12], cp, rank)
+            if rank != cp - 1:
+                import time
+
+                t0 = time.monotonic()
+                try:
+                    packcuda.conv_prefix(torch.randn(lonely.total_local, 2), lonely, 3, short[cp])
+                    results[(cp, "absent", rank)] = "accepted"
+                except RuntimeError as e:
+                    results[(cp, "absent", rank)] = (str(e), time.monotonic() - t0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_conv_prefix_mismatch_gloo(tmp_path):
+    """cp = 2 and 3 over gloo: different plans, different kernel sizes, one rank with another channel count:
+    every rank raises the same ValueError naming conv_prefix and what differs (no hang, no abort); a rank that
+    does not call makes the others raise after the process group's timeout."""
+    import torch.multiprocessing as mp
+
+    world = 3
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_mismatch_worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    res = dict(results)
+    words = {"plan": "the plan (cu_seqlens", "kernel_size": "kernel_size per rank is", "C": "channel count"}
+    for cp in (2, 3):
+        for what, word in words.items():
+            msgs = {res[(cp, what, r)] for r in range(cp)}
+            assert len(msgs) == 1, (cp, what, msgs)  # the same error on every rank
+            msg = msgs.pop()
+            assert msg.startswith("packcuda.conv_prefix: the ranks of the group disagree") and word in msg, msg
+        assert all(res[(cp, "good", r)] == res[(cp, "good", 0)] for r in range(cp))
+        for r in range(cp - 1):
+            msg, waited = res[(cp, "absent", r)]
+            assert "packcuda.conv_prefix: group: not every rank" in msg and waited < 60, (msg, waited)
+    assert res[(3, "kernel_size", 0)].count("[2, 3, 4]") == 1
+
+
 def test_conv_prefix_schedule_single_process():
     """The schedules of all ranks are consistent: what rank p sends to q is what q expects from p, and the
     exchange simulated by hand reproduces the unsharded prefix rows."""
@@ -420,7 +492,7 @@ def test_bad_conv_prefix_arguments(tmp_path):
     import torch.distributed as dist
 
     plan = packcuda.shard_plan([0, 10], 2, 0)
-    with pytest.raises(ValueError, match=r"kernel_size must be in \[1, 8\], got 0"):
+    with pytest.raises(ValueError, match=r"packcuda.conv_prefix: kernel_size=0 is out of range \[1, 8\]"):
         packcuda.conv_prefix(torch.randn(plan.total_local, 2), plan, 0)
     with pytest.raises(ValueError, match=r"x_local must be \[T_local, C\] with T_local = 6"):
         packcuda.conv_prefix(torch.randn(5, 2), plan, 4)
@@ -442,7 +514,8 @@ def test_bad_prepared_exchange():
     idx, unpack = torch.zeros(0, dtype=torch.int64), torch.zeros(4, 1, dtype=torch.int64)
     with pytest.raises(ValueError, match="send_index must be a CUDA tensor"):
         ops.conv_exchange_prepare(idx, [0, 0], [0, 0], [-1, -1], unpack, 1, 0, 8, [2, 2])
-    ops.conv_exchange_release(123456)  # unknown handles: nothing to release
+    with pytest.raises(ValueError, match="conv_exchange_release: unknown handle 123456"):
+        ops.conv_exchange_release(123456)  # a handle never issued
     if HAS_CUDA:
         idx, unpack = idx.cuda(), unpack.cuda()
         with pytest.raises(ValueError, match="send_counts, recv_counts and send_first must have cp entries"):
