@@ -109,7 +109,7 @@ def test_causal_conv1d_no_cu_seqlens_equals_conv1d(device):
     assert torch.allclose(y, want, atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     lens=st.lists(st.integers(0, 40), min_size=1, max_size=8),
     K=st.integers(1, 6),
@@ -456,36 +456,86 @@ def test_conv_prefix_mismatch_gloo(tmp_path):
     assert res[(3, "kernel_size", 0)].count("[2, 3, 4]") == 1
 
 
+def _simulate_schedules(cp, layout, K, lens, bucket=None, C=2, seed=0):
+    """Builds every rank's schedule, runs the exchange (forward and backward) by hand and compares it with the
+    plain definition: prefix row j of piece k is the row at padded offset o-(K-1)+j of the piece's sequence
+    (zero before its start); the gradient of a row is the sum of every prefix slot that copied it."""
+    g = torch.Generator().manual_seed(seed)
+    cu = _cu(lens)
+    plans = [packcuda.shard_plan(cu, cp, r, layout=layout, bucket=bucket) for r in range(cp)]
+    scheds = [packcuda.conv_prefix_schedule(p, K) for p in plans]
+    assert packcuda.conv_prefix_schedule(plans[0], K) is scheds[0]  # cached on the plan
+    W = K - 1
+    X = torch.randn(plans[0].total_padded, C, generator=g, dtype=torch.float64)
+    rows = [_local_padded_rows(p) for p in plans]
+    xs = [X[r] for r in rows]
+    # plain definition: global padded row of every prefix slot (-1: zero row)
+    src_rows = []
+    for pl in plans:
+        sr = []
+        for k in range(len(pl.pieces_host) - 1):
+            start = pl.cu_seqlens_padded_host[pl.piece_seq_host[k]]
+            for j in range(W):
+                o = pl.piece_offset_host[k] - W + j
+                empty = pl.pieces_host[k + 1] == pl.pieces_host[k]
+                sr.append(start + o if o >= 0 and not empty else -1)
+        src_rows.append(sr)
+    Gs = [torch.randn(len(sr), C, generator=g, dtype=torch.float64) for sr in src_rows]
+    dX = torch.zeros_like(X)
+    for sr, G in zip(src_rows, Gs):
+        for i, r in enumerate(sr):
+            if r >= 0:
+                dX[r] += G[i]
+    for q in range(cp):
+        recv, brecv = [], []
+        for p in range(cp):
+            assert scheds[p].send_counts[q] == scheds[q].recv_counts[p]
+            off = sum(scheds[p].send_counts[:q])
+            recv.append(xs[p][scheds[p].send_index[off:off + scheds[p].send_counts[q]]])
+            boff = sum(scheds[p].recv_counts[:q])
+            brecv.append(Gs[p][scheds[p].bwd_send_index[boff:boff + scheds[p].recv_counts[q]]])
+        got = torch.ops.packcuda.conv_gather_sum(xs[q], torch.cat(recv), scheds[q].unpack[:, None])
+        want = torch.stack([X[r] if r >= 0 else torch.zeros(C, dtype=X.dtype) for r in src_rows[q]]) \
+            if src_rows[q] else got[:0]
+        assert torch.equal(got, want), ("forward", cp, layout, K, lens, bucket, q)
+        dx = torch.ops.packcuda.conv_gather_sum(Gs[q], torch.cat(brecv), scheds[q].bwd_unpack)
+        assert torch.allclose(dx, dX[rows[q]], atol=1e-12), ("backward", cp, layout, K, lens, bucket, q)
+
+
 def test_conv_prefix_schedule_single_process():
     """The schedules of all ranks are consistent: what rank p sends to q is what q expects from p, and the
-    exchange simulated by hand reproduces the unsharded prefix rows."""
+    exchange simulated by hand reproduces the unsharded prefix rows and their gradients."""
     for cp, layout, K, lens in [(2, "zigzag", 4, [3, 1, 40, 0, 7]), (4, "zigzag", 3, [1, 2, 3]),
                                 (3, "contiguous", 4, [2, 30, 1, 1, 9])]:
-        cu = _cu(lens)
-        plans = [packcuda.shard_plan(cu, cp, r, layout=layout) for r in range(cp)]
-        scheds = [packcuda.conv_prefix_schedule(p, K) for p in plans]
-        assert packcuda.conv_prefix_schedule(plans[0], K) is scheds[0]  # cached on the plan
-        X = torch.randn(plans[0].total_padded, 2, dtype=torch.float64)
-        xs = [X[_local_padded_rows(p)] for p in plans]
-        for q in range(cp):
-            recv = []
-            for p in range(cp):
-                off = sum(scheds[p].send_counts[:q])
-                assert scheds[p].send_counts[q] == scheds[q].recv_counts[p]
-                recv.append(xs[p][scheds[p].send_index[off:off + scheds[p].send_counts[q]]])
-            got = torch.ops.packcuda.conv_gather_sum(xs[q], torch.cat(recv), scheds[q].unpack[:, None])
-            # expected: rows at padded offsets [o-(K-1), o) of each piece's sequence
-            pl = plans[q]
-            want = torch.zeros_like(got)
-            for k in range(len(pl.pieces_host) - 1):
-                if pl.pieces_host[k + 1] == pl.pieces_host[k]:
-                    continue
-                start = pl.cu_seqlens_padded_host[pl.piece_seq_host[k]]
-                for j in range(K - 1):
-                    o = pl.piece_offset_host[k] - (K - 1) + j
-                    if o >= 0:
-                        want[k * (K - 1) + j] = X[start + o]
-            assert torch.equal(got, want), (cp, layout, K, q)
+        _simulate_schedules(cp, layout, K, lens)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 25), min_size=0, max_size=7),
+    cp=st.integers(1, 4),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    K=st.integers(1, 8),
+    bucket_units=st.one_of(st.none(), st.integers(1, 3)),
+    seed=st.integers(0, 2**16),
+)
+def test_conv_prefix_schedule_hypothesis(lens, cp, layout, K, bucket_units, seed):
+    """conv_prefix_schedule against the plain definition of the prefix rows (forward) and of their gradient
+    sums (backward), every rank's schedule exchanged by hand."""
+    bucket = None if bucket_units is None else bucket_units * (2 * cp if layout == "zigzag" else 8)
+    _simulate_schedules(cp, layout, K, lens, bucket, seed=seed)
+
+
+def test_schedule_on_device_spellings():
+    """ConvPrefixSchedule.on takes a device or its spelling; an index-less "cuda" is the current device, so
+    every spelling of one device shares one upload."""
+    sched = packcuda.conv_prefix_schedule(packcuda.shard_plan([0, 10, 23], 2, 1), 3)
+    a = sched.on("cpu")
+    assert sched.on(torch.device("cpu")) is a and torch.equal(a[0], sched.send_index)
+    if HAS_CUDA:
+        b = sched.on("cuda")
+        assert sched.on(torch.device("cuda", torch.cuda.current_device())) is b
+        assert b[0].device == torch.device("cuda", torch.cuda.current_device())
 
 
 def test_bad_conv_prefix_arguments(tmp_path):
