@@ -552,9 +552,9 @@ def test_bad_conv_prefix_arguments(tmp_path):
             packcuda.conv_prefix(torch.randn(plan.total_local, 2), plan, 4)
     finally:
         dist.destroy_process_group()
-    with pytest.raises(ValueError, match="zigzag align must be a multiple of 2\\*cp_size = 4, got 3"):
+    with pytest.raises(ValueError, match="zigzag align must be a multiple of 2\\*cp_size=4, got 3"):
         torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 0, 0, 3, None, 4)
-    with pytest.raises(ValueError, match=r"cp_rank must be in \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"cp_rank must be in \[0, cp_size=2\), got 2"):
         torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 2, 0, 4, None, 4)
 
 
