@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import _lib
-from ._meta import IntsLike, op_metadata
+from ._meta import IntsLike, check_int, op_metadata, resolve_device
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -24,6 +24,16 @@ ops = torch.ops.packcuda
 __all__ = ["causal_conv1d"]
 
 _ACT = {None: 0, "silu": 1, "swish": 1}
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _check_tensor(op: str, name: str, value, *, optional: bool = False) -> None:
+    """TypeError naming ``packcuda.<op>`` and `name` unless `value` is a tensor (or None when optional)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"packcuda.{op}: {name} must be a tensor{' or None' if optional else ''}, got "
+                        f"{type(value).__name__}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -97,10 +107,22 @@ def causal_conv1d(
 
     Differentiable in ``x``, ``weight``, ``bias`` and ``prefix``; ``weight`` / ``bias`` gradients are
     reduced in a fixed order (deterministic, no atomics). Syncs: none (host ``cu_seqlens`` is validated on
-    the host and uploaded without waiting)."""
+    the host and uploaded without waiting; the values of a device ``cu_seqlens`` are not read back, so they
+    must already be valid: 0, non-decreasing, ending at T).
+
+    Every argument is checked before anything is computed: ``ValueError`` / ``TypeError`` naming
+    ``packcuda.causal_conv1d`` and the argument."""
+    op = "causal_conv1d"
+    _check_tensor(op, "x", x)
+    _check_tensor(op, "weight", weight)
+    _check_tensor(op, "bias", bias, optional=True)
+    _check_tensor(op, "prefix", prefix, optional=True)
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"packcuda.{op}: activation must be None or 'silu', got {activation!r} "
+                        f"({type(activation).__name__})")
     if activation not in _ACT:
-        raise ValueError(f"packcuda.causal_conv1d: activation must be None or 'silu', got {activation!r}")
-    cu = op_metadata(cu_seqlens) if cu_seqlens is not None else None
+        raise ValueError(f"packcuda.{op}: activation must be None or 'silu', got {activation!r}")
+    cu = op_metadata(cu_seqlens, op=op) if cu_seqlens is not None else None
     return ops.causal_conv1d_fwd(x, weight, bias, cu, prefix, _ACT[activation])
 
 
@@ -122,12 +144,13 @@ class ConvPrefixSchedule:
     """
 
     def __init__(self, plan, kernel_size: int):
-        bucket = getattr(plan, "bucket", None)
+        kernel_size = _check_schedule_args("conv_prefix_schedule", plan, kernel_size)
+        bucket = plan.bucket
         t = ops.conv_prefix_schedule(
             torch.tensor(plan.cu_seqlens_host, dtype=torch.int64), int(plan.cp_size), int(plan.cp_rank),
-            _LAYOUT_CODES[plan.layout], int(plan.align), None if bucket is None else int(bucket), int(kernel_size))
+            _LAYOUT_CODES[plan.layout], int(plan.align), None if bucket is None else int(bucket), kernel_size)
         send_index, send_counts, recv_counts, unpack, bwd_send_index, bwd_unpack, info = t
-        self.kernel_size = int(kernel_size)
+        self.kernel_size = kernel_size
         self.cp_size, self.rank = int(plan.cp_size), int(plan.cp_rank)
         self.n_pieces, self.n_local = (int(v) for v in info.tolist())
         self.send_counts = send_counts.tolist()
@@ -138,8 +161,9 @@ class ConvPrefixSchedule:
         self._dev = {}
 
     def on(self, device: torch.device):
-        """(send_index, unpack [n,1], bwd_send_index, bwd_unpack) on ``device``, uploaded once, no sync."""
-        device = torch.device(device)
+        """(send_index, unpack [n,1], bwd_send_index, bwd_unpack) on ``device`` (cpu or cuda; an index-less
+        ``"cuda"`` is the current device), uploaded once, no sync."""
+        device = _usable_device("ConvPrefixSchedule.on", "device", device)
         key = str(device)
         if key not in self._dev:
             from ._meta import to_device_async
@@ -155,18 +179,45 @@ class ConvPrefixSchedule:
         return int(sum(self.recv_counts))
 
 
-def _plan_fingerprint(plan, kernel_size) -> int:
-    import zlib
+def _usable_device(op: str, name: str, device) -> torch.device:
+    """A cpu or cuda device that exists here (resolve_device, plus: given, and CUDA present)."""
+    if device is None:
+        raise TypeError(f"packcuda.{op}: {name} must be a device, got None")
+    try:
+        d = resolve_device(op, name, device)
+    except (RuntimeError, AssertionError) as e:  # an index-less "cuda" without a usable CUDA device
+        raise ValueError(f"packcuda.{op}: {name}={device!r} is not available here ({e})") from e
+    if d.type == "cuda" and not (torch.cuda.is_available() and d.index < torch.cuda.device_count()):
+        raise ValueError(f"packcuda.{op}: {name}={d} is not available here (CUDA devices: "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+    return d
 
-    key = repr((list(plan.cu_seqlens_host), plan.cp_size, plan.layout, plan.align, getattr(plan, "bucket", None),
-                int(kernel_size)))
-    return zlib.crc32(key.encode())
+
+def _check_schedule_args(op: str, plan, kernel_size) -> int:
+    """The plan must be a ShardPlan and kernel_size an integer in [1, 8]; returns kernel_size."""
+    from .shard import ShardPlan
+
+    if not isinstance(plan, ShardPlan):
+        raise TypeError(f"packcuda.{op}: plan must be a ShardPlan (from packcuda.shard_plan), got "
+                        f"{type(plan).__name__}")
+    return check_int(op, "kernel_size", kernel_size, lo=1, hi=8)
+
+
+def _plan_fingerprint(plan, kernel_size=None) -> int:
+    """A signed 64-bit hash of what makes two ranks' plans one plan (cu_seqlens, cp_size, layout, align,
+    bucket), and of kernel_size when given."""
+    import hashlib
+
+    key = repr((list(plan.cu_seqlens_host), plan.cp_size, plan.layout, plan.align, plan.bucket,
+                None if kernel_size is None else int(kernel_size)))
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def conv_prefix_schedule(plan, kernel_size: int) -> ConvPrefixSchedule:
-    """The (cached) exchange schedule of ``plan`` for kernel size ``kernel_size``."""
+    """The (cached) exchange schedule of ``plan`` (a :class:`ShardPlan`) for kernel size ``kernel_size`` (an
+    integer in [1, 8])."""
+    k = _check_schedule_args("conv_prefix_schedule", plan, kernel_size)
     cache = plan.__dict__.setdefault("_conv_prefix_schedules", {})
-    k = int(kernel_size)
     if k not in cache:
         cache[k] = ConvPrefixSchedule(plan, k)
     return cache[k]
@@ -235,22 +286,64 @@ class _ConvPrefix(torch.autograd.Function):
         return ctx.call.backward(grad), None
 
 
-def _check_plans(sched, x_local, group):
-    """Debug mode: every rank exchanges (fingerprint, cp_rank) and raises on a mismatch instead of hanging."""
+_BACKEND_CODES = {"torch": 0, "nccl": 1}
+
+
+def _group_timeout(group, device):
+    """The process group's timeout (what its collectives wait at most), or None when it cannot be read."""
+    import torch.distributed as dist
+
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        return pg._get_backend(device).options._timeout
+    except Exception:
+        return None
+
+
+def _verify_call(plan, K, x_local, group, backend) -> None:
+    """One all_gather of a few int64 per rank (plan fingerprint, K, C, dtype, cp_rank, layout, backend): every
+    rank raises the same ValueError when the ranks disagree, before any row is exchanged. A rank that does
+    not join makes the others fail after the process group's timeout instead of waiting forever."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
-    dev = x_local.device if _group_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor([sched.fingerprint, sched.rank, x_local.shape[1]], dtype=torch.int64, device=dev)
+    dev = x_local.device if backend == "nccl" or _group_backend(group) == "nccl" else torch.device("cpu")
+    fields = ("plan", "kernel_size", "C", "dtype", "cp_rank", "layout", "backend")
+    mine = torch.tensor([_plan_fingerprint(plan), K, x_local.shape[1], _FLOAT_DTYPES.index(x_local.dtype),
+                         plan.cp_rank, _LAYOUT_CODES[plan.layout], _BACKEND_CODES[backend]],
+                        dtype=torch.int64, device=dev)
     allv = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(allv, mine, group=group)
-    rows = torch.stack(allv).cpu().tolist()  # host read: this mode syncs once per call
-    fps = {r[0] for r in rows}
-    if len(fps) != 1 or [r[1] for r in rows] != list(range(world)) or len({r[2] for r in rows}) != 1:
-        raise ValueError(
-            "packcuda.conv_prefix: the ranks of the group disagree on the plan "
-            f"(per rank [plan fingerprint, cp_rank, channels]: {rows}); every rank must pass its own rank's plan "
-            "of the same cu_seqlens / cp_size / layout / align / bucket and the same kernel_size")
+    try:
+        dist.all_gather(allv, mine, group=group)
+    except RuntimeError as e:
+        timeout = _group_timeout(group, dev)
+        raise RuntimeError(
+            "packcuda.conv_prefix: group: not every rank of the group joined the plan check within the process "
+            f"group's timeout ({timeout if timeout is not None else 'unknown'}); every rank must call conv_prefix "
+            f"with its own rank's plan and the same kernel_size ({type(e).__name__}: {e})") from e
+    rows = torch.stack(allv).cpu().tolist()  # host read: once per prepared exchange (every call with check=True)
+    col = dict(zip(fields, zip(*rows)))
+    diffs = []
+    if len(set(col["plan"])) > 1:
+        diffs.append("the plan (cu_seqlens / cp_size / layout / align / bucket) differs between ranks")
+    if len(set(col["kernel_size"])) > 1:
+        diffs.append(f"kernel_size per rank is {list(col['kernel_size'])}")
+    if len(set(col["C"])) > 1:
+        diffs.append(f"the channel count x_local.shape[1] per rank is {list(col['C'])}")
+    if len(set(col["dtype"])) > 1:
+        diffs.append("x_local.dtype per rank is "
+                     f"{[str(_FLOAT_DTYPES[d]).replace('torch.', '') for d in col['dtype']]}")
+    if list(col["cp_rank"]) != list(range(world)):
+        diffs.append(f"plan.cp_rank per rank is {list(col['cp_rank'])}, expected {list(range(world))}")
+    if len(set(col["layout"])) > 1:
+        diffs.append(f"plan.layout per rank is {[('zigzag', 'contiguous')[v] for v in col['layout']]}")
+    if len(set(col["backend"])) > 1:
+        diffs.append(f"the exchange backend per rank is {[('torch', 'nccl')[v] for v in col['backend']]}")
+    if diffs:
+        raise ValueError("packcuda.conv_prefix: the ranks of the group disagree on the plan or the call: "
+                         + "; ".join(diffs) + ". Every rank must pass its own rank's plan of the same cu_seqlens / "
+                         "cp_size / layout / align / bucket, the same kernel_size and an x_local of the same "
+                         "channel count and dtype")
 
 
 def conv_prefix(
@@ -267,7 +360,8 @@ def conv_prefix(
     them (this one included: zigzag chunks cp-1 and cp share a rank). Offsets before the sequence start give
     zero rows; pieces shorter than K-1 are fine (a prefix may gather rows from several earlier pieces/ranks).
 
-    ``x_local`` ``[T_local, C]`` is this rank's buffer in the plan's layout; ``group`` the CP process group
+    ``x_local`` ``[T_local, C]`` (bf16 / fp16 / fp32 / fp64, cpu or cuda) is this rank's buffer in the plan's
+    layout; ``plan`` a :class:`ShardPlan`; ``kernel_size`` an integer in [1, 8]; ``group`` the CP process group
     (size ``plan.cp_size``, this rank = ``plan.cp_rank``). Every rank of the group must call this, with the
     same kernel size, even when it has nothing to send or receive. Differentiable: the backward sends each
     prefix row's gradient back to its owner and sums it into ``x_local``'s gradient in a fixed order.
@@ -275,27 +369,58 @@ def conv_prefix(
     ``backend``: ``"nccl"`` (CUDA with an NCCL group: pack kernel, one ``ncclGroupStart/End`` of
     ``ncclSend``/``ncclRecv`` per peer on the current stream, unpack kernel; a dedicated communicator built
     once per group), ``"torch"`` (``torch.distributed.batch_isend_irecv``, any backend incl. gloo), or
-    ``"auto"`` (nccl when available). ``check`` (default: env ``PACKCUDA_CONV_CHECK=1``): exchange a plan
-    fingerprint first and raise ``ValueError`` on a mismatch instead of hanging — costs one all_gather and one
-    host sync per call. Syncs otherwise: none on the nccl path (the schedule is cached on the plan).
+    ``"auto"`` (nccl when available).
+
+    Agreement between ranks: the first call of an exchange (per plan, kernel size, group, device and backend,
+    and again for each new channel count / dtype) runs one all_gather of a few int64 per rank — a fingerprint
+    of the plan (cu_seqlens / cp_size / layout / align / bucket), K, C, dtype, cp_rank and backend — and every
+    rank raises the same ``ValueError`` naming what differs, before any row moves. That first call syncs once
+    (the gathered values are read on the host); later calls do not. A rank that never calls makes the others
+    raise (``RuntimeError`` naming ``conv_prefix`` and ``group``) once the process group's timeout runs out
+    (``init_process_group(timeout=...)`` / ``new_group(timeout=...)``; gloo's default is 30 minutes).
+    ``check`` (default: env ``PACKCUDA_CONV_CHECK=1``): run that check on every call (one all_gather and one
+    host sync per call). Syncs otherwise: none on the nccl path (the schedule is cached on the plan). Run one
+    call before capturing a CUDA graph (communicator, peer connections and the check happen there).
     """
-    K = int(kernel_size)
-    if not isinstance(x_local, torch.Tensor) or x_local.dim() != 2 or x_local.shape[0] != plan.total_local:
-        raise ValueError(f"packcuda.conv_prefix: x_local must be [T_local, C] with T_local = {plan.total_local}, "
-                         f"got {tuple(getattr(x_local, 'shape', ()))}")
+    import torch.distributed as dist
+
+    op = "conv_prefix"
+    K = _check_schedule_args(op, plan, kernel_size)
+    _check_tensor(op, "x_local", x_local)
+    if x_local.dim() != 2 or x_local.shape[0] != plan.total_local:
+        raise ValueError(f"packcuda.{op}: x_local must be [T_local, C] with T_local = {plan.total_local}, "
+                         f"got {tuple(x_local.shape)}")
+    if x_local.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"packcuda.{op}: x_local must have dtype bfloat16, float16, float32 or float64, got "
+                         f"{x_local.dtype}")
+    if x_local.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"packcuda.{op}: x_local must be on cpu or cuda, got {x_local.device}")
     if check is None:
         check = os.environ.get("PACKCUDA_CONV_CHECK", "0") not in ("", "0")
+    elif not isinstance(check, bool):
+        raise TypeError(f"packcuda.{op}: check must be None or a bool, got {check!r}")
+    if not isinstance(backend, str) or backend not in ("auto", "nccl", "torch"):
+        raise ValueError(f"packcuda.{op}: backend must be 'auto', 'nccl' or 'torch', got {backend!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"packcuda.{op}: group: torch.distributed is not initialized (call init_process_group)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"packcuda.{op}: group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(group).__name__}")
     # Everything that depends only on (plan, K, group, device, backend) is resolved once and cached on the plan:
-    # group size/rank checks, backend choice, communicator, schedule and its device tensors. The per-call host
-    # work is then a dict lookup, the shape check above and one op call.
+    # group size/rank checks, backend choice, the agreement check, communicator, schedule and its device tensors.
+    # The per-call host work is then a dict lookup, the checks above and one op call.
     cache = plan.__dict__.setdefault("_conv_prefix_calls", {})
     key = (K, group, x_local.device, backend)
     call = cache.get(key)
+    agreed = (x_local.shape[1], x_local.dtype)
     if call is None:
-        call = cache[key] = _prepare_call(x_local, plan, K, group, backend)
-    sched = call.sched
-    if check:
-        _check_plans(sched, x_local, group)
+        resolved = _resolve_backend(x_local, plan, group, backend)
+        _verify_call(plan, K, x_local, group, resolved)
+        call = cache[key] = _PreparedCall(conv_prefix_schedule(plan, K), group, resolved, x_local.device)
+        call.agreed.add(agreed)
+    elif check or agreed not in call.agreed:
+        _verify_call(plan, K, x_local, group, call.backend)
+        call.agreed.add(agreed)
     if torch.is_grad_enabled() and x_local.requires_grad:
         return _ConvPrefix.apply(x_local, call)
     return call.forward(x_local)
@@ -315,7 +440,10 @@ def _prepare_exchange(send_index, send_counts, recv_counts, send_first, unpack, 
 
 @torch.library.register_fake("packcuda::conv_exchange_run")
 def _exchange_run_fake(src, handle):
-    return src.new_empty((*_EXCHANGE_LEAD[handle], src.shape[-1]))
+    lead = _EXCHANGE_LEAD.get(handle)
+    if lead is None:
+        raise ValueError(f"packcuda.conv_exchange_run: unknown or released handle {handle}")
+    return src.new_empty((*lead, src.shape[-1]))
 
 
 def _first_rows(index: torch.Tensor, counts) -> list:
@@ -339,6 +467,7 @@ class _PreparedCall:
 
     def __init__(self, sched, group, backend, device):
         self.sched, self.group, self.backend = sched, group, backend
+        self.agreed = set()  # (C, dtype) pairs every rank of the group was checked to agree on
         self.send_index, self.unpack, self.bwd_send_index, self.bwd_unpack = sched.on(device)
         self.send_counts, self.recv_counts = sched.send_counts, sched.recv_counts
         self.comm = _nccl_comm(group, device) if backend == "nccl" else 0
@@ -390,24 +519,21 @@ def _nccl_built() -> bool:
     return _NCCL_BUILT
 
 
-def _prepare_call(x_local, plan, K, group, backend) -> _PreparedCall:
+def _resolve_backend(x_local, plan, group, backend) -> str:
+    """The group matches the plan; the exchange backend ("torch" or "nccl") this call uses."""
     import torch.distributed as dist
 
-    if not 1 <= K <= 8:
-        raise ValueError(f"packcuda.conv_prefix: kernel_size must be in [1, 8], got {K}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != plan.cp_size or rank != plan.cp_rank:
         raise ValueError(f"packcuda.conv_prefix: plan is for rank {plan.cp_rank} of {plan.cp_size} but this process "
                          f"is rank {rank} of {world} in the group")
-    if backend not in ("auto", "nccl", "torch"):
-        raise ValueError(f"packcuda.conv_prefix: backend must be 'auto', 'nccl' or 'torch', got {backend!r}")
     nccl_ok = x_local.is_cuda and _group_backend(group) == "nccl" and _nccl_built()
     if backend == "auto":
-        backend = "nccl" if nccl_ok else "torch"
-    elif backend == "nccl" and not nccl_ok:
+        return "nccl" if nccl_ok else "torch"
+    if backend == "nccl" and not nccl_ok:
         raise ValueError("packcuda.conv_prefix: backend='nccl' needs a CUDA x_local, an NCCL group and a build "
                          "with NCCL")
-    return _PreparedCall(conv_prefix_schedule(plan, K), group, backend, x_local.device)
+    return backend
 
 
 __all__ += ["conv_prefix", "conv_prefix_schedule", "ConvPrefixSchedule"]

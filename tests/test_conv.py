@@ -109,7 +109,7 @@ def test_causal_conv1d_no_cu_seqlens_equals_conv1d(device):
     assert torch.allclose(y, want, atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     lens=st.lists(st.integers(0, 40), min_size=1, max_size=8),
     K=st.integers(1, 6),
@@ -384,43 +384,165 @@ def test_conv_prefix_gloo_equivalence(tmp_path):
     assert dict(results) == per_rank and n_cases == 72
 
 
+def _mismatch_worker(rank, world, init, results):
+    """Ranks that disagree (plan, kernel size, channel count) all raise the same ValueError before any row moves,
+    and the group stays usable; a rank that never calls makes the others fail after the group's timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        groups = {cp: dist.new_group(list(range(cp))) for cp in (2, 3)}
+        short = {cp: dist.new_group(list(range(cp)), timeout=datetime.timedelta(seconds=3)) for cp in (2, 3)}
+        for cp in (2, 3):
+            if rank >= cp:
+                continue
+            group = groups[cp]
+            same = packcuda.shard_plan([0, 10, 23], cp, rank)
+            scenarios = {
+                "plan": (packcuda.shard_plan([0, 10, 16 + 4 * rank], cp, rank), 4, 4),
+                "kernel_size": (same, 2 + rank, 4),
+                "C": (same, 3, 5 if rank == cp - 1 else 4),
+            }
+            for what, (plan, K, C) in scenarios.items():
+                x = torch.randn(plan.total_local, C, dtype=torch.float64)
+                try:
+                    packcuda.conv_prefix(x, plan, K, group)
+                    results[(cp, what, rank)] = "accepted"
+                except ValueError as e:
+                    results[(cp, what, rank)] = str(e)
+            # the group is still usable, and a good call gives the right rows
+            x = torch.randn(same.total_local, 4, dtype=torch.float64)
+            p = packcuda.conv_prefix(x, same, 3, group)
+            results[(cp, "good", rank)] = tuple(p.shape)
+            # a rank that never calls: the others raise once the group's timeout has passed
+            lonely = packcuda.shard_plan([0, 12], cp, rank)
+            if rank != cp - 1:
+                import time
+
+                t0 = time.monotonic()
+                try:
+                    packcuda.conv_prefix(torch.randn(lonely.total_local, 2), lonely, 3, short[cp])
+                    results[(cp, "absent", rank)] = "accepted"
+                except RuntimeError as e:
+                    results[(cp, "absent", rank)] = (str(e), time.monotonic() - t0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_conv_prefix_mismatch_gloo(tmp_path):
+    """cp = 2 and 3 over gloo: different plans, different kernel sizes, one rank with another channel count:
+    every rank raises the same ValueError naming conv_prefix and what differs (no hang, no abort); a rank that
+    does not call makes the others raise after the process group's timeout."""
+    import torch.multiprocessing as mp
+
+    world = 3
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_mismatch_worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    res = dict(results)
+    words = {"plan": "the plan (cu_seqlens", "kernel_size": "kernel_size per rank is", "C": "channel count"}
+    for cp in (2, 3):
+        for what, word in words.items():
+            msgs = {res[(cp, what, r)] for r in range(cp)}
+            assert len(msgs) == 1, (cp, what, msgs)  # the same error on every rank
+            msg = msgs.pop()
+            assert msg.startswith("packcuda.conv_prefix: the ranks of the group disagree") and word in msg, msg
+        assert all(res[(cp, "good", r)] == res[(cp, "good", 0)] for r in range(cp))
+        for r in range(cp - 1):
+            msg, waited = res[(cp, "absent", r)]
+            assert "packcuda.conv_prefix: group: not every rank" in msg and waited < 60, (msg, waited)
+    assert res[(3, "kernel_size", 0)].count("[2, 3, 4]") == 1
+
+
+def _simulate_schedules(cp, layout, K, lens, bucket=None, C=2, seed=0):
+    """Builds every rank's schedule, runs the exchange (forward and backward) by hand and compares it with the
+    plain definition: prefix row j of piece k is the row at padded offset o-(K-1)+j of the piece's sequence
+    (zero before its start); the gradient of a row is the sum of every prefix slot that copied it."""
+    g = torch.Generator().manual_seed(seed)
+    cu = _cu(lens)
+    plans = [packcuda.shard_plan(cu, cp, r, layout=layout, bucket=bucket) for r in range(cp)]
+    scheds = [packcuda.conv_prefix_schedule(p, K) for p in plans]
+    assert packcuda.conv_prefix_schedule(plans[0], K) is scheds[0]  # cached on the plan
+    W = K - 1
+    X = torch.randn(plans[0].total_padded, C, generator=g, dtype=torch.float64)
+    rows = [_local_padded_rows(p) for p in plans]
+    xs = [X[r] for r in rows]
+    # plain definition: global padded row of every prefix slot (-1: zero row)
+    src_rows = []
+    for pl in plans:
+        sr = []
+        for k in range(len(pl.pieces_host) - 1):
+            start = pl.cu_seqlens_padded_host[pl.piece_seq_host[k]]
+            for j in range(W):
+                o = pl.piece_offset_host[k] - W + j
+                empty = pl.pieces_host[k + 1] == pl.pieces_host[k]
+                sr.append(start + o if o >= 0 and not empty else -1)
+        src_rows.append(sr)
+    Gs = [torch.randn(len(sr), C, generator=g, dtype=torch.float64) for sr in src_rows]
+    dX = torch.zeros_like(X)
+    for sr, G in zip(src_rows, Gs):
+        for i, r in enumerate(sr):
+            if r >= 0:
+                dX[r] += G[i]
+    for q in range(cp):
+        recv, brecv = [], []
+        for p in range(cp):
+            assert scheds[p].send_counts[q] == scheds[q].recv_counts[p]
+            off = sum(scheds[p].send_counts[:q])
+            recv.append(xs[p][scheds[p].send_index[off:off + scheds[p].send_counts[q]]])
+            boff = sum(scheds[p].recv_counts[:q])
+            brecv.append(Gs[p][scheds[p].bwd_send_index[boff:boff + scheds[p].recv_counts[q]]])
+        got = torch.ops.packcuda.conv_gather_sum(xs[q], torch.cat(recv), scheds[q].unpack[:, None])
+        want = torch.stack([X[r] if r >= 0 else torch.zeros(C, dtype=X.dtype) for r in src_rows[q]]) \
+            if src_rows[q] else got[:0]
+        assert torch.equal(got, want), ("forward", cp, layout, K, lens, bucket, q)
+        dx = torch.ops.packcuda.conv_gather_sum(Gs[q], torch.cat(brecv), scheds[q].bwd_unpack)
+        assert torch.allclose(dx, dX[rows[q]], atol=1e-12), ("backward", cp, layout, K, lens, bucket, q)
+
+
 def test_conv_prefix_schedule_single_process():
     """The schedules of all ranks are consistent: what rank p sends to q is what q expects from p, and the
-    exchange simulated by hand reproduces the unsharded prefix rows."""
+    exchange simulated by hand reproduces the unsharded prefix rows and their gradients."""
     for cp, layout, K, lens in [(2, "zigzag", 4, [3, 1, 40, 0, 7]), (4, "zigzag", 3, [1, 2, 3]),
                                 (3, "contiguous", 4, [2, 30, 1, 1, 9])]:
-        cu = _cu(lens)
-        plans = [packcuda.shard_plan(cu, cp, r, layout=layout) for r in range(cp)]
-        scheds = [packcuda.conv_prefix_schedule(p, K) for p in plans]
-        assert packcuda.conv_prefix_schedule(plans[0], K) is scheds[0]  # cached on the plan
-        X = torch.randn(plans[0].total_padded, 2, dtype=torch.float64)
-        xs = [X[_local_padded_rows(p)] for p in plans]
-        for q in range(cp):
-            recv = []
-            for p in range(cp):
-                off = sum(scheds[p].send_counts[:q])
-                assert scheds[p].send_counts[q] == scheds[q].recv_counts[p]
-                recv.append(xs[p][scheds[p].send_index[off:off + scheds[p].send_counts[q]]])
-            got = torch.ops.packcuda.conv_gather_sum(xs[q], torch.cat(recv), scheds[q].unpack[:, None])
-            # expected: rows at padded offsets [o-(K-1), o) of each piece's sequence
-            pl = plans[q]
-            want = torch.zeros_like(got)
-            for k in range(len(pl.pieces_host) - 1):
-                if pl.pieces_host[k + 1] == pl.pieces_host[k]:
-                    continue
-                start = pl.cu_seqlens_padded_host[pl.piece_seq_host[k]]
-                for j in range(K - 1):
-                    o = pl.piece_offset_host[k] - (K - 1) + j
-                    if o >= 0:
-                        want[k * (K - 1) + j] = X[start + o]
-            assert torch.equal(got, want), (cp, layout, K, q)
+        _simulate_schedules(cp, layout, K, lens)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 25), min_size=0, max_size=7),
+    cp=st.integers(1, 4),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    K=st.integers(1, 8),
+    bucket_units=st.one_of(st.none(), st.integers(1, 3)),
+    seed=st.integers(0, 2**16),
+)
+def test_conv_prefix_schedule_hypothesis(lens, cp, layout, K, bucket_units, seed):
+    """conv_prefix_schedule against the plain definition of the prefix rows (forward) and of their gradient
+    sums (backward), every rank's schedule exchanged by hand."""
+    bucket = None if bucket_units is None else bucket_units * (2 * cp if layout == "zigzag" else 8)
+    _simulate_schedules(cp, layout, K, lens, bucket, seed=seed)
+
+
+def test_schedule_on_device_spellings():
+    """ConvPrefixSchedule.on takes a device or its spelling; an index-less "cuda" is the current device, so
+    every spelling of one device shares one upload."""
+    sched = packcuda.conv_prefix_schedule(packcuda.shard_plan([0, 10, 23], 2, 1), 3)
+    a = sched.on("cpu")
+    assert sched.on(torch.device("cpu")) is a and torch.equal(a[0], sched.send_index)
+    if HAS_CUDA:
+        b = sched.on("cuda")
+        assert sched.on(torch.device("cuda", torch.cuda.current_device())) is b
+        assert b[0].device == torch.device("cuda", torch.cuda.current_device())
 
 
 def test_bad_conv_prefix_arguments(tmp_path):
     import torch.distributed as dist
 
     plan = packcuda.shard_plan([0, 10], 2, 0)
-    with pytest.raises(ValueError, match=r"kernel_size must be in \[1, 8\], got 0"):
+    with pytest.raises(ValueError, match=r"packcuda.conv_prefix: kernel_size=0 is out of range \[1, 8\]"):
         packcuda.conv_prefix(torch.randn(plan.total_local, 2), plan, 0)
     with pytest.raises(ValueError, match=r"x_local must be \[T_local, C\] with T_local = 6"):
         packcuda.conv_prefix(torch.randn(5, 2), plan, 4)
@@ -430,9 +552,9 @@ def test_bad_conv_prefix_arguments(tmp_path):
             packcuda.conv_prefix(torch.randn(plan.total_local, 2), plan, 4)
     finally:
         dist.destroy_process_group()
-    with pytest.raises(ValueError, match="zigzag align must be a multiple of 2\\*cp_size = 4, got 3"):
+    with pytest.raises(ValueError, match="zigzag align must be a multiple of 2\\*cp_size=4, got 3"):
         torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 0, 0, 3, None, 4)
-    with pytest.raises(ValueError, match=r"cp_rank must be in \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"cp_rank must be in \[0, cp_size=2\), got 2"):
         torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 2, 0, 4, None, 4)
 
 
@@ -442,7 +564,8 @@ def test_bad_prepared_exchange():
     idx, unpack = torch.zeros(0, dtype=torch.int64), torch.zeros(4, 1, dtype=torch.int64)
     with pytest.raises(ValueError, match="send_index must be a CUDA tensor"):
         ops.conv_exchange_prepare(idx, [0, 0], [0, 0], [-1, -1], unpack, 1, 0, 8, [2, 2])
-    ops.conv_exchange_release(123456)  # unknown handles: nothing to release
+    with pytest.raises(ValueError, match="conv_exchange_release: unknown handle 123456"):
+        ops.conv_exchange_release(123456)  # a handle never issued
     if HAS_CUDA:
         idx, unpack = idx.cuda(), unpack.cuda()
         with pytest.raises(ValueError, match="send_counts, recv_counts and send_first must have cp entries"):

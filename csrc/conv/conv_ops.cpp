@@ -1,10 +1,16 @@
 // Torch layer of the causal conv1d and the conv-prefix exchange: schemas, argument checks, dispatch.
+#include <climits>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <set>
 
+#include "common/checked.h"
 #include "common/torch/checks.h"
 #include "conv/conv.h"
+#include "shard/shard_math.h"
 
 namespace packcuda::th {
 namespace {
@@ -23,6 +29,11 @@ DType conv_dtype(ST t) {
   }
 }
 
+// A required tensor argument that was given (None reaches a Tensor argument as an undefined tensor).
+void check_given(const char* op, const char* name, const Tensor& t) {
+  PC_ARG(t.defined(), op, name, " must be a tensor, got None");
+}
+
 struct Prepared {
   ConvArgs a;
   Tensor x, weight, cu;
@@ -32,6 +43,8 @@ struct Prepared {
 // Validates every argument of the conv (forward and backward) before anything is written.
 Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, const std::optional<Tensor>& bias,
                  const std::optional<Tensor>& cu_seqlens, const std::optional<Tensor>& prefix, int64_t activation) {
+  check_given(op, "x", x_in);
+  check_given(op, "weight", weight_in);
   check_dim(op, "x", x_in, 2);
   check_dtype(op, "x", x_in, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
   check_dim(op, "weight", weight_in, 2);
@@ -108,7 +121,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor dy, Tensor x
                                                              std::optional<Tensor> bias,
                                                              std::optional<Tensor> cu_seqlens,
                                                              std::optional<Tensor> prefix, int64_t activation) {
-  const char* op = "causal_conv1d_backward";
+  const char* op = "causal_conv1d_bwd";
+  check_given(op, "grad_y", dy);
   Prepared p = prepare(op, x, weight, bias, cu_seqlens, prefix, activation);
   check_same_device(op, "grad_y", dy, "x", x);
   PC_ARG(dy.dim() == 2 && dy.size(0) == p.a.T && dy.size(1) == p.a.C, op, "grad_y must have the shape of x ",
@@ -145,6 +159,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor dy, Tensor x
 // out[r] = sum_m src(index[r, m]) with src(i) = a[i] for i < a.size(0), b[i - a.size(0)] above, nothing for -1.
 Tensor conv_gather_sum(Tensor a, Tensor b, Tensor index) {
   const char* op = "conv_gather_sum";
+  check_given(op, "a", a);
+  check_given(op, "b", b);
+  check_given(op, "index", index);
   check_dim(op, "a", a, 2);
   check_dim(op, "b", b, 2);
   check_dtype(op, "a", a, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
@@ -155,6 +172,7 @@ Tensor conv_gather_sum(Tensor a, Tensor b, Tensor index) {
   check_same_device(op, "index", index, "a", a);
   check_dim(op, "index", index, 2);
   check_dtype(op, "index", index, {ST::Long});
+  PC_ARG(index.size(1) <= INT_MAX, op, "index may hold at most ", INT_MAX, " sources per row, got ", index.size(1));
   a = dense(a);
   b = dense(b);
   index = dense(index);
@@ -182,26 +200,63 @@ Tensor host_i64(const std::vector<int64_t>& v) {
   return upload_i64(v, Device(torch::headeronly::DeviceType::CPU));
 }
 
+// Largest CP size a schedule is built for: every rank's schedule walks the layouts of all cp ranks and keeps
+// per-peer lists (O(cp) memory, O(cp * pieces * K) host work).
+constexpr int64_t kMaxScheduleCp = 1 << 16;
+
+// The layout arguments of a schedule, checked by the rules of the shard layout (shard_layout / shard_plan in
+// shard_ops.cpp: the schedule is built from the same shard::build_layout), with checked arithmetic for the
+// padded sizes. Returns the validated host cu_seqlens.
+std::vector<int64_t> checked_schedule_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size,
+                                             int64_t cp_rank, int64_t layout, int64_t align,
+                                             std::optional<int64_t> bucket) {
+  PC_ARG(cp_size >= 1, op, "cp_size must be >= 1, got ", cp_size);
+  PC_ARG(cp_size <= kMaxScheduleCp, op, "cp_size must be <= ", kMaxScheduleCp, ", got ", cp_size);
+  PC_ARG(layout == shard::kZigzag || layout == shard::kContiguous, op,
+         "layout must be 0 (zigzag) or 1 (contiguous), got ", layout);
+  PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
+  PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
+  PC_ARG(!bucket || *bucket >= 1, op, "bucket must be >= 1, got ", bucket.value_or(0));
+  if (layout == shard::kZigzag) {
+    const int64_t two_cp = checked::mul(op, "2*cp_size", 2, cp_size);
+    PC_ARG(align % two_cp == 0, op, "zigzag align must be a multiple of 2*cp_size=", two_cp, ", got ", align);
+    PC_ARG(!bucket || *bucket % align == 0, op, "zigzag bucket must be a multiple of align=", align, ", got ",
+           *bucket);
+  }
+  check_given(op, "cu_seqlens", cu_seqlens);
+  PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
+         device_str(cu_seqlens));
+  check_dim(op, "cu_seqlens", cu_seqlens, 1);
+  check_dtype(op, "cu_seqlens", cu_seqlens, {ST::Int, ST::Long});
+  PC_ARG(cu_seqlens.numel() >= 1, op, "cu_seqlens must have at least one entry (it starts with 0)");
+  std::vector<int64_t> cu = read_host_segments(op, "cu_seqlens", cu_seqlens, -1);
+  // Padded sizes stay within int32, as for the shard plan (whose boundary tensors are int32).
+  const int64_t nseq = static_cast<int64_t>(cu.size()) - 1;
+  int64_t padded = 0;
+  for (int64_t i = 0; i < nseq; ++i)
+    padded = checked::add(op, "the padded stream length", padded,
+                          checked::round_up(op, "a padded sequence length", cu[i + 1] - cu[i], align));
+  const int64_t bk = bucket.value_or(1);
+  const int64_t unit = layout == shard::kContiguous ? std::lcm(bk, cp_size) : bk;  // both <= int32 / kMaxScheduleCp
+  const int64_t total_padded = checked::round_up(op, "the padded stream length", padded, unit);
+  const int64_t limit = std::numeric_limits<int32_t>::max();
+  PC_ARG(checked::add(op, "the padded stream length", checked::add(op, "the padded stream length", padded, bk),
+                      cp_size) <= limit && total_padded <= limit,
+         op, "the padded stream (", padded, " tokens, ", total_padded, " with the bucket/cp rounding) does not fit "
+         "int32 boundaries (cu_seqlens, align, bucket, cp_size)");
+  return cu;
+}
+
 // Host schedule of the conv-prefix exchange for rank cp_rank of a shard plan (parameters as shard_layout).
 std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout,
                                          int64_t align, std::optional<int64_t> bucket, int64_t kernel_size) {
   const char* op = "conv_prefix_schedule";
-  PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got ", device_str(cu_seqlens));
-  PC_ARG(cp_size >= 1, op, "cp_size must be >= 1, got ", cp_size);
-  PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, ", cp_size, "), got ", cp_rank);
-  PC_ARG(layout == 0 || layout == 1, op, "layout must be 0 (zigzag) or 1 (contiguous), got ", layout);
-  PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
-  PC_ARG(layout == 1 || align % (2 * cp_size) == 0, op, "zigzag align must be a multiple of 2*cp_size = ",
-         2 * cp_size, ", got ", align);
-  const int64_t bk = bucket.has_value() ? *bucket : 1;
-  PC_ARG(bk >= 1, op, "bucket must be >= 1, got ", bk);
-  PC_ARG(layout == 1 || bk % align == 0 || bk == 1, op, "zigzag bucket must be a multiple of align = ", align,
-         ", got ", bk);
   PC_ARG(kernel_size >= 1 && kernel_size <= conv::kMaxK, op, "kernel_size must be in [1, ", conv::kMaxK, "], got ",
          kernel_size);
-  Segments seg = segments(op, "cu_seqlens", cu_seqlens, Device(torch::headeronly::DeviceType::CPU), -1);
-  const conv::Schedule sc = conv::build_schedule(seg.host.data(), seg.count, cp_size, cp_rank,
-                                                 static_cast<int>(layout), align, bk, static_cast<int>(kernel_size));
+  const std::vector<int64_t> cu = checked_schedule_layout(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket);
+  const int64_t nseq = static_cast<int64_t>(cu.size()) - 1;
+  const conv::Schedule sc = conv::build_schedule(cu.data(), nseq, cp_size, cp_rank, static_cast<int>(layout), align,
+                                                 bucket.value_or(1), static_cast<int>(kernel_size));
   Tensor bwd_unpack = torch::stable::reshape(host_i64(sc.bwd_unpack), {sc.n_local, sc.bwd_m});
   return {host_i64(sc.send_index), host_i64(sc.send_counts), host_i64(sc.recv_counts), host_i64(sc.unpack),
           host_i64(sc.bwd_send_index), bwd_unpack, host_i64({sc.n_pieces, sc.n_local})};
@@ -215,16 +270,42 @@ Tensor conv_nccl_unique_id() {
   return id;
 }
 
+// Communicators made by conv_nccl_comm_init: a prepared exchange only takes one of these (an arbitrary integer
+// would be dereferenced by NCCL). Never destroyed, like the exchange registry below.
+std::mutex& comm_mutex() {
+  static std::mutex* m = new std::mutex();
+  return *m;
+}
+std::set<int64_t>& comms() {
+  static auto* s = new std::set<int64_t>();
+  return *s;
+}
+
 int64_t conv_nccl_comm_init(Tensor unique_id, int64_t nranks, int64_t rank, int64_t device_index) {
   const char* op = "conv_nccl_comm_init";
+  check_given(op, "unique_id", unique_id);
   PC_ARG(unique_id.is_cpu() && unique_id.scalar_type() == ST::Byte && unique_id.numel() == 128, op,
          "unique_id must be a CPU uint8 tensor of 128 bytes, got ", dtype_name(unique_id.scalar_type()), " ",
-         shape_str(unique_id));
-  PC_ARG(nranks >= 1 && rank >= 0 && rank < nranks, op, "rank ", rank, " is not in [0, ", nranks, ")");
+         shape_str(unique_id), " on ", device_str(unique_id));
+  PC_ARG(nranks >= 1 && nranks <= INT_MAX, op, "nranks must be in [1, ", INT_MAX, "], got ", nranks);
+  PC_ARG(rank >= 0 && rank < nranks, op, "rank ", rank, " is not in [0, nranks=", nranks, ")");
+  PC_ARG(device_index >= 0 && device_index <= INT32_MAX, op, "device_index must be a CUDA device index >= 0, got ",
+         device_index);
+  if (!conv::nccl_available())
+    throw std::runtime_error("packcuda.conv_nccl_comm_init: packcuda was built without NCCL (nccl.h not found)");
   unique_id = dense(unique_id);
-  torch::stable::accelerator::DeviceGuard guard(static_cast<int32_t>(device_index));
-  return reinterpret_cast<int64_t>(conv::nccl_comm_init(static_cast<const uint8_t*>(unique_id.const_data_ptr()),
-                                                        static_cast<int>(nranks), static_cast<int>(rank)));
+  std::optional<torch::stable::accelerator::DeviceGuard> guard;
+  try {
+    guard.emplace(static_cast<int32_t>(device_index));
+  } catch (const std::exception& e) {
+    PC_ARG(false, op, "device_index=", device_index, " is not a usable CUDA device (", e.what(), ")");
+  }
+  const int64_t comm = reinterpret_cast<int64_t>(
+      conv::nccl_comm_init(static_cast<const uint8_t*>(unique_id.const_data_ptr()), static_cast<int>(nranks),
+                           static_cast<int>(rank)));
+  std::lock_guard<std::mutex> lock(comm_mutex());
+  comms().insert(comm);
+  return comm;
 }
 
 // Prepared exchanges: one direction of a cached conv-prefix call (schedule tensors, counts, communicator,
@@ -242,44 +323,58 @@ std::mutex& exchange_mutex() {
   static std::mutex* m = new std::mutex();
   return *m;
 }
-std::vector<std::unique_ptr<Exchange>>& exchanges() {
-  static auto* v = new std::vector<std::unique_ptr<Exchange>>();
+std::vector<std::shared_ptr<const Exchange>>& exchanges() {
+  static auto* v = new std::vector<std::shared_ptr<const Exchange>>();
   return *v;
 }
 
+// Every argument is checked (lists, counts, sizes, tensors, then the communicator) before anything is kept.
+// The index values live on the device and are not read here (no sync): send_index must hold rows in
+// [0, n_src) and unpack_index values in [-1, n_src + sum(recv_counts)), as a Schedule's lists do.
 int64_t conv_exchange_prepare(Tensor send_index, std::vector<int64_t> send_counts, std::vector<int64_t> recv_counts,
                               std::vector<int64_t> send_first, Tensor unpack_index, int64_t comm, int64_t rank,
                               int64_t n_src, std::vector<int64_t> out_lead) {
   const char* op = "conv_exchange_prepare";
-  PC_ARG(send_index.is_cuda(), op, "send_index must be a CUDA tensor, got ", device_str(send_index));
-  check_same_device(op, "unpack_index", unpack_index, "send_index", send_index);
-  check_dtype(op, "send_index", send_index, {ST::Long});
-  check_dtype(op, "unpack_index", unpack_index, {ST::Long});
-  check_dim(op, "unpack_index", unpack_index, 2);
+  check_given(op, "send_index", send_index);
+  check_given(op, "unpack_index", unpack_index);
   const int64_t cp = static_cast<int64_t>(send_counts.size());
+  PC_ARG(cp >= 1, op, "send_counts must have one entry per rank (cp >= 1), got an empty list");
   PC_ARG(static_cast<int64_t>(recv_counts.size()) == cp && static_cast<int64_t>(send_first.size()) == cp, op,
          "send_counts, recv_counts and send_first must have cp entries each, got ", cp, ", ", recv_counts.size(),
          ", ", send_first.size());
-  PC_ARG(rank >= 0 && rank < cp, op, "rank ", rank, " is not in [0, ", cp, ")");
-  PC_ARG(comm != 0, op, "comm must be a communicator handle (from conv_nccl_comm_init), got 0");
+  PC_ARG(rank >= 0 && rank < cp, op, "rank ", rank, " is not in [0, cp=", cp, ")");
   PC_ARG(n_src >= 0, op, "n_src must be >= 0, got ", n_src);
-  auto e = std::make_unique<Exchange>();
+  auto e = std::make_shared<Exchange>();
   for (int64_t p = 0; p < cp; ++p) {
-    PC_ARG(send_counts[p] >= 0 && recv_counts[p] >= 0, op, "counts must be >= 0");
-    PC_ARG(send_first[p] < 0 || send_first[p] + send_counts[p] <= n_src, op, "send_first[", p, "] = ",
-           send_first[p], " with ", send_counts[p], " rows runs past the ", n_src, " source rows");
-    e->n_send += send_counts[p];
-    e->n_recv += recv_counts[p];
+    PC_ARG(send_counts[p] >= 0, op, "send_counts[", p, "] must be >= 0, got ", send_counts[p]);
+    PC_ARG(recv_counts[p] >= 0, op, "recv_counts[", p, "] must be >= 0, got ", recv_counts[p]);
+    PC_ARG(send_first[p] < 0 || checked::add(op, "send_first + send_counts", send_first[p], send_counts[p]) <= n_src,
+           op, "send_first[", p, "] = ", send_first[p], " with ", send_counts[p], " rows runs past the ", n_src,
+           " source rows");
+    e->n_send = checked::add(op, "the sum of send_counts", e->n_send, send_counts[p]);
+    e->n_recv = checked::add(op, "the sum of recv_counts", e->n_recv, recv_counts[p]);
   }
+  int64_t lead = 1;
+  for (size_t i = 0; i < out_lead.size(); ++i) {
+    PC_ARG(out_lead[i] >= 0, op, "out_lead[", i, "] must be >= 0, got ", out_lead[i]);
+    lead = checked::mul(op, "the product of out_lead", lead, out_lead[i]);
+  }
+  check_dtype(op, "send_index", send_index, {ST::Long});
+  check_dtype(op, "unpack_index", unpack_index, {ST::Long});
+  check_dim(op, "send_index", send_index, 1);
+  check_dim(op, "unpack_index", unpack_index, 2);
   PC_ARG(send_index.numel() == e->n_send, op, "send_index has ", send_index.numel(),
          " entries but send_counts sum to ", e->n_send);
-  int64_t lead = 1;
-  for (int64_t d : out_lead) {
-    PC_ARG(d >= 0, op, "out_lead entries must be >= 0");
-    lead *= d;
-  }
   PC_ARG(lead == unpack_index.size(0), op, "out_lead ", out_lead.size(), " dims hold ", lead,
          " rows but unpack_index has ", unpack_index.size(0));
+  PC_ARG(unpack_index.size(1) <= INT_MAX, op, "unpack_index may hold at most ", INT_MAX, " sources per row, got ",
+         unpack_index.size(1));
+  PC_ARG(send_index.is_cuda(), op, "send_index must be a CUDA tensor, got ", device_str(send_index));
+  check_same_device(op, "unpack_index", unpack_index, "send_index", send_index);
+  {
+    std::lock_guard<std::mutex> lock(comm_mutex());
+    PC_ARG(comms().count(comm) == 1, op, "comm=", comm, " is not a communicator from conv_nccl_comm_init");
+  }
   e->send_index = dense(send_index);
   e->unpack = dense(unpack_index);
   e->direct = conv::sends_direct(send_counts.data(), send_first.data(), cp, rank);
@@ -295,24 +390,30 @@ int64_t conv_exchange_prepare(Tensor send_index, std::vector<int64_t> send_count
   return static_cast<int64_t>(exchanges().size());
 }
 
-const Exchange& exchange_of(const char* op, int64_t handle) {
+// The exchange of a live handle (kept alive by the returned pointer even if it is released meanwhile).
+std::shared_ptr<const Exchange> exchange_of(const char* op, int64_t handle) {
   std::lock_guard<std::mutex> lock(exchange_mutex());
   auto& v = exchanges();
   PC_ARG(handle >= 1 && handle <= static_cast<int64_t>(v.size()) && v[handle - 1], op, "unknown or released handle ",
          handle);
-  return *v[handle - 1];
+  return v[handle - 1];
 }
 
+// Releasing a released handle again is a no-op; a handle that was never issued is refused.
 void conv_exchange_release(int64_t handle) {
   std::lock_guard<std::mutex> lock(exchange_mutex());
   auto& v = exchanges();
-  if (handle >= 1 && handle <= static_cast<int64_t>(v.size())) v[handle - 1].reset();
+  PC_ARG(handle >= 1 && handle <= static_cast<int64_t>(v.size()), "conv_exchange_release", "unknown handle ", handle,
+         " (handles come from conv_exchange_prepare)");
+  v[handle - 1].reset();
 }
 
 // Runs a prepared exchange on src [n_src, C] (or any [..., C] holding n_src rows); returns [*out_lead, C].
 Tensor conv_exchange_run(Tensor src, int64_t handle) {
   const char* op = "conv_exchange_run";
-  const Exchange& e = exchange_of(op, handle);
+  const std::shared_ptr<const Exchange> ep = exchange_of(op, handle);
+  const Exchange& e = *ep;
+  check_given(op, "src", src);
   PC_ARG(src.is_cuda(), op, "src must be a CUDA tensor, got ", device_str(src));
   PC_ARG(src.dim() >= 2, op, "src must be [rows, C] (or [..., C]), got ", shape_str(src));
   check_dtype(op, "src", src, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
@@ -377,6 +478,7 @@ STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
   PC_CONV_IMPLS(m)
   m.impl("conv_prefix_schedule", TORCH_BOX(&packcuda::th::conv_prefix_schedule));
+  m.impl("conv_exchange_run", TORCH_BOX(&packcuda::th::conv_exchange_run));  // refuses: the exchange runs on CUDA
 }
 #ifdef USE_CUDA
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
