@@ -68,6 +68,9 @@ def resolve_device(op: str, name: str, device) -> Optional[torch.device]:
         raise (TypeError if not isinstance(device, (str, int)) else ValueError)(
             f"packcuda.{op}: {name}={device!r} is not a device") from e
     if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (d.index is not None and not 0 <= d.index < n):
+            raise ValueError(f"packcuda.{op}: {name}={d} is not available here (CUDA devices: {n})")
         return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
     if d.type != "cpu":
         raise ValueError(f"packcuda.{op}: {name}={d} is not supported (packcuda runs on cpu and cuda)")
