@@ -172,13 +172,15 @@ class ShardPlan:
         """``dim`` made non-negative, after checking that ``x`` is a tensor with ``want`` rows along it."""
         if type(dim) is not int:
             dim = check_int(f"ShardPlan.{what}", "dim", dim)
-        try:
-            if isinstance(x, torch.Tensor) and x.shape[dim] == want:
-                return dim % x.dim()
-        except (AttributeError, IndexError, TypeError):
-            pass
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"packcuda.ShardPlan.{what}: {name} must be a tensor, got {type(x).__name__}")
+        if x.device != self.device:
+            raise ValueError(f"packcuda.ShardPlan.{what}: {name} is on {x.device}, but the plan is on {self.device}")
+        try:
+            if x.shape[dim] == want:
+                return dim % x.dim()
+        except IndexError:
+            pass
         if x.dim() == 0:
             raise ValueError(f"packcuda.ShardPlan.{what}: {name} must have at least 1 dimension")
         if not -x.dim() <= dim < x.dim():
@@ -237,6 +239,9 @@ class ShardPlan:
         already flattened ``[cp*T_local, ...]``); pads are dropped. Differentiable. No sync."""
         if not isinstance(gathered, torch.Tensor):
             raise TypeError(f"packcuda.ShardPlan.unshard: gathered must be a tensor, got {type(gathered).__name__}")
+        if gathered.device != self.device:
+            raise ValueError(f"packcuda.ShardPlan.unshard: gathered is on {gathered.device}, but the plan is on "
+                             f"{self.device}")
         if gathered.dim() >= 2 and gathered.shape[0] == self.cp_size and gathered.shape[1] == self.total_local:
             flat = gathered.reshape(self.cp_size * self.total_local, *gathered.shape[2:])
         else:
@@ -257,8 +262,6 @@ class ShardPlan:
 
         op = "packcuda.ShardPlan.gather"
         self._rows("gather", x_local, 0, self.total_local, "x_local")
-        if x_local.device != self.device:
-            raise ValueError(f"{op}: x_local is on {x_local.device}, but the plan is on {self.device}")
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"{op}: group: no process group is initialized (torch.distributed.init_process_group)")
         if group is not None and not isinstance(group, dist.ProcessGroup):

@@ -227,7 +227,7 @@ def test_deterministic(device):
         (dict(cu=[1, 5], cp=2, rank=0), r"cu_seqlens\[0\] must be 0"),
         (dict(cu=[0, 5], cp=2, rank=2), "cp_rank must be in"),
         (dict(cu=[0, 5], cp=2, rank=-1), "cp_rank must be in"),
-        (dict(cu=[0, 5], cp=0, rank=0), "cp_size must be >= 1"),
+        (dict(cu=[0, 5], cp=0, rank=0), r"cp_size=0 is out of range \[1, "),
         (dict(cu=[0, 5], cp=2, rank=0, align=6), "multiple of 2\\*cp_size=4"),
         (dict(cu=[0, 5], cp=2, rank=0, align=0, layout="contiguous"), "align must be >= 1"),
         (dict(cu=[0, 5], cp=2, rank=0, align=8, bucket=12), "bucket must be a multiple of align=8"),
@@ -256,7 +256,7 @@ def test_bad_tensors(device):
         plan.unshard(torch.zeros(7, 3, device=device))
     with pytest.raises(ValueError, match="gathered has 2 rows along dim 0, expected 16"):
         plan.unshard(torch.zeros(2, 7, device=device))
-    with pytest.raises(TypeError, match="integer"):
+    with pytest.raises(TypeError, match="int32/int64"):
         packcuda.shard_plan(torch.tensor([0.0, 5.0]), 2, 0)
     with pytest.raises(TypeError, match="integer"):
         packcuda.shard_plan([0, 5.5], 2, 0)
