@@ -284,14 +284,14 @@ def shard_position_ids(position_ids: torch.Tensor, plan) -> torch.Tensor:
     from 0), so positions restart at 0 only where a segment starts and transformers' packed-sequence
     detection sees each pad run as part of one segment (see :meth:`packcuda.ShardPlan.shard_positions`)."""
     op = "packcuda.shard_position_ids"
-    if not isinstance(plan, packcuda.ShardPlan):
-        raise TypeError(f"{op}: plan must be a packcuda.ShardPlan, got {type(plan).__name__}")
     if not isinstance(position_ids, torch.Tensor):
         raise TypeError(f"{op}: position_ids must be a tensor, got {type(position_ids).__name__}")
     if position_ids.dim() != 3 or position_ids.shape[1] != 1:
         raise ValueError(f"{op}: position_ids must be [R, 1, T], got {tuple(position_ids.shape)}")
     if position_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{op}: position_ids must be an int32/int64 tensor, got {position_ids.dtype}")
+    if not isinstance(plan, packcuda.ShardPlan):
+        raise TypeError(f"{op}: plan must be a packcuda.ShardPlan, got {type(plan).__name__}")
     if position_ids.shape[2] != plan.total:
         raise ValueError(f"{op}: position_ids has {position_ids.shape[2]} tokens, but the plan has {plan.total}")
     return plan.shard_positions(position_ids)
