@@ -58,7 +58,7 @@ def _roundtrip(plans, cu, device, g):
         assert torch.equal(p.labels(ids, -100), p.shard(want_labels, fill=-100))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     lens=st.lists(st.one_of(st.just(0), st.integers(1, 40)), min_size=0, max_size=8),
     cp=st.integers(1, 8),
@@ -465,7 +465,7 @@ def _want_positions(pos, want):
     return torch.where(idx < 0, plan_pos, got)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     lens=st.lists(st.one_of(st.just(0), st.integers(1, 30)), min_size=0, max_size=6),
     cp=st.integers(1, 4),
@@ -615,7 +615,7 @@ def test_indexless_cuda_means_current_device():
         torch.arange(5)))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     lens=st.lists(st.one_of(st.just(0), st.integers(1, 50)), min_size=0, max_size=6),
     cp=st.integers(1, 6),
