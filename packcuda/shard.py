@@ -17,13 +17,15 @@ from 0) so that the padded total is a multiple of ``bucket``; it is present only
 """
 from __future__ import annotations
 
+import math
+import numbers
 import struct
 from typing import List, Optional, Union
 
 import torch
 
 from . import _lib
-from ._meta import IntsLike, host_tensor, is_device_tensor
+from ._meta import IntsLike, check_int, host_tensor, is_device_tensor, resolve_device
 from .pack import _gather
 
 _lib.load()
@@ -32,6 +34,10 @@ ops = torch.ops.packcuda
 __all__ = ["ShardPlan", "shard_plan"]
 
 _LAYOUTS = {"zigzag": 0, "contiguous": 1}
+
+# Largest padded total of a plan (its boundary tensors are int32, as varlen attention kernels expect); cp_size,
+# align and bucket are bounded by it too (csrc/shard/shard.h: kMaxPaddedTotal).
+MAX_PADDED_TOTAL = 2**31 - 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -164,13 +170,17 @@ class ShardPlan:
 
     def _rows(self, what: str, x: torch.Tensor, dim: int, want: int, name: str) -> int:
         """``dim`` made non-negative, after checking that ``x`` is a tensor with ``want`` rows along it."""
-        try:
-            if isinstance(x, torch.Tensor) and x.shape[dim] == want:
-                return dim % x.dim()
-        except (AttributeError, IndexError, TypeError):
-            pass
+        if type(dim) is not int:
+            dim = check_int(f"ShardPlan.{what}", "dim", dim)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"packcuda.ShardPlan.{what}: {name} must be a tensor, got {type(x).__name__}")
+        if x.device != self.device:
+            raise ValueError(f"packcuda.ShardPlan.{what}: {name} is on {x.device}, but the plan is on {self.device}")
+        try:
+            if x.shape[dim] == want:
+                return dim % x.dim()
+        except IndexError:
+            pass
         if x.dim() == 0:
             raise ValueError(f"packcuda.ShardPlan.{what}: {name} must have at least 1 dimension")
         if not -x.dim() <= dim < x.dim():
@@ -184,18 +194,54 @@ class ShardPlan:
         position tensors ``[3, T]`` / ``[4, T]`` with ``dim=1`` (every leading slice in one launch, no
         flattened index). Pad slots get ``fill``. Differentiable: the backward scatters gradients back to the
         original rows (deterministic). No sync."""
-        self._rows("shard", x, dim, self.total, "x")
-        return _gather(x, self.index, float(fill), dim)
+        d = self._rows("shard", x, dim, self.total, "x")
+        return _gather(x, self.index, _fill_value("ShardPlan.shard", "fill", fill, x.dtype), d)
+
+    def shard_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of position ids laid out on the original stream along their last dim: ``[T]``,
+        mRoPE ``[R, T]`` or ``[R, 1, T]`` (R = 3 or 4). Real slots get the token's positions; pad slots get
+        the plan's own :attr:`position_ids` there on every row: a sequence's tail pads continue counting from
+        its padded offset (``L_i, L_i+1, ...``, above every real position of the sequence, which starts at 0
+        and grows by at most 1 per token) and the bucket segment counts from 0. So positions restart at 0
+        only where a segment starts, and a run of pads is never split into one-token sequences by
+        position-based packed-sequence detection (transformers' ``find_packed_sequence_indices`` /
+        ``prepare_fa_kwargs_from_position_ids``). No sync."""
+        op = "ShardPlan.shard_positions"
+        if not isinstance(position_ids, torch.Tensor):
+            raise TypeError(f"packcuda.{op}: position_ids must be a tensor, got {type(position_ids).__name__}")
+        if position_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"packcuda.{op}: position_ids must be an int32/int64 tensor, got {position_ids.dtype}")
+        if position_ids.dim() not in (1, 2, 3) or (position_ids.dim() == 3 and position_ids.shape[1] != 1):
+            raise ValueError(f"packcuda.{op}: position_ids must be [T], [R, T] or [R, 1, T], got shape "
+                             f"{tuple(position_ids.shape)}")
+        d = self._rows("shard_positions", position_ids, -1, self.total, "position_ids")
+        out = _gather(position_ids, self.index, 0.0, d)
+        return torch.where(self._pad_mask, self.position_ids.to(out.dtype), out)
+
+    @property
+    def _pad_mask(self) -> torch.Tensor:
+        """bool ``[T_local]``: the pad slots (made on first use, on the plan's device, no sync)."""
+        m = self.__dict__.get("_pad_mask_t")
+        if m is None:
+            m = self.__dict__["_pad_mask_t"] = self.index < 0
+        return m
 
     def labels(self, input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Local next-token labels of the original ``input_ids`` ``[T]``: the next token of the same sequence
         (correct across chunk boundaries), ``ignore_index`` at each sequence's last token and on pads."""
         self._rows("labels", input_ids, 0, self.total, "input_ids")
-        return _gather(input_ids, self.label_index, float(ignore_index), 0)
+        ignore_index = check_int("ShardPlan.labels", "ignore_index", ignore_index)
+        return _gather(input_ids, self.label_index,
+                       _fill_value("ShardPlan.labels", "ignore_index", ignore_index, input_ids.dtype), 0)
 
     def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
         """``[T, ...]`` in original order from all ranks' local outputs ``gathered`` ``[cp, T_local, ...]`` (or
         already flattened ``[cp*T_local, ...]``); pads are dropped. Differentiable. No sync."""
+        if not isinstance(gathered, torch.Tensor):
+            raise TypeError(f"packcuda.ShardPlan.unshard: gathered must be a tensor, got {type(gathered).__name__}")
+        if gathered.device != self.device:
+            raise ValueError(f"packcuda.ShardPlan.unshard: gathered is on {gathered.device}, but the plan is on "
+                             f"{self.device}")
         if gathered.dim() >= 2 and gathered.shape[0] == self.cp_size and gathered.shape[1] == self.total_local:
             flat = gathered.reshape(self.cp_size * self.total_local, *gathered.shape[2:])
         else:
@@ -214,11 +260,19 @@ class ShardPlan:
         """
         import torch.distributed as dist
 
+        op = "packcuda.ShardPlan.gather"
         self._rows("gather", x_local, 0, self.total_local, "x_local")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"{op}: group: no process group is initialized (torch.distributed.init_process_group)")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"{op}: group must be a torch.distributed.ProcessGroup or None, got "
+                            f"{type(group).__name__}")
         ws, rk = dist.get_world_size(group), dist.get_rank(group)
+        if rk < 0:
+            raise ValueError(f"{op}: group: this process is not a member of the group")
         if ws != self.cp_size or rk != self.cp_rank:
-            raise ValueError(f"packcuda.ShardPlan.gather: the process group has size {ws} and rank {rk}, but the "
-                             f"plan is for cp_size={self.cp_size}, cp_rank={self.cp_rank}")
+            raise ValueError(f"{op}: the process group has size {ws} and rank {rk}, but the plan is for "
+                             f"cp_size={self.cp_size}, cp_rank={self.cp_rank}")
         return _Gather.apply(x_local, self, group)
 
 
@@ -272,36 +326,62 @@ def shard_plan(
     Syncs: host ``cu_seqlens`` (list / CPU tensor) — none. Device ``cu_seqlens`` — one read of it back to
     the host (``.cpu()``), because the layout's sizes depend on its values.
     """
-    code = _LAYOUTS.get(layout) if isinstance(layout, str) else None
+    op = "shard_plan"
+    if not isinstance(layout, str):
+        raise TypeError(f"packcuda.shard_plan: layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    code = _LAYOUTS.get(layout)
     if code is None:
         raise ValueError(f"packcuda.shard_plan: layout must be 'zigzag' or 'contiguous', got {layout!r}")
-    cp_size, cp_rank = int(cp_size), int(cp_rank)
-    if device is None:
-        device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else _CPU
-    elif type(device) is not torch.device:
-        device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    # integers that are really integers; their ranges are checked by the op (cp_size here already: the
+    # default zigzag align is 2 * cp_size)
+    cp_size = check_int(op, "cp_size", cp_size, lo=1, hi=MAX_PADDED_TOTAL)
+    cp_rank = check_int(op, "cp_rank", cp_rank)
+    if isinstance(cu_seqlens, torch.Tensor):
+        src = resolve_device(op, "cu_seqlens", cu_seqlens.device)
+        device = src if device is None else resolve_device(op, "device", device)
+    else:
+        device = _CPU if device is None else resolve_device(op, "device", device)
     if is_device_tensor(cu_seqlens):
         cu_seqlens = cu_seqlens.cpu()  # the one documented sync of device metadata
     cu = _host_ints(cu_seqlens) if type(cu_seqlens) in (list, tuple) else None
     if cu is None:
-        cu = host_tensor(cu_seqlens, "cu_seqlens")
-    align = (2 * cp_size if code == 0 else 1) if align is None else int(align)
-    bucket = None if bucket is None else int(bucket)
+        cu = host_tensor(cu_seqlens, "cu_seqlens", op=op)
+    align = (2 * cp_size if code == 0 else 1) if align is None else check_int(op, "align", align)
+    bucket = None if bucket is None else check_int(op, "bucket", bucket)
     built = _shard_plan_op(cu, cp_size, cp_rank, code, align, bucket, device)
     return ShardPlan(built, layout=layout, cp_size=cp_size, cp_rank=cp_rank, align=align, bucket=bucket,
                      device=device)
 
 
 _CPU = torch.device("cpu")
+_INT_ONLY = {int}
+
+
+def _fill_value(op: str, name: str, value, dtype: torch.dtype) -> float:
+    """A fill value for pad slots of a ``dtype`` tensor, as the float the row gather takes. Floating dtypes take
+    any real number (NaN and infinities included); integer dtypes an integer value that the dtype holds and
+    that a float carries exactly (bool: 0 or 1). Anything else is refused, naming ``packcuda.<op>`` and
+    `name`, before any op runs."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"packcuda.{op}: {name} must be a real number, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if dtype.is_floating_point or dtype.is_complex:
+        return v
+    if not math.isfinite(v) or not v.is_integer():
+        raise ValueError(f"packcuda.{op}: {name}={value!r} is not an integer value, but the tensor is {dtype}")
+    info = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    if not info[0] <= int(v) <= info[1] or (isinstance(value, numbers.Integral) and int(v) != int(value)):
+        raise ValueError(f"packcuda.{op}: {name}={value!r} does not fit the tensor's dtype {dtype} "
+                         f"(range [{info[0]}, {info[1]}]{', exactly as a float' if dtype == torch.int64 else ''})")
+    return v
 _shard_plan_op = ops.shard_plan.default
 
 
 def _host_ints(values) -> Optional[torch.Tensor]:
     """CPU int64 tensor of a non-empty list/tuple of Python ints, or None (then the general path checks it).
-    struct packs the list in C, several times faster than array/torch.tensor for a thousand entries."""
-    if not values:
+    struct packs the list in C, several times faster than array/torch.tensor for a thousand entries. Only
+    plain ints take this path (struct would also take bools and other __index__ objects)."""
+    if not values or {*map(type, values)} != _INT_ONLY:
         return None
     try:
         buf = bytearray(struct.pack(f"{len(values)}q", *values))

@@ -379,7 +379,8 @@ def test_cp_sharded_positions_and_rotated_qk(fam, rope_impl):
             valid = idx >= 0
             assert lpos.shape == (4, 1, idx.numel())
             assert torch.equal(lpos[:, 0, valid], pos[:, 0, idx[valid]])
-            assert (lpos[:, 0, ~valid] == 0).all()
+            # pad slots carry the plan's pad-segment positions (one segment per pad run), on every row
+            assert torch.equal(lpos[:, 0, ~valid], plan.position_ids[~valid].expand(4, -1))
             lq, lk = rotate(plan.shard(q), plan.shard(k), lpos)
             assert torch.equal(lq[valid], full_q[idx[valid]]) and torch.equal(lk[valid], full_k[idx[valid]])
             seen[idx[valid]] += 1

@@ -58,7 +58,7 @@ def _roundtrip(plans, cu, device, g):
         assert torch.equal(p.labels(ids, -100), p.shard(want_labels, fill=-100))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     lens=st.lists(st.one_of(st.just(0), st.integers(1, 40)), min_size=0, max_size=8),
     cp=st.integers(1, 8),
@@ -227,7 +227,7 @@ def test_deterministic(device):
         (dict(cu=[1, 5], cp=2, rank=0), r"cu_seqlens\[0\] must be 0"),
         (dict(cu=[0, 5], cp=2, rank=2), "cp_rank must be in"),
         (dict(cu=[0, 5], cp=2, rank=-1), "cp_rank must be in"),
-        (dict(cu=[0, 5], cp=0, rank=0), "cp_size must be >= 1"),
+        (dict(cu=[0, 5], cp=0, rank=0), r"cp_size=0 is out of range \[1, "),
         (dict(cu=[0, 5], cp=2, rank=0, align=6), "multiple of 2\\*cp_size=4"),
         (dict(cu=[0, 5], cp=2, rank=0, align=0, layout="contiguous"), "align must be >= 1"),
         (dict(cu=[0, 5], cp=2, rank=0, align=8, bucket=12), "bucket must be a multiple of align=8"),
@@ -256,7 +256,7 @@ def test_bad_tensors(device):
         plan.unshard(torch.zeros(7, 3, device=device))
     with pytest.raises(ValueError, match="gathered has 2 rows along dim 0, expected 16"):
         plan.unshard(torch.zeros(2, 7, device=device))
-    with pytest.raises(TypeError, match="integer"):
+    with pytest.raises(TypeError, match="int32/int64"):
         packcuda.shard_plan(torch.tensor([0.0, 5.0]), 2, 0)
     with pytest.raises(TypeError, match="integer"):
         packcuda.shard_plan([0, 5.5], 2, 0)
@@ -452,3 +452,198 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     for o, f in zip(outs, fns):
         assert torch.equal(o, f())
+
+
+# ---------------------------------------------------------------------------------------------------
+# positions: pad slots continue their pad segment (one segment per pad run under position-based detection)
+# ---------------------------------------------------------------------------------------------------
+def _want_positions(pos, want):
+    """pos [..., T] sharded by the reference layout, pad slots taking the reference plan positions."""
+    idx = torch.tensor(want["index"], dtype=torch.int64)
+    plan_pos = torch.tensor(want["position"], dtype=pos.dtype)
+    got = pos[..., idx.clamp(min=0)]
+    return torch.where(idx < 0, plan_pos, got)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lens=st.lists(st.one_of(st.just(0), st.integers(1, 30)), min_size=0, max_size=6),
+    cp=st.integers(1, 4),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    align_mult=st.sampled_from([None, 1, 2, 3]),
+    bucket_mult=st.sampled_from([None, 1, 3, 7]),
+    rows=st.sampled_from([None, 3, 4]),
+    seed=st.integers(0, 2**16),
+)
+def test_shard_positions_matches_reference(lens, cp, layout, align_mult, bucket_mult, rows, seed):
+    cu = _cu(lens)
+    base = 2 * cp if layout == "zigzag" else 1
+    align = None if align_mult is None else base * align_mult
+    a = align if align is not None else base
+    bucket = None if bucket_mult is None else (a * bucket_mult if layout == "zigzag" else 5 * bucket_mult)
+    g = torch.Generator().manual_seed(seed)
+    T = cu[-1]
+    shape = (T,) if rows is None else (rows, T)
+    pos = torch.randint(0, 1000, shape, generator=g)
+    for r in range(cp):
+        plan = packcuda.shard_plan(cu, cp, r, layout=layout, align=align, bucket=bucket)
+        want = ref.shard_layout(cu, cp, r, layout, align, bucket)
+        assert torch.equal(plan.shard_positions(pos), _want_positions(pos, want))
+        if rows is not None:
+            got3 = plan.shard_positions(pos[:, None, :].to(torch.int32))
+            assert got3.shape == (rows, 1, plan.total_local) and got3.dtype == torch.int32
+            assert torch.equal(got3[:, 0, :].long(), _want_positions(pos, want))
+            assert torch.equal(hf_shard_position_ids(pos[:, None, :], plan)[:, 0, :], _want_positions(pos, want))
+
+
+def hf_shard_position_ids(pos, plan):
+    from packcuda.integrations.transformers import shard_position_ids
+
+    return shard_position_ids(pos, plan)
+
+
+def _mrope_like(lens, rows, g):
+    """[rows, T] positions: each sequence starts at 0 on every row and grows by 0 or 1 per token (as mRoPE
+    positions do: vision tokens share or compress positions, text tokens count by 1)."""
+    out = []
+    for n in lens:
+        steps = torch.randint(0, 2, (rows, n), generator=g)
+        if n:
+            steps[:, 0] = 0
+        out.append(steps.cumsum(1))
+    return torch.cat(out, 1) if out else torch.zeros(rows, 0, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("layout,bucket", [("zigzag", None), ("zigzag", 48), ("contiguous", 10), ("contiguous", None)])
+def test_pad_runs_are_one_segment_for_transformers(layout, bucket):
+    """Position-based packed-sequence detection (transformers' own functions) finds exactly the plan's
+    non-empty padded segments, bucket pad segment included: pads no longer form one-token sequences."""
+    from transformers.masking_utils import find_packed_sequence_indices
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    from packcuda.integrations.transformers import shard_position_ids
+
+    lens = [5, 0, 9, 1, 14]
+    cu = _cu(lens)
+    cp = 2
+    text = ref.position_ids(cu)
+    pos = torch.stack([text] * 3)[:, None, :]
+    plans = _all_ranks(cu, cp, "cpu", layout=layout, bucket=bucket)
+
+    def segments(plan):
+        c = plan.cu_seqlens_padded_host
+        return [0] + [b for a, b in zip(c[:-1], c[1:]) if b > a]
+
+    # cp = 1 sees the whole padded stream; contiguous ranks concatenated are the padded stream too
+    one = packcuda.shard_plan(cu, 1, 0, layout=layout, bucket=bucket)
+    streams = [(shard_position_ids(pos, one)[0], segments(one))]
+    if layout == "contiguous":
+        streams.append((torch.cat([shard_position_ids(pos, p)[0] for p in plans], dim=1), segments(plans[0])))
+    for s, want in streams:
+        (cu_q, _), _ = prepare_fa_kwargs_from_position_ids(s)
+        assert cu_q.tolist() == want
+        seg_ids = find_packed_sequence_indices(s)
+        assert int(seg_ids[0, -1]) + 1 == len(want) - 1
+    # every rank: a pad slot is a restart (position 0) only where the bucket pad segment starts
+    for p in plans:
+        got = shard_position_ids(pos, p)[:, 0, :]
+        pads = p.index < 0
+        zero_pads = (got[0] == 0) & pads
+        assert torch.equal(zero_pads, pads & (p.position_ids == 0))
+        assert int(zero_pads.sum()) <= (1 if p.pad_size else 0)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_mrope_pads_continue_their_segment(layout):
+    """3-row mRoPE-like positions: each sequence's tail pads lie above every real position of the sequence
+    on every row and count up by one, so no row restarts inside a pad run."""
+    g = torch.Generator().manual_seed(11)
+    lens = [7, 3, 0, 12, 5]
+    cu = _cu(lens)
+    pos = _mrope_like(lens, 3, g)
+    plan = packcuda.shard_plan(cu, 1, 0, layout=layout, align=4, bucket=40 if layout == "zigzag" else 9)
+    got = plan.shard_positions(pos)
+    cup = plan.cu_seqlens_padded_host
+    for i in range(len(cup) - 1):
+        seg = got[:, cup[i]:cup[i + 1]]
+        n = lens[i] if i < len(lens) else 0
+        if seg.shape[1] == 0:
+            continue
+        real, pad = seg[:, :n], seg[:, n:]
+        assert bool((seg[:, 1:] >= seg[:, :-1]).all())  # monotone on every row
+        if pad.shape[1]:
+            assert bool((pad[:, 1:] - pad[:, :-1] == 1).all())
+            if n:
+                assert bool((pad[:, :1] > real[:, -1:]).all())
+            else:
+                assert bool((pad[:, 0] == 0).all())  # the bucket pad segment starts at 0
+
+
+def test_edge_arguments_that_work():
+    import numpy as np
+
+    from packcuda.shard import MAX_PADDED_TOTAL
+
+    # numpy / 0-d integer tensors are integers; the largest cp_size / bucket with an empty stream
+    a = packcuda.shard_plan(np.array([0, 5, 9]), np.int64(2), torch.tensor(1), align=np.int32(4))
+    b = packcuda.shard_plan([0, 5, 9], 2, 1, align=4)
+    assert torch.equal(a.index, b.index) and a.cu_seqlens_padded_host == b.cu_seqlens_padded_host
+    p = packcuda.shard_plan([0], MAX_PADDED_TOTAL, 5, layout="contiguous", bucket=MAX_PADDED_TOTAL)
+    assert p.total_local == 0 and p.total_padded == 0 and p.index.numel() == 0
+    p = packcuda.shard_plan([0, 3], 4, 3, layout="contiguous", bucket=2**12 + 1)
+    assert p.total_padded == 4 * (2**12 + 1) and p.pad_size == p.total_padded - 3
+    # fills a dtype holds exactly; floats take NaN
+    plan = packcuda.shard_plan([0, 3, 5], 2, 0)
+    x = torch.arange(5)
+    assert plan.shard(x, fill=-(2**53)).tolist() == [0, -(2**53), 3, -(2**53)]
+    assert plan.shard(x, fill=7.0).tolist() == [0, 7, 3, 7]
+    assert plan.shard(x.to(torch.uint8), fill=255).tolist() == [0, 255, 3, 255]
+    assert plan.shard(x > 2, fill=True).tolist() == [False, True, True, True]
+    f = plan.shard(x.float(), fill=float("nan"))
+    assert f[0] == 0 and bool(f[1].isnan()) and f[2] == 3
+    assert plan.labels(x, ignore_index=np.int64(-1)).tolist() == [1, -1, 4, -1]
+    assert plan.shard(torch.stack([x, x]), dim=np.int64(1)).shape == (2, 4)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_indexless_cuda_means_current_device():
+    plan = packcuda.shard_plan([0, 3, 5], 2, 0, device="cuda")
+    assert plan.device == torch.device("cuda", torch.cuda.current_device())
+    assert plan.index.device == plan.device
+    assert torch.equal(plan.shard(torch.arange(5, device="cuda")).cpu(), packcuda.shard_plan([0, 3, 5], 2, 0).shard(
+        torch.arange(5)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lens=st.lists(st.one_of(st.just(0), st.integers(1, 50)), min_size=0, max_size=6),
+    cp=st.integers(1, 6),
+    layout=st.sampled_from([0, 1]),
+    align_mult=st.integers(1, 4),
+    bucket_mult=st.sampled_from([None, 1, 2, 9]),
+    rank_seed=st.integers(0, 100),
+)
+def test_raw_ops_match_reference(lens, cp, layout, align_mult, bucket_mult, rank_seed):
+    """shard_layout + shard_plan_index + shard_unshard_index (the raw ops) against the plain reference."""
+    cu = _cu(lens)
+    rank = rank_seed % cp
+    align = (2 * cp if layout == 0 else 1) * align_mult
+    bucket = None if bucket_mult is None else (align * bucket_mult if layout == 0 else 4 * bucket_mult)
+    name = "zigzag" if layout == 0 else "contiguous"
+    want = ref.shard_layout(cu, cp, rank, name, align, bucket)
+    lay = ops.shard_layout(torch.tensor(cu), cp, rank, layout, align, bucket)
+    assert lay[1].tolist() == want["cu_padded"] and lay[2].tolist() == want["cu_local"]
+    tl = int(lay[6][2])
+    assert tl == want["total_local"] and int(lay[6][3]) == want["pad_size"]
+    index, position, label = ops.shard_plan_index(lay[0], lay[3], lay[4], lay[5], tl, None)
+    assert index.tolist() == want["index"] and position.tolist() == want["position"]
+    assert label.tolist() == want["label_index"]
+    un = ops.shard_unshard_index(lay[0], lay[1], cp, layout, tl, None)
+    # row of token t in the rank-major concatenation: slot of t in its rank's reference index
+    where = {}
+    for r in range(cp):
+        for s, row in enumerate(ref.shard_layout(cu, cp, r, name, align, bucket)["index"]):
+            if row >= 0:
+                where[row] = r * tl + s
+    assert un.tolist() == [where[t] for t in range(cu[-1])]

@@ -21,9 +21,22 @@ struct HostLayout {
   int64_t total = 0, total_padded = 0, total_local = 0, pad_size = 0, max_seqlen_padded = 0;
 };
 
+// Largest padded total a plan may have (and so the largest cp_size, align and bucket): the plan's boundary
+// tensors are int32, as varlen attention kernels expect. Every size of a layout (padded lengths, local
+// boundaries, piece offsets, cp * total_local) is at most this once the padded total is.
+constexpr int64_t kMaxPaddedTotal = 2147483647;  // 2**31 - 1
+
+// Padded total of a layout (sum of round_up(L_i, align), rounded up to bucket, or to lcm(bucket, cp) for
+// the contiguous layout), computed with checked int64 arithmetic. Throws std::invalid_argument
+// "packcuda.<op>: ..." when it exceeds kMaxPaddedTotal (or any step overflows). Needs cp, align, bucket in
+// [1, kMaxPaddedTotal] and cu non-decreasing from 0.
+int64_t checked_padded_total(const char* op, const int64_t* cu, int64_t nseq, int64_t cp, int layout, int64_t align,
+                             int64_t bucket);
+
 // Parameters must already be valid (cp >= 1, 0 <= rank < cp, align >= 1, bucket >= 1, zigzag: align % 2cp
-// == 0 and bucket % align == 0; cu non-decreasing from 0). bucket == 1 means no bucketing. The contiguous
-// layout pads the stream to a multiple of lcm(bucket, cp).
+// == 0 and bucket % align == 0; cu non-decreasing from 0; checked_padded_total accepts them, so no size
+// overflows). bucket == 1 means no bucketing. The contiguous layout pads the stream to a multiple of
+// lcm(bucket, cp).
 HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t rank, int layout, int64_t align,
                         int64_t bucket);
 

@@ -9,6 +9,7 @@
 #include <limits>
 #include <tuple>
 
+#include "common/checked.h"
 #include "common/torch/checks.h"
 #include "shard/shard.h"
 
@@ -21,10 +22,27 @@ using shard::kZigzag;
 
 const char* layout_name(int64_t layout) { return layout == kZigzag ? "zigzag" : "contiguous"; }
 
+constexpr int64_t kMax = shard::kMaxPaddedTotal;
+
 void check_layout_args(const char* op, int64_t cp_size, int64_t layout) {
   PC_ARG(cp_size >= 1, op, "cp_size must be >= 1, got ", cp_size);
+  PC_ARG(cp_size <= kMax, op, "cp_size must be <= ", kMax, " (the plan's boundaries are int32), got ", cp_size);
   PC_ARG(layout == kZigzag || layout == kContiguous, op, "layout must be 0 (zigzag) or 1 (contiguous), got ",
          layout);
+}
+
+// total_local (rows of one rank's local buffer): in [0, kMaxPaddedTotal].
+void check_total_local(const char* op, int64_t total_local) {
+  PC_ARG(total_local >= 0 && total_local <= kMax, op, "total_local must be in [0, ", kMax, "], got ", total_local);
+}
+
+// The device the outputs go to (`device`, else the metadata's): packcuda has kernels for cpu and cuda only.
+Device checked_target(const char* op, const Tensor& meta, const std::optional<Device>& device) {
+  const Device target = target_device(meta, device);
+  const auto type = target.type();
+  PC_ARG(type == torch::headeronly::DeviceType::CPU || type == torch::headeronly::DeviceType::CUDA, op,
+         "device must be cpu or cuda (packcuda has no kernels for device type ", static_cast<int>(type), ")");
+  return target;
 }
 
 Tensor host_i64(const std::vector<int64_t>& v) {
@@ -59,9 +77,13 @@ CheckedLayout checked_layout(const char* op, const Tensor& cu_seqlens, int64_t c
   check_layout_args(op, cp_size, layout);
   PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
   PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
+  PC_ARG(align <= kMax, op, "align must be <= ", kMax, " (the plan's boundaries are int32), got ", align);
   PC_ARG(!bucket_opt || *bucket_opt >= 1, op, "bucket must be >= 1, got ", bucket_opt.value_or(0));
+  PC_ARG(!bucket_opt || *bucket_opt <= kMax, op, "bucket must be <= ", kMax, " (the plan's boundaries are int32), got ",
+         bucket_opt.value_or(0));
   const int64_t bucket = bucket_opt.value_or(0);
   if (layout == kZigzag) {
+    // 2 * cp_size <= 2 * kMax: no overflow
     PC_ARG(align % (2 * cp_size) == 0, op, "zigzag align must be a multiple of 2*cp_size=", 2 * cp_size, ", got ",
            align);
     PC_ARG(!bucket_opt || bucket % align == 0, op, "zigzag bucket must be a multiple of align=", align, ", got ", bucket);
@@ -74,12 +96,10 @@ CheckedLayout checked_layout(const char* op, const Tensor& cu_seqlens, int64_t c
   CheckedLayout out;
   out.cu = read_host_segments(op, "cu_seqlens", cu_seqlens, -1);
   const int64_t nseq = static_cast<int64_t>(out.cu.size()) - 1;
-  // Padded sizes stay within int32 (the plan's boundary tensors are int32, as attention kernels expect).
-  int64_t padded = 0;
-  for (int64_t i = 0; i < nseq; ++i) padded += shard::padded_length(out.cu[i + 1] - out.cu[i], align);
+  // Padded sizes stay within int32 (the plan's boundary tensors are int32, as attention kernels expect): every
+  // size of the layout is at most its padded total, computed here with checked arithmetic.
   const int64_t unit = bucket > 0 ? bucket : 1;
-  PC_ARG(padded + unit + cp_size <= std::numeric_limits<int32_t>::max(), op, "the padded stream (", padded,
-         " tokens) does not fit int32 boundaries");
+  shard::checked_padded_total(op, out.cu.data(), nseq, cp_size, static_cast<int>(layout), align, unit);
   out.h = shard::build_layout(out.cu.data(), nseq, cp_size, cp_rank, static_cast<int>(layout), align, unit);
   return out;
 }
@@ -115,7 +135,7 @@ using PlanOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
 PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
                        std::optional<int64_t> bucket_opt, std::optional<Device> device) {
   const char* op = "shard_plan";
-  const Device target = target_device(cu_seqlens, device);
+  const Device target = checked_target(op, cu_seqlens, device);
   const CheckedLayout c = checked_layout(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket_opt);
   const shard::HostLayout& h = c.h;
   const int64_t nseq = static_cast<int64_t>(c.cu.size()) - 1;
@@ -191,8 +211,8 @@ std::tuple<Tensor, Tensor, Tensor> shard_plan_index(Tensor cu_seqlens, Tensor pi
                                                     Tensor piece_seq, int64_t total_local,
                                                     std::optional<Device> device) {
   const char* op = "shard_plan_index";
-  PC_ARG(total_local >= 0, op, "total_local must be >= 0, got ", total_local);
-  const Device target = target_device(cu_seqlens, device);
+  check_total_local(op, total_local);
+  const Device target = checked_target(op, cu_seqlens, device);
   PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
          device_str(cu_seqlens));
   Segments cu = segments(op, "cu_seqlens", cu_seqlens, target, -1);
@@ -208,7 +228,10 @@ std::tuple<Tensor, Tensor, Tensor> shard_plan_index(Tensor cu_seqlens, Tensor pi
   for (int64_t k = 0; k < np; ++k) {
     PC_ARG(pc[k + 1] >= pc[k], op, "pieces must be non-decreasing, but pieces[", k + 1, "]=", pc[k + 1],
            " < pieces[", k, "]=", pc[k]);
-    PC_ARG(po[k] >= 0, op, "piece_offset[", k, "]=", po[k], " is negative");
+    PC_ARG(pc[k + 1] <= total_local, op, "pieces[", k + 1, "]=", pc[k + 1], " exceeds total_local=", total_local);
+    PC_ARG(po[k] >= 0 && po[k] <= kMax - (pc[k + 1] - pc[k]), op, "piece_offset[", k, "]=", po[k],
+           " is out of range: a piece's offsets must lie in [0, ", kMax, "] (its run has ", pc[k + 1] - pc[k],
+           " slots)");
     PC_ARG(ps[k] >= 0 && ps[k] <= cu.count, op, "piece_seq[", k, "]=", ps[k], " is out of range [0, ",
            cu.count, "]");
   }
@@ -238,14 +261,18 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
                            int64_t total_local, std::optional<Device> device) {
   const char* op = "shard_unshard_index";
   check_layout_args(op, cp_size, layout);
-  PC_ARG(total_local >= 0, op, "total_local must be >= 0, got ", total_local);
-  const Device target = target_device(cu_seqlens, device);
+  check_total_local(op, total_local);
+  // rows of the rank-major concatenation of all local buffers (the plan's padded total)
+  const int64_t concat = checked::mul(op, "cp_size * total_local", cp_size, total_local);
+  PC_ARG(concat <= kMax, op, "cp_size * total_local = ", concat, " does not fit int32 boundaries (at most ", kMax,
+         ")");
+  const Device target = checked_target(op, cu_seqlens, device);
   PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
          device_str(cu_seqlens));
   PC_ARG(cu_seqlens_padded.is_cpu(), op,
          "cu_seqlens_padded must be host metadata (a CPU tensor), got a tensor on ", device_str(cu_seqlens_padded));
   Segments cu = segments(op, "cu_seqlens", cu_seqlens, target, -1);
-  Segments cp = segments(op, "cu_seqlens_padded", cu_seqlens_padded, target, cp_size * total_local);
+  Segments cp = segments(op, "cu_seqlens_padded", cu_seqlens_padded, target, concat);
   const int64_t nseq = cu.count;
   PC_ARG(cp.count == nseq || cp.count == nseq + 1, op, "cu_seqlens_padded must have ", nseq + 1, " or ",
          nseq + 2, " entries (one more with a bucket segment), got ", cp.count + 1);

@@ -2,10 +2,30 @@
 #include <cstring>
 #include <numeric>
 
+#include "common/checked.h"
 #include "shard/shard.h"
 #include "shard/shard_math.h"
 
 namespace packcuda::shard {
+
+int64_t checked_padded_total(const char* op, const int64_t* cu, int64_t nseq, int64_t cp, int layout, int64_t align,
+                             int64_t bucket) {
+  int64_t seq_total = 0;
+  for (int64_t i = 0; i < nseq; ++i) {
+    const int64_t p = checked::round_up(op, "a padded sequence length", cu[i + 1] - cu[i], align);
+    seq_total = checked::add(op, "the padded stream length", seq_total, p);
+    // stop at the first sequence past the limit (later sums cannot come back below it)
+    PC_CHECK(seq_total <= kMaxPaddedTotal, "packcuda.", op, ": the padded stream (", seq_total,
+             "+ tokens after sequence ", i, ") does not fit int32 boundaries (at most ", kMaxPaddedTotal, ")");
+  }
+  const int64_t unit =
+      layout == kContiguous ? checked::mul(op, "lcm(bucket, cp_size)", bucket / std::gcd(bucket, cp), cp) : bucket;
+  const int64_t total = checked::round_up(op, "the bucketed padded total", seq_total, unit);
+  PC_CHECK(total <= kMaxPaddedTotal, "packcuda.", op, ": the padded stream (", total, " tokens, ", seq_total,
+           " before rounding up to a multiple of ", unit, ") does not fit int32 boundaries (at most ",
+           kMaxPaddedTotal, ")");
+  return total;
+}
 
 HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t rank, int layout, int64_t align,
                         int64_t bucket) {
