@@ -10,6 +10,7 @@
 #include "common/checked.h"
 #include "common/torch/checks.h"
 #include "conv/conv.h"
+#include "shard/shard_args.h"
 #include "shard/shard_math.h"
 
 namespace packcuda::th {
@@ -204,47 +205,15 @@ Tensor host_i64(const std::vector<int64_t>& v) {
 // per-peer lists (O(cp) memory, O(cp * pieces * K) host work).
 constexpr int64_t kMaxScheduleCp = 1 << 16;
 
-// The layout arguments of a schedule, checked by the rules of the shard layout (shard_layout / shard_plan in
-// shard_ops.cpp: the schedule is built from the same shard::build_layout), with checked arithmetic for the
-// padded sizes. Returns the validated host cu_seqlens.
+// The layout arguments of a schedule: the shard layout's rules (the schedule is built from the same
+// shard::build_layout), plus a bound on cp_size (the schedule keeps lists for every peer). Returns the validated
+// host cu_seqlens.
 std::vector<int64_t> checked_schedule_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size,
                                              int64_t cp_rank, int64_t layout, int64_t align,
                                              std::optional<int64_t> bucket) {
-  PC_ARG(cp_size >= 1, op, "cp_size must be >= 1, got ", cp_size);
   PC_ARG(cp_size <= kMaxScheduleCp, op, "cp_size must be <= ", kMaxScheduleCp, ", got ", cp_size);
-  PC_ARG(layout == shard::kZigzag || layout == shard::kContiguous, op,
-         "layout must be 0 (zigzag) or 1 (contiguous), got ", layout);
-  PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
-  PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
-  PC_ARG(!bucket || *bucket >= 1, op, "bucket must be >= 1, got ", bucket.value_or(0));
-  if (layout == shard::kZigzag) {
-    const int64_t two_cp = checked::mul(op, "2*cp_size", 2, cp_size);
-    PC_ARG(align % two_cp == 0, op, "zigzag align must be a multiple of 2*cp_size=", two_cp, ", got ", align);
-    PC_ARG(!bucket || *bucket % align == 0, op, "zigzag bucket must be a multiple of align=", align, ", got ",
-           *bucket);
-  }
   check_given(op, "cu_seqlens", cu_seqlens);
-  PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
-         device_str(cu_seqlens));
-  check_dim(op, "cu_seqlens", cu_seqlens, 1);
-  check_dtype(op, "cu_seqlens", cu_seqlens, {ST::Int, ST::Long});
-  PC_ARG(cu_seqlens.numel() >= 1, op, "cu_seqlens must have at least one entry (it starts with 0)");
-  std::vector<int64_t> cu = read_host_segments(op, "cu_seqlens", cu_seqlens, -1);
-  // Padded sizes stay within int32, as for the shard plan (whose boundary tensors are int32).
-  const int64_t nseq = static_cast<int64_t>(cu.size()) - 1;
-  int64_t padded = 0;
-  for (int64_t i = 0; i < nseq; ++i)
-    padded = checked::add(op, "the padded stream length", padded,
-                          checked::round_up(op, "a padded sequence length", cu[i + 1] - cu[i], align));
-  const int64_t bk = bucket.value_or(1);
-  const int64_t unit = layout == shard::kContiguous ? std::lcm(bk, cp_size) : bk;  // both <= int32 / kMaxScheduleCp
-  const int64_t total_padded = checked::round_up(op, "the padded stream length", padded, unit);
-  const int64_t limit = std::numeric_limits<int32_t>::max();
-  PC_ARG(checked::add(op, "the padded stream length", checked::add(op, "the padded stream length", padded, bk),
-                      cp_size) <= limit && total_padded <= limit,
-         op, "the padded stream (", padded, " tokens, ", total_padded, " with the bucket/cp rounding) does not fit "
-         "int32 boundaries (cu_seqlens, align, bucket, cp_size)");
-  return cu;
+  return checked_layout_args(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket);
 }
 
 // Host schedule of the conv-prefix exchange for rank cp_rank of a shard plan (parameters as shard_layout).

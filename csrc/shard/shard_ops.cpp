@@ -12,6 +12,7 @@
 #include "common/checked.h"
 #include "common/torch/checks.h"
 #include "shard/shard.h"
+#include "shard/shard_args.h"
 
 namespace packcuda::th {
 namespace {
@@ -66,14 +67,10 @@ std::vector<int64_t> host_values(const char* op, const char* name, const Tensor&
   return v;
 }
 
-// Host cu_seqlens and the layout of one rank, after every argument check (shared by shard_layout and shard_plan).
-struct CheckedLayout {
-  std::vector<int64_t> cu;
-  shard::HostLayout h;
-};
+}  // namespace
 
-CheckedLayout checked_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank,
-                             int64_t layout, int64_t align, std::optional<int64_t> bucket_opt) {
+std::vector<int64_t> checked_layout_args(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank,
+                                         int64_t layout, int64_t align, std::optional<int64_t> bucket_opt) {
   check_layout_args(op, cp_size, layout);
   PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
   PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
@@ -93,14 +90,31 @@ CheckedLayout checked_layout(const char* op, const Tensor& cu_seqlens, int64_t c
   check_dim(op, "cu_seqlens", cu_seqlens, 1);
   check_dtype(op, "cu_seqlens", cu_seqlens, {ST::Int, ST::Long});
   PC_ARG(cu_seqlens.numel() >= 1, op, "cu_seqlens must have at least one entry (it starts with 0)");
-  CheckedLayout out;
-  out.cu = read_host_segments(op, "cu_seqlens", cu_seqlens, -1);
-  const int64_t nseq = static_cast<int64_t>(out.cu.size()) - 1;
+  std::vector<int64_t> cu = read_host_segments(op, "cu_seqlens", cu_seqlens, -1);
+  const int64_t nseq = static_cast<int64_t>(cu.size()) - 1;
   // Padded sizes stay within int32 (the plan's boundary tensors are int32, as attention kernels expect): every
   // size of the layout is at most its padded total, computed here with checked arithmetic.
   const int64_t unit = bucket > 0 ? bucket : 1;
-  shard::checked_padded_total(op, out.cu.data(), nseq, cp_size, static_cast<int>(layout), align, unit);
-  out.h = shard::build_layout(out.cu.data(), nseq, cp_size, cp_rank, static_cast<int>(layout), align, unit);
+  shard::checked_padded_total(op, cu.data(), nseq, cp_size, static_cast<int>(layout), align, unit);
+  return cu;
+}
+
+
+namespace {
+
+// Host cu_seqlens and the layout of one rank, after every argument check (shared by shard_layout and shard_plan).
+struct CheckedLayout {
+  std::vector<int64_t> cu;
+  shard::HostLayout h;
+};
+
+CheckedLayout checked_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank,
+                             int64_t layout, int64_t align, std::optional<int64_t> bucket_opt) {
+  CheckedLayout out;
+  out.cu = checked_layout_args(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket_opt);
+  const int64_t nseq = static_cast<int64_t>(out.cu.size()) - 1;
+  out.h = shard::build_layout(out.cu.data(), nseq, cp_size, cp_rank, static_cast<int>(layout), align,
+                              bucket_opt.value_or(1));
   return out;
 }
 
