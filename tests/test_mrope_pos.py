@@ -308,11 +308,11 @@ BAD_RUNS = [
      r"image block 1 .* needs 4 image tokens .* starting at token 6 \(segment 0\) has 5"),
     ([1] + [IMG] * 4 + [2] + [IMG] * 4, [0, 10], dict(image_grid_thw=[[1, 4, 4]]),
      r"more image blocks than image_grid_thw describes \(1\): a run of image tokens starts at token 6"),
-    ([1] + [VID] * 8 + [2], [0, 10], dict(video_grid_thw=[[2, 4, 4], [1, 4, 4]]),
+    ([1] + [VID] * 8 + [2] * 4, [0, 13], dict(video_grid_thw=[[2, 4, 4], [1, 4, 4]]),
      r"video_grid_thw describes 2 video blocks but input_ids has only 1 runs of video tokens"),
     ([1, 2] + [IMG] * 4 + [3], [0, 4, 7], dict(image_grid_thw=[[1, 4, 4]]),
      r"image block 0 .* starting at token 2 crosses the end of segment 0 \(token 4\)"),
-    ([1] + [VID] * 4 + [2] + [VID] * 4, [0, 10], dict(video_grid_thw=[[3, 4, 4]], video_frames="per_frame"),
+    ([1] + [VID] * 4 + [2] + [VID] * 4 + [3] * 2, [0, 12], dict(video_grid_thw=[[3, 4, 4]], video_frames="per_frame"),
      r"video_grid_thw describes 3 video blocks \(one per video frame\) but input_ids has only 2 runs"),
     ([1] + [VID] * 4 + [2] + [VID] * 2, [0, 8], dict(video_grid_thw=[[2, 4, 4]], video_frames="per_frame"),
      r"video block 1 \(video_grid_thw\[0\] = \[2, 4, 4\], frame 1\) needs 4 video tokens"),
@@ -351,10 +351,10 @@ def test_host_metadata_forms_agree(device):
         (p.cu, p.images, p.videos, p.secs),
         (tuple(p.cu), tuple(map(tuple, p.images)), [tuple(r) for r in p.videos], tuple(p.secs)),
         (torch.tensor(p.cu, dtype=torch.int32), ig.int(), vg.int(), torch.tensor(p.secs, dtype=torch.float32)),
-        (torch.tensor(p.cu)[None], ig.t().contiguous().t(), vg.reshape(-1), torch.tensor(p.secs, dtype=torch.float64)),
+        (torch.tensor(p.cu)[::1], ig.t().contiguous().t(), vg, torch.tensor(p.secs, dtype=torch.float64)),
         (np.array(p.cu), [np.array(r) for r in p.images], [[np.int64(v) for v in r] for r in p.videos],
          [np.float32(x) for x in p.secs]),
-        ([np.int32(v) for v in p.cu], [[float(v) for v in r] for r in p.images], [list(r) for r in vg],
+        ([np.int32(v) for v in p.cu], np.array(p.images), [list(r) for r in vg],
          [int(x) if x == int(x) else x for x in p.secs]),
     ]
     for cu, images, videos, secs in forms:
@@ -363,9 +363,15 @@ def test_host_metadata_forms_agree(device):
             second_per_grid_ts=secs, image_token_id=IMG, video_token_id=VID, tokens_per_second=2)
         for g, w in zip(got, want):
             assert torch.equal(g.cpu(), w)
-    for bad, err in [([0, True], TypeError), ([0.0, 6.0], TypeError), ([0, 2**70], (ValueError, RuntimeError))]:
-        with pytest.raises(err):
+    for bad, err in [([0, True], TypeError), ([0.0, 6.0], TypeError), ([0, 2**70], ValueError),
+                     (torch.tensor([0, 6])[None], ValueError)]:  # a 2-D cu_seqlens is refused, not flattened
+        with pytest.raises(err, match="packcuda.mrope_position_ids: cu_seqlens"):
             _call([1] * 6, bad)
+    # float grid entries are refused, not truncated; a flat [3n] grid is not [n, 3]
+    for images, err in [([[1.0, 4, 4]], TypeError), ([[1, 4.5, 4]], TypeError), ([[True, 4, 4]], TypeError),
+                        (torch.tensor([1, 4, 4]), ValueError), (torch.tensor([[1.0, 4, 4]]), TypeError)]:
+        with pytest.raises(err, match="packcuda.mrope_position_ids: image_grid_thw"):
+            _call([1] + [IMG] * 4 + [2], [0, 6], image_grid_thw=images)
 
 
 def test_bad_host_arguments():
