@@ -77,18 +77,18 @@ def _cu(cu_seqlens) -> torch.Tensor:
     return fast if fast is not None else op_metadata(cu_seqlens, "cu_seqlens", op=_FN)
 
 
-def _grid(g: GridLike, name: str) -> torch.Tensor:
+def _grid(g: GridLike, name: str, op: str = _FN) -> torch.Tensor:
     """Host int32/int64 [n, 3] of a grid argument (rows [t, h, w] of integers); a device tensor is read back (one
     sync). The op checks the values."""
     if g is None:
         return _EMPTY_GRID
     if isinstance(g, torch.Tensor):
         if g.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"packcuda.{_FN}: {name} must be an int32/int64 tensor, got {g.dtype}")
+            raise TypeError(f"packcuda.{op}: {name} must be an int32/int64 tensor, got {g.dtype}")
         if not g.numel():
             return _EMPTY_GRID
         if g.dim() != 2 or g.shape[1] != 3:
-            raise ValueError(f"packcuda.{_FN}: {name} must have shape [n, 3] (rows [t, h, w]), got "
+            raise ValueError(f"packcuda.{op}: {name} must have shape [n, 3] (rows [t, h, w]), got "
                              f"{list(g.shape)}")
         return g if g.is_cpu else g.detach().to("cpu", torch.int64)
     if type(g) in (list, tuple) and g and not torch.compiler.is_compiling():
@@ -104,13 +104,13 @@ def _grid(g: GridLike, name: str) -> torch.Tensor:
         except (TypeError, ValueError, OverflowError, struct.error):
             pass  # rows that are not triples of ints: the general path below
     if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
-        raise TypeError(f"packcuda.{_FN}: {name} must be rows [t, h, w] (a list or an integer tensor [n, 3]), "
+        raise TypeError(f"packcuda.{op}: {name} must be rows [t, h, w] (a list or an integer tensor [n, 3]), "
                         f"got {type(g).__name__}")
     try:
         import numpy as np
 
         if isinstance(g, np.ndarray) and g.ndim != 2 and g.size:
-            raise ValueError(f"packcuda.{_FN}: {name} must have shape [n, 3] (rows [t, h, w]), got {list(g.shape)}")
+            raise ValueError(f"packcuda.{op}: {name} must have shape [n, 3] (rows [t, h, w]), got {list(g.shape)}")
     except ImportError:  # pragma: no cover
         pass
     rows = []
@@ -118,27 +118,27 @@ def _grid(g: GridLike, name: str) -> torch.Tensor:
         if isinstance(r, torch.Tensor):
             r = r.tolist() if r.dim() == 1 else r
         if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
-            raise TypeError(f"packcuda.{_FN}: {name}[{i}] must be a row [t, h, w], got {r!r}")
+            raise TypeError(f"packcuda.{op}: {name}[{i}] must be a row [t, h, w], got {r!r}")
         r = list(r)
         if len(r) != 3:
-            raise ValueError(f"packcuda.{_FN}: {name}[{i}] must be [t, h, w], got {r}")
-        rows.append([check_int(_FN, f"{name}[{i}][{j}]", v) for j, v in enumerate(r)])
+            raise ValueError(f"packcuda.{op}: {name}[{i}] must be [t, h, w], got {r}")
+        rows.append([check_int(op, f"{name}[{i}][{j}]", v) for j, v in enumerate(r)])
     if not rows:
         return _EMPTY_GRID
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def _seconds(s) -> torch.Tensor:
+def _seconds(s, op: str = _FN) -> torch.Tensor:
     """Host float32 [n] (the dtype the Qwen2.5-VL processor returns); a device tensor is read back. The op checks
     the values (finite, >= 0)."""
     if s is None:
         return _EMPTY_SECS
     if isinstance(s, torch.Tensor):
         if not (s.dtype.is_floating_point or s.dtype in (torch.int32, torch.int64)):
-            raise TypeError(f"packcuda.{_FN}: second_per_grid_ts must be a floating (or integer) tensor, got "
+            raise TypeError(f"packcuda.{op}: second_per_grid_ts must be a floating (or integer) tensor, got "
                             f"{s.dtype}")
         if s.dim() != 1:
-            raise ValueError(f"packcuda.{_FN}: second_per_grid_ts must be 1-D, got shape {list(s.shape)}")
+            raise ValueError(f"packcuda.{op}: second_per_grid_ts must be 1-D, got shape {list(s.shape)}")
         if s.is_cpu and s.dtype == torch.float32:
             return s
         return s.detach().to("cpu", torch.float32)
@@ -148,13 +148,13 @@ def _seconds(s) -> torch.Tensor:
         except OverflowError:
             pass
     if isinstance(s, (str, bytes)) or not hasattr(s, "__iter__"):
-        raise TypeError(f"packcuda.{_FN}: second_per_grid_ts must be a sequence of numbers or a tensor, got "
+        raise TypeError(f"packcuda.{op}: second_per_grid_ts must be a sequence of numbers or a tensor, got "
                         f"{type(s).__name__}")
     vals = []
     for i, v in enumerate(s):
         if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype.is_floating_point:
             v = v.item()
-        vals.append(check_float(_FN, f"second_per_grid_ts[{i}]", v, lo=0.0))
+        vals.append(check_float(op, f"second_per_grid_ts[{i}]", v, lo=0.0))
     return torch.tensor(vals, dtype=torch.float32)
 
 
