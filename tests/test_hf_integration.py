@@ -1,6 +1,7 @@
 """packcuda.integrations.transformers on transformers' own Qwen-VL modeling code, with tiny random-weight models
 built from configs (no downloads): 2 layers, small hidden size, the real rope settings of each family, real
 vision towers fed random pixels of images and videos of varied grids."""
+import functools
 import importlib.util
 import random
 import sys
@@ -600,3 +601,34 @@ def test_video_seconds_rules_match_reference(rule):
     with pytest.raises(ValueError, match="packcuda.packed_position_ids: video_seconds"):
         hf.packed_position_ids(torch.tensor(ids), cu, cfg, video_grid_thw=vids, second_per_grid_ts=secs,
                                video_seconds="floor")
+
+
+@needs_mrope
+def test_release_that_truncates_seconds_is_detected_and_matched(monkeypatch):
+    """A release computing tokens_per_second * int(second_per_grid_ts) (5.17), simulated by wrapping the
+    installed get_rope_index: detected by behaviour, and the default positions equal the model's per sample."""
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as m
+
+    orig = m.Qwen2_5_VLModel.get_rope_index
+
+    @functools.wraps(orig)
+    def truncating(self, *a, second_per_grid_ts=None, **kw):
+        if second_per_grid_ts is not None:
+            second_per_grid_ts = second_per_grid_ts.trunc()
+        return orig(self, *a, second_per_grid_ts=second_per_grid_ts, **kw)
+
+    hf.truncates_video_seconds.cache_clear()
+    try:
+        monkeypatch.setattr(m.Qwen2_5_VLModel, "get_rope_index", truncating)
+        assert hf.truncates_video_seconds() and hf.video_seconds_default() == "whole"
+        model = _model("qwen2_5_vl", full_attention_only=True)
+        _, packed = _batch("qwen2_5_vl", seed=1)
+        packed["second_per_grid_ts"] = packed["second_per_grid_ts"] * 0 + torch.tensor([0.5, 1.5, 2.25])[
+            torch.arange(packed["second_per_grid_ts"].numel()) % 3]
+        want = _hf_positions(model, "qwen2_5_vl", packed)
+        assert torch.equal(_pc_positions(model, "qwen2_5_vl", packed), want)
+        assert not torch.equal(_pc_positions(model, "qwen2_5_vl", packed, video_seconds="float"), want)
+    finally:
+        monkeypatch.undo()
+        hf.truncates_video_seconds.cache_clear()
+    assert not hf.truncates_video_seconds() or HF_INT_SECONDS

@@ -30,6 +30,7 @@ Under context parallelism compute the positions on the global stream, then shard
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import itertools
 import threading
@@ -595,6 +596,13 @@ def patch_qwen_vl_rope(model=None, *, model_types: Optional[Sequence[str]] = Non
     replaces, ``apply_rotary_pos_emb`` was not replaced by another library, the rope type has static
     frequencies. Returns a :class:`RopePatch`; ``unpatch()`` (or :func:`unpatch_qwen_vl_rope`) restores.
 
+    The rotary layout (``rotary_dim``, ``mrope_section``, interleaving) is read with
+    :func:`packcuda.rope_kwargs_from_config` from each rotary module's config; with a model, it is checked
+    when patching (the kernel runs once on one token with these constants), so a layout packcuda cannot
+    reproduce is a ``ValueError`` here, never during a forward (class patches read it at the module's first
+    forward). ``position_ids`` of batch 1 ([1, S] or [3, 1, S]) broadcast over the batch as transformers
+    broadcasts its cos/sin.
+
     What changes: the text rotary module returns the positions instead of cos/sin tables and the module's
     ``apply_rotary_pos_emb`` calls ``packcuda.apply_rope`` on q/k viewed as ``[B*S, H, D]`` (no copy). The
     vision towers and everything else run unchanged. Numerics: angles and rotation in fp32, rounded once to
@@ -693,14 +701,35 @@ def is_patched(model=None) -> bool:
     return bool(mods) and all(getattr(m.forward, "__func__", m.forward) is _rotary_forward for m in mods)
 
 
+@functools.lru_cache(maxsize=1)
 def truncates_video_seconds() -> bool:
     """True when the installed transformers computes Qwen2.5-VL's video time interval as
     ``tokens_per_second * int(second_per_grid_ts)`` (older 5.x releases, e.g. 5.17), dropping fractional
     seconds. Later releases use the float product, which is the rule ``packcuda.mrope_position_ids``
-    implements; with whole-second ``second_per_grid_ts`` the two agree."""
+    implements; with whole-second ``second_per_grid_ts`` the two agree. Found by behaviour: the installed
+    ``get_rope_index`` runs once on a 0.5-second video of 3 frames (tokens_per_second 2: temporal positions
+    1, 2, 3 with the float product, 1, 1, 1 with whole seconds); its source is read only if that call fails."""
     try:
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
-
-        return "int(next(second_per_grid_ts))" in inspect.getsource(m.Qwen2_5_VLModel.get_rope_index)
+    except Exception:
+        return False
+    cls = m.Qwen2_5_VLModel
+    try:
+        ns = types.SimpleNamespace(config=types.SimpleNamespace(
+            vision_config=types.SimpleNamespace(spatial_merge_size=1, tokens_per_second=2), image_token_id=1,
+            video_token_id=2, vision_start_token_id=3, vision_end_token_id=4))
+        if hasattr(cls, "get_vision_position_ids"):
+            ns.get_vision_position_ids = functools.partial(cls.get_vision_position_ids, ns)
+        ids = torch.tensor([[3, 2, 2, 2]])
+        kw = dict(video_grid_thw=torch.tensor([[3, 1, 1]]), second_per_grid_ts=torch.tensor([0.5]))
+        if "mm_token_type_ids" in inspect.signature(cls.get_rope_index).parameters:
+            kw["mm_token_type_ids"] = torch.tensor([[0, 2, 2, 2]], dtype=torch.int32)
+        t = cls.get_rope_index(ns, ids, **kw)[0][0, 0, 1:].tolist()
+        if t in ([1, 1, 1], [1, 2, 3]):
+            return t == [1, 1, 1]
+    except Exception:
+        pass
+    try:
+        return "int(next(second_per_grid_ts))" in inspect.getsource(cls.get_rope_index)
     except Exception:
         return False
