@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from . import _lib
-from ._meta import IntsLike, is_device_tensor, op_metadata
+from ._meta import IntsLike, check_float, check_int, is_device_tensor, op_metadata
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -66,59 +66,96 @@ def _ints_fast(values) -> Optional[torch.Tensor]:
         return None
 
 
+_FN = "mrope_position_ids"
+
+
 def _cu(cu_seqlens) -> torch.Tensor:
     if isinstance(cu_seqlens, torch.Tensor):
         if not cu_seqlens.is_cpu or (cu_seqlens.dim() == 1 and cu_seqlens.dtype in (torch.int32, torch.int64)):
-            return cu_seqlens  # the op checks it (device tensors: dtype/shape; host: every value)
+            return cu_seqlens  # the op checks it (device tensors: dtype/shape/device; host: every value)
     fast = _ints_fast(cu_seqlens)
-    return fast if fast is not None else op_metadata(cu_seqlens)
+    return fast if fast is not None else op_metadata(cu_seqlens, "cu_seqlens", op=_FN)
 
 
-def _grid(g: GridLike, name: str) -> torch.Tensor:
-    """Host int32/int64 [n, 3]; a device tensor is read back (one sync)."""
+def _grid(g: GridLike, name: str, op: str = _FN) -> torch.Tensor:
+    """Host int32/int64 [n, 3] of a grid argument (rows [t, h, w] of integers); a device tensor is read back (one
+    sync). The op checks the values."""
     if g is None:
         return _EMPTY_GRID
     if isinstance(g, torch.Tensor):
         if g.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"packcuda.mrope_position_ids: {name} must be an integer tensor, got {g.dtype}")
+            raise TypeError(f"packcuda.{op}: {name} must be an int32/int64 tensor, got {g.dtype}")
         if not g.numel():
             return _EMPTY_GRID
-        if not g.is_cpu:
-            g = g.detach().to("cpu", torch.int64)
-        return g if g.dim() == 2 and g.shape[1] == 3 else g.reshape(-1, 3)
+        if g.dim() != 2 or g.shape[1] != 3:
+            raise ValueError(f"packcuda.{op}: {name} must have shape [n, 3] (rows [t, h, w]), got "
+                             f"{list(g.shape)}")
+        return g if g.is_cpu else g.detach().to("cpu", torch.int64)
     if type(g) in (list, tuple) and g and not torch.compiler.is_compiling():
         try:
             # Columns at C level: zip(strict=True) insists on rows of one length (unpacking: three of them) and
-            # struct on ints; the [n, 3] view reads the column-major buffer through its strides.
+            # struct on ints (plain ints only: bools and other integer-likes take the strict path below); the
+            # [n, 3] view reads the column-major buffer through its strides.
             t, h, w = zip(*g, strict=True)
-            n = len(t)
-            packed = bytearray(struct.pack(f"{3 * n}q", *t, *h, *w))
-            return torch.frombuffer(packed, dtype=torch.int64).as_strided((n, 3), (1, n))
+            if set(map(type, t)) | set(map(type, h)) | set(map(type, w)) == {int}:
+                n = len(t)
+                packed = bytearray(struct.pack(f"{3 * n}q", *t, *h, *w))
+                return torch.frombuffer(packed, dtype=torch.int64).as_strided((n, 3), (1, n))
         except (TypeError, ValueError, OverflowError, struct.error):
             pass  # rows that are not triples of ints: the general path below
-    rows = [list(r) for r in g]
+    if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
+        raise TypeError(f"packcuda.{op}: {name} must be rows [t, h, w] (a list or an integer tensor [n, 3]), "
+                        f"got {type(g).__name__}")
+    try:
+        import numpy as np
+
+        if isinstance(g, np.ndarray) and g.ndim != 2 and g.size:
+            raise ValueError(f"packcuda.{op}: {name} must have shape [n, 3] (rows [t, h, w]), got {list(g.shape)}")
+    except ImportError:  # pragma: no cover
+        pass
+    rows = []
+    for i, r in enumerate(g):
+        if isinstance(r, torch.Tensor):
+            r = r.tolist() if r.dim() == 1 else r
+        if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
+            raise TypeError(f"packcuda.{op}: {name}[{i}] must be a row [t, h, w], got {r!r}")
+        r = list(r)
+        if len(r) != 3:
+            raise ValueError(f"packcuda.{op}: {name}[{i}] must be [t, h, w], got {r}")
+        rows.append([check_int(op, f"{name}[{i}][{j}]", v) for j, v in enumerate(r)])
     if not rows:
         return _EMPTY_GRID
-    for i, r in enumerate(rows):
-        if len(r) != 3:
-            raise ValueError(f"packcuda.mrope_position_ids: {name}[{i}] must be [t, h, w], got {r}")
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def _seconds(s) -> torch.Tensor:
-    """Host float32 [n] (the dtype the Qwen2.5-VL processor returns); a device tensor is read back."""
+def _seconds(s, op: str = _FN) -> torch.Tensor:
+    """Host float32 [n] (the dtype the Qwen2.5-VL processor returns); a device tensor is read back. The op checks
+    the values (finite, >= 0)."""
     if s is None:
         return _EMPTY_SECS
     if isinstance(s, torch.Tensor):
-        if s.is_cpu and s.dtype == torch.float32 and s.dim() == 1:
+        if not (s.dtype.is_floating_point or s.dtype in (torch.int32, torch.int64)):
+            raise TypeError(f"packcuda.{op}: second_per_grid_ts must be a floating (or integer) tensor, got "
+                            f"{s.dtype}")
+        if s.dim() != 1:
+            raise ValueError(f"packcuda.{op}: second_per_grid_ts must be 1-D, got shape {list(s.shape)}")
+        if s.is_cpu and s.dtype == torch.float32:
             return s
-        return s.detach().to("cpu", torch.float32).reshape(-1)
+        return s.detach().to("cpu", torch.float32)
     if type(s) in (list, tuple) and s and set(map(type, s)) <= {int, float} and not torch.compiler.is_compiling():
         try:  # array("f") rounds each double to float32 exactly as torch.tensor(..., dtype=float32) does
             return torch.frombuffer(array("f", s), dtype=torch.float32)
         except OverflowError:
             pass
-    return torch.tensor([float(v) for v in s], dtype=torch.float32)
+    if isinstance(s, (str, bytes)) or not hasattr(s, "__iter__"):
+        raise TypeError(f"packcuda.{op}: second_per_grid_ts must be a sequence of numbers or a tensor, got "
+                        f"{type(s).__name__}")
+    vals = []
+    for i, v in enumerate(s):
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype.is_floating_point:
+            v = v.item()
+        vals.append(check_float(op, f"second_per_grid_ts[{i}]", v, lo=0.0))
+    return torch.tensor(vals, dtype=torch.float32)
 
 
 def mrope_position_ids(
@@ -161,7 +198,12 @@ def mrope_position_ids(
     empty segment).
 
     Bad input (a run whose length does not match its grid, more or fewer runs than blocks, a block crossing a
-    segment boundary, h or w not divisible by ``spatial_merge_size``) raises ``ValueError`` naming the block.
+    segment boundary, h or w not divisible by ``spatial_merge_size``, grids describing more vision tokens than
+    ``input_ids`` has) raises ``ValueError`` naming the block or the argument; so do non-finite or negative
+    ``second_per_grid_ts`` / ``tokens_per_second`` and grids whose sizes or positions overflow int64 (every
+    size is combined in checked int64 arithmetic). Floats, bools or other non-integers where integers are meant
+    (grid entries, token ids, ``spatial_merge_size``, ``cu_seqlens``) raise ``TypeError``. Grids are
+    ``[n, 3]`` (a list of rows or an integer tensor), ``cu_seqlens`` and ``second_per_grid_ts`` 1-D.
 
     Syncs: grids, ``second_per_grid_ts`` and ``cu_seqlens`` given on the host (lists or CPU tensors, as every
     trainer has them) are checked on the host and uploaded without a sync. On CPU every check runs before
@@ -171,19 +213,31 @@ def mrope_position_ids(
     positions); use it inside ``torch.compile`` regions and in the training loop once the data is trusted.
     Grids given as device tensors are read back (one sync each).
     """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
-        raise ValueError("packcuda.mrope_position_ids: input_ids must be a 1-D integer tensor (the packed stream)")
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"packcuda.mrope_position_ids: input_ids must be a 1-D integer tensor (the packed stream), "
+                        f"got {type(input_ids).__name__}")
+    if input_ids.dim() != 1:
+        raise ValueError("packcuda.mrope_position_ids: input_ids must be a 1-D integer tensor (the packed stream), "
+                         f"got shape {list(input_ids.shape)}")
+    if input_ids.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"packcuda.mrope_position_ids: input_ids on {input_ids.device} is not supported (packcuda "
+                         "runs on cpu and cuda)")
     if video_frames not in ("whole", "per_frame"):
         raise ValueError(f"packcuda.mrope_position_ids: video_frames must be 'whole' or 'per_frame', got {video_frames!r}")
     if text_after_vision not in ("grid", "max"):
         raise ValueError(
             f"packcuda.mrope_position_ids: text_after_vision must be 'grid' or 'max', got {text_after_vision!r}")
+    if not isinstance(validate, bool):
+        raise TypeError(f"packcuda.mrope_position_ids: validate must be a bool, got {type(validate).__name__}")
+    image_token_id = check_int(_FN, "image_token_id", image_token_id)
+    video_token_id = check_int(_FN, "video_token_id", video_token_id)
+    spatial_merge_size = check_int(_FN, "spatial_merge_size", spatial_merge_size)  # the op: >= 1
+    tps = None if tokens_per_second is None else check_float(_FN, "tokens_per_second", tokens_per_second, lo=0.0)
     meta = _cu(cu_seqlens)
     igrid = _grid(image_grid_thw, "image_grid_thw")
     vgrid = _grid(video_grid_thw, "video_grid_thw")
     secs = _seconds(second_per_grid_ts)
-    tps = None if tokens_per_second is None else float(tokens_per_second)
-    args = (igrid, vgrid, secs, int(image_token_id), int(video_token_id), int(spatial_merge_size), tps,
+    args = (igrid, vgrid, secs, image_token_id, video_token_id, spatial_merge_size, tps,
             video_frames == "per_frame", text_after_vision == "max")
     pos, text_pos, deltas, status = _OP(input_ids, meta, *args)
     if validate and not input_ids.is_cpu:
@@ -201,9 +255,13 @@ def _get(obj, name, default=None):
     return getattr(obj, name, default)
 
 
+_SPEC = "MRopeSpec"
+
+
 @dataclass(frozen=True)
 class MRopeSpec:
-    """The constants of a model family that mRoPE positions need, usually read from a transformers config."""
+    """The constants of a model family that mRoPE positions need, usually read from a transformers config.
+    Checked on construction (integers, a finite ``tokens_per_second`` >= 0, known rules)."""
 
     image_token_id: int
     video_token_id: int
@@ -213,31 +271,61 @@ class MRopeSpec:
     text_after_vision: str = "grid"
     model_type: str = ""
 
+    def __post_init__(self):
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen)
+        put("image_token_id", check_int(_SPEC, "image_token_id", self.image_token_id))
+        put("video_token_id", check_int(_SPEC, "video_token_id", self.video_token_id))
+        if self.image_token_id == self.video_token_id:
+            raise ValueError(f"packcuda.{_SPEC}: image_token_id and video_token_id must differ, both are "
+                             f"{self.image_token_id}")
+        put("spatial_merge_size", check_int(_SPEC, "spatial_merge_size", self.spatial_merge_size, lo=1))
+        if self.tokens_per_second is not None:
+            put("tokens_per_second", check_float(_SPEC, "tokens_per_second", self.tokens_per_second, lo=0.0))
+        if self.video_frames not in ("whole", "per_frame"):
+            raise ValueError(f"packcuda.{_SPEC}: video_frames must be 'whole' or 'per_frame', got "
+                             f"{self.video_frames!r}")
+        if self.text_after_vision not in ("grid", "max"):
+            raise ValueError(f"packcuda.{_SPEC}: text_after_vision must be 'grid' or 'max', got "
+                             f"{self.text_after_vision!r}")
+        if not isinstance(self.model_type, str):
+            raise TypeError(f"packcuda.{_SPEC}: model_type must be a str, got {type(self.model_type).__name__}")
+
     @classmethod
     def from_hf_config(cls, config, *, text_after_vision: str = "grid") -> "MRopeSpec":
         """Reads ``image_token_id``, ``video_token_id``, ``vision_config.spatial_merge_size`` and (Qwen2.5-VL)
         ``vision_config.tokens_per_second`` from a transformers config (object or dict) of Qwen2-VL,
         Qwen2.5-VL, Qwen3-VL(-MoE) or Qwen3.5(-MoE); the family sets ``video_frames``. ``text_after_vision``
-        is the rule of the transformers version the model trains with ("grid" for >= 5.3, "max" for 4.x)."""
+        is the rule of the transformers version the model trains with ("grid" for >= 5.3, "max" for 4.x).
+        Missing or mistyped fields (a float token id, a NaN ``tokens_per_second``) are refused naming the
+        field."""
+        op = f"{_SPEC}.from_hf_config"
+        if config is None or isinstance(config, (str, bytes, int, float)):
+            raise TypeError(f"packcuda.{op}: config must be a transformers config or a dict, got "
+                            f"{type(config).__name__}")
         model_type = _get(config, "model_type", "")
         if model_type not in _FAMILIES:
-            raise ValueError(f"packcuda.MRopeSpec: unsupported model_type {model_type!r}; known: {sorted(_FAMILIES)}")
+            raise ValueError(f"packcuda.{op}: unsupported model_type {model_type!r}; known: {sorted(_FAMILIES)}")
+        if text_after_vision not in ("grid", "max"):
+            raise ValueError(f"packcuda.{op}: text_after_vision must be 'grid' or 'max', got {text_after_vision!r}")
         frames, uses_tps = _FAMILIES[model_type]
         vision = _get(config, "vision_config")
         if vision is None:
-            raise ValueError("packcuda.MRopeSpec: the config has no vision_config")
+            raise ValueError(f"packcuda.{op}: the config has no vision_config")
         image_id, video_id = _get(config, "image_token_id"), _get(config, "video_token_id")
         if image_id is None or video_id is None:
-            raise ValueError("packcuda.MRopeSpec: the config has no image_token_id / video_token_id")
+            raise ValueError(f"packcuda.{op}: the config has no image_token_id / video_token_id")
         tps = _get(vision, "tokens_per_second") if uses_tps else None
-        return cls(image_token_id=int(image_id), video_token_id=int(video_id),
-                   spatial_merge_size=int(_get(vision, "spatial_merge_size", 2)),
-                   tokens_per_second=None if tps is None else float(tps), video_frames=frames,
-                   text_after_vision=text_after_vision, model_type=model_type)
+        return cls(image_token_id=check_int(op, "image_token_id", image_id),
+                   video_token_id=check_int(op, "video_token_id", video_id),
+                   spatial_merge_size=check_int(op, "vision_config.spatial_merge_size",
+                                                _get(vision, "spatial_merge_size", 2), lo=1),
+                   tokens_per_second=None if tps is None else check_float(op, "vision_config.tokens_per_second",
+                                                                          tps, lo=0.0),
+                   video_frames=frames, text_after_vision=text_after_vision, model_type=model_type)
 
     def position_ids(self, input_ids: torch.Tensor, cu_seqlens: IntsLike, *, image_grid_thw: GridLike = None,
                      video_grid_thw: GridLike = None, second_per_grid_ts=None, validate: bool = True):
-        """:func:`mrope_position_ids` with this spec's constants."""
+        """:func:`mrope_position_ids` with this spec's constants (its arguments are checked there)."""
         return mrope_position_ids(
             input_ids, cu_seqlens, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
             second_per_grid_ts=second_per_grid_ts, image_token_id=self.image_token_id,

@@ -1,6 +1,7 @@
 """packcuda.integrations.transformers on transformers' own Qwen-VL modeling code, with tiny random-weight models
 built from configs (no downloads): 2 layers, small hidden size, the real rope settings of each family, real
 vision towers fed random pixels of images and videos of varied grids."""
+import functools
 import importlib.util
 import random
 import sys
@@ -290,6 +291,8 @@ def test_patch_matches_unpatched_logits_and_grads(fam, rope_impl):
     tc = model.config.text_config
     n_attn = sum(t == "full_attention" for t in (getattr(tc, "layer_types", None) or
                                                   ["full_attention"] * tc.num_hidden_layers))
+    assert calls[0] == (3, 1)  # patch time: the kernel once on one token with the model's rotary layout
+    calls = calls[1:]
     assert len(calls) == n_attn and all(c == (3, packed["ids"].numel()) for c in calls)
     assert not hf.is_patched(model)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=2e-5)
@@ -449,8 +452,9 @@ def test_positions_bad_input():
     cfg, _ = _config("qwen2_vl")
     with pytest.raises(ValueError, match=r"\[T\] or \[1, T\]"):
         hf.packed_position_ids(torch.zeros(2, 3, dtype=torch.int64), [0, 3], cfg)
-    with pytest.raises(ValueError, match=r"\[R, 1, T\]"):
-        hf.shard_position_ids(torch.zeros(4, 5, dtype=torch.int64), None)
+    if HAS_SHARD:
+        with pytest.raises(ValueError, match=r"\[R, 1, T\]"):
+            hf.shard_position_ids(torch.zeros(4, 5, dtype=torch.int64), packcuda.shard_plan([0, 5], 1, 0))
 
 
 @needs_mrope
@@ -497,3 +501,135 @@ def test_gpu_positions_and_patched_rope_no_sync(fam):
     assert torch.equal(pos.cpu(), want_pos)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the patch on batches transformers broadcasts, and on rotary layouts the kernel might refuse
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+@pytest.mark.parametrize("rope_impl", ["reference", "packcuda"], indirect=True)
+@pytest.mark.parametrize("fam", ["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("form", ["[1, S]", "[3, 1, S]", "[B, S]", "[3, B, S]"])
+def test_patch_broadcasts_position_ids_over_the_batch(fam, rope_impl, form):
+    """A batch of 2 with position_ids of batch 1: transformers broadcasts cos/sin over the batch; so does the
+    patched path (same logits as unpatched)."""
+    model = _model(fam)
+    S = 9
+    ids = torch.randint(0, 140, (2, S), generator=torch.Generator().manual_seed(3))
+    p = torch.arange(S)[None] + 2
+    B = 1 if "1" in form else 2
+    pos = p.expand(B, S) if form.count(",") == 1 else torch.stack([p, p + 1, p * 2])[:, :1].expand(3, B, S)
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        with hf.patch_qwen_vl_rope(model):
+            got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+@pytest.mark.parametrize("rope_impl", ["reference", "packcuda"], indirect=True)
+def test_patch_over_covering_mrope_section_refused_at_patch_time_or_equal(rope_impl):
+    """transformers' own Qwen3-VL test config: head_dim 8 (4 frequencies) with mrope_section [16, 8, 8], which
+    transformers' interleaving clips. The patch either reproduces transformers' logits or refuses when patching,
+    never during a forward."""
+    T = transformers
+    c = T.Qwen3VLConfig(
+        text_config=_text(head_dim=8, rope_parameters=dict(rope_type="default", rope_theta=10000,
+                                                           mrope_section=[16, 8, 8], mrope_interleaved=True)),
+        vision_config=_vision(hidden_size=32, out_hidden_size=64, intermediate_size=64, num_position_embeddings=64,
+                              deepstack_visual_indexes=[0]),
+        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
+    c._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = T.Qwen3VLForConditionalGeneration(c).eval()
+    ids = torch.randint(0, 140, (1, 11), generator=torch.Generator().manual_seed(1))
+    pos = torch.stack([torch.arange(11), torch.arange(11) + 3, torch.arange(11) * 2])[:, None]
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    try:
+        h = hf.patch_qwen_vl_rope(model)
+    except ValueError as e:
+        assert "packcuda.patch_qwen_vl_rope" in str(e) and "mrope_section" in str(e)
+        assert not hf.is_patched(model) and not hf.is_patched()
+        return
+    with h, torch.no_grad():
+        got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Qwen2.5-VL video seconds: the installed release's rule by default, the other one by argument
+# ---------------------------------------------------------------------------------------------------
+def _installed_truncates_seconds():
+    """By behaviour: the installed get_rope_index on one 0.5-second video of 3 temporal patches."""
+    model = _model("qwen2_5_vl", full_attention_only=True)
+    ids = torch.tensor([1, VS] + [VID] * 3 + [VE])
+    pos, _ = model.model.get_rope_index(ids[None], mm_token_type_ids=hf.mm_token_type_ids(ids[None], model.config),
+                                        video_grid_thw=torch.tensor([[3, 2, 2]]),
+                                        second_per_grid_ts=torch.tensor([0.5]))
+    t = pos[0, 0, 2:5].tolist()  # tokens_per_second 2: float rule 2 + [0, 1, 2], whole rule 2 + [0, 0, 0]
+    assert t in ([2, 3, 4], [2, 2, 2]), t
+    return t == [2, 2, 2]
+
+
+@needs_mrope
+def test_video_seconds_default_is_the_installed_rule():
+    assert hf.video_seconds_default() == ("whole" if _installed_truncates_seconds() else "float")
+    assert hf.truncates_video_seconds() == (hf.video_seconds_default() == "whole")
+
+
+@needs_mrope
+@pytest.mark.parametrize("rule", [None, "float", "whole"])
+def test_video_seconds_rules_match_reference(rule):
+    cfg, _ = _config("qwen2_5_vl")
+    secs = [0.5, 1.5, 0.25, 2.0, 1.0 / 3.0]
+    ids, cu, vids = [], [0], []
+    for i, sec in enumerate(secs):
+        ids += [5, VS] + [VID] * (3 + i) * 2 + [VE, 6]
+        cu.append(len(ids))
+        vids.append([3 + i, 2, 4])
+    got = hf.packed_position_ids(torch.tensor(ids), cu, cfg, video_grid_thw=vids, second_per_grid_ts=secs,
+                                 video_seconds=rule)
+    eff = rule or hf.video_seconds_default()
+    use = [float(int(s)) for s in secs] if eff == "whole" else secs
+    want, text_pos, _ = ref.mrope_position_ids(ids, cu, [], vids, use, image_token_id=IMG, video_token_id=VID,
+                                               spatial_merge_size=MERGE, tokens_per_second=2)
+    assert torch.equal(got[1:, 0], want) and torch.equal(got[0, 0], text_pos)
+    if eff == "float":  # the rules differ on these seconds
+        other = hf.packed_position_ids(torch.tensor(ids), cu, cfg, video_grid_thw=vids, second_per_grid_ts=secs,
+                                       video_seconds="whole")
+        assert not torch.equal(other, got)
+    with pytest.raises(ValueError, match="packcuda.packed_position_ids: video_seconds"):
+        hf.packed_position_ids(torch.tensor(ids), cu, cfg, video_grid_thw=vids, second_per_grid_ts=secs,
+                               video_seconds="floor")
+
+
+@needs_mrope
+def test_release_that_truncates_seconds_is_detected_and_matched(monkeypatch):
+    """A release computing tokens_per_second * int(second_per_grid_ts) (5.17), simulated by wrapping the
+    installed get_rope_index: detected by behaviour, and the default positions equal the model's per sample."""
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as m
+
+    orig = m.Qwen2_5_VLModel.get_rope_index
+
+    @functools.wraps(orig)
+    def truncating(self, *a, second_per_grid_ts=None, **kw):
+        if second_per_grid_ts is not None:
+            second_per_grid_ts = second_per_grid_ts.trunc()
+        return orig(self, *a, second_per_grid_ts=second_per_grid_ts, **kw)
+
+    hf.truncates_video_seconds.cache_clear()
+    try:
+        monkeypatch.setattr(m.Qwen2_5_VLModel, "get_rope_index", truncating)
+        assert hf.truncates_video_seconds() and hf.video_seconds_default() == "whole"
+        model = _model("qwen2_5_vl", full_attention_only=True)
+        _, packed = _batch("qwen2_5_vl", seed=1)
+        packed["second_per_grid_ts"] = packed["second_per_grid_ts"] * 0 + torch.tensor([0.5, 1.5, 2.25])[
+            torch.arange(packed["second_per_grid_ts"].numel()) % 3]
+        want = _hf_positions(model, "qwen2_5_vl", packed)
+        assert torch.equal(_pc_positions(model, "qwen2_5_vl", packed), want)
+        assert not torch.equal(_pc_positions(model, "qwen2_5_vl", packed, video_seconds="float"), want)
+    finally:
+        monkeypatch.undo()
+        hf.truncates_video_seconds.cache_clear()
+    assert not hf.truncates_video_seconds() or HF_INT_SECONDS

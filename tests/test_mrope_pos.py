@@ -308,11 +308,11 @@ BAD_RUNS = [
      r"image block 1 .* needs 4 image tokens .* starting at token 6 \(segment 0\) has 5"),
     ([1] + [IMG] * 4 + [2] + [IMG] * 4, [0, 10], dict(image_grid_thw=[[1, 4, 4]]),
      r"more image blocks than image_grid_thw describes \(1\): a run of image tokens starts at token 6"),
-    ([1] + [VID] * 8 + [2], [0, 10], dict(video_grid_thw=[[2, 4, 4], [1, 4, 4]]),
+    ([1] + [VID] * 8 + [2] * 4, [0, 13], dict(video_grid_thw=[[2, 4, 4], [1, 4, 4]]),
      r"video_grid_thw describes 2 video blocks but input_ids has only 1 runs of video tokens"),
     ([1, 2] + [IMG] * 4 + [3], [0, 4, 7], dict(image_grid_thw=[[1, 4, 4]]),
      r"image block 0 .* starting at token 2 crosses the end of segment 0 \(token 4\)"),
-    ([1] + [VID] * 4 + [2] + [VID] * 4, [0, 10], dict(video_grid_thw=[[3, 4, 4]], video_frames="per_frame"),
+    ([1] + [VID] * 4 + [2] + [VID] * 4 + [3] * 2, [0, 12], dict(video_grid_thw=[[3, 4, 4]], video_frames="per_frame"),
      r"video_grid_thw describes 3 video blocks \(one per video frame\) but input_ids has only 2 runs"),
     ([1] + [VID] * 4 + [2] + [VID] * 2, [0, 8], dict(video_grid_thw=[[2, 4, 4]], video_frames="per_frame"),
      r"video block 1 \(video_grid_thw\[0\] = \[2, 4, 4\], frame 1\) needs 4 video tokens"),
@@ -351,10 +351,10 @@ def test_host_metadata_forms_agree(device):
         (p.cu, p.images, p.videos, p.secs),
         (tuple(p.cu), tuple(map(tuple, p.images)), [tuple(r) for r in p.videos], tuple(p.secs)),
         (torch.tensor(p.cu, dtype=torch.int32), ig.int(), vg.int(), torch.tensor(p.secs, dtype=torch.float32)),
-        (torch.tensor(p.cu)[None], ig.t().contiguous().t(), vg.reshape(-1), torch.tensor(p.secs, dtype=torch.float64)),
+        (torch.tensor(p.cu)[::1], ig.t().contiguous().t(), vg, torch.tensor(p.secs, dtype=torch.float64)),
         (np.array(p.cu), [np.array(r) for r in p.images], [[np.int64(v) for v in r] for r in p.videos],
          [np.float32(x) for x in p.secs]),
-        ([np.int32(v) for v in p.cu], [[float(v) for v in r] for r in p.images], [list(r) for r in vg],
+        ([np.int32(v) for v in p.cu], np.array(p.images), [list(r) for r in vg],
          [int(x) if x == int(x) else x for x in p.secs]),
     ]
     for cu, images, videos, secs in forms:
@@ -363,9 +363,15 @@ def test_host_metadata_forms_agree(device):
             second_per_grid_ts=secs, image_token_id=IMG, video_token_id=VID, tokens_per_second=2)
         for g, w in zip(got, want):
             assert torch.equal(g.cpu(), w)
-    for bad, err in [([0, True], TypeError), ([0.0, 6.0], TypeError), ([0, 2**70], (ValueError, RuntimeError))]:
-        with pytest.raises(err):
+    for bad, err in [([0, True], TypeError), ([0.0, 6.0], TypeError), ([0, 2**70], ValueError),
+                     (torch.tensor([0, 6])[None], ValueError)]:  # a 2-D cu_seqlens is refused, not flattened
+        with pytest.raises(err, match="packcuda.mrope_position_ids: cu_seqlens"):
             _call([1] * 6, bad)
+    # float grid entries are refused, not truncated; a flat [3n] grid is not [n, 3]
+    for images, err in [([[1.0, 4, 4]], TypeError), ([[1, 4.5, 4]], TypeError), ([[True, 4, 4]], TypeError),
+                        (torch.tensor([1, 4, 4]), ValueError), (torch.tensor([[1.0, 4, 4]]), TypeError)]:
+        with pytest.raises(err, match="packcuda.mrope_position_ids: image_grid_thw"):
+            _call([1] + [IMG] * 4 + [2], [0, 6], image_grid_thw=images)
 
 
 def test_bad_host_arguments():
@@ -587,3 +593,85 @@ def test_cuda_status_is_the_earliest_error():
             n_bad += 1
             assert key != (1 << 63) - 1 and key >> 24 == cpu_token
     assert n_bad >= len(BAD_RUNS) + 10
+
+
+# ---------------------------------------------------------------------------------------------- hypothesis: forms, sizes
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), per_frame=st.booleans(), rule=st.sampled_from(["grid", "max"]),
+       merge=st.sampled_from([1, 2, 4]), form=st.sampled_from(["list", "tuple", "int32", "int64", "numpy"]),
+       tps=st.sampled_from([None, 0.0, 1, 2.5, 25.0]))
+def test_host_forms_match_reference_hypothesis(seed, per_frame, rule, merge, form, tps):
+    """Every accepted host form of the grids, cu_seqlens and seconds gives the reference's positions."""
+    np = pytest.importorskip("numpy")
+    p = make_pack(random.Random(seed), merge=merge, per_frame=per_frame, max_t=4)
+    want = reference(p, per_frame=per_frame, tps=tps, rule=rule, merge=merge, use_secs=tps is not None)
+
+    def conv(rows, dtype):
+        if form in ("list", "tuple"):
+            return (tuple if form == "tuple" else list)(tuple(r) if form == "tuple" else list(r) for r in rows)
+        if form == "numpy":
+            return np.array(rows, dtype=np.int64).reshape(-1, 3)
+        return torch.tensor(rows, dtype=torch.int32 if form == "int32" else torch.int64).reshape(-1, 3)
+
+    cu = p.cu if form in ("list", "tuple") else torch.tensor(p.cu, dtype=torch.int32 if form == "int32" else torch.int64)
+    secs = (p.secs if form != "numpy" else [np.float32(s) for s in p.secs]) if (tps is not None and p.videos) else None
+    got = packcuda.mrope_position_ids(
+        torch.tensor(p.ids, dtype=torch.int64), cu, image_grid_thw=conv(p.images, form),
+        video_grid_thw=conv(p.videos, form),
+        second_per_grid_ts=secs, image_token_id=IMG, video_token_id=VID, spatial_merge_size=merge,
+        tokens_per_second=tps, video_frames="per_frame" if per_frame else "whole", text_after_vision=rule)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@settings(max_examples=150, deadline=None)
+@given(t=st.one_of(st.integers(1, 4), st.integers(1, 2**63 - 1)), h=st.one_of(st.integers(1, 3), st.integers(1, 2**62)),
+       w=st.one_of(st.integers(1, 3), st.integers(1, 2**62)), merge=st.sampled_from([1, 2]),
+       per_frame=st.booleans(), rule=st.sampled_from(["grid", "max"]),
+       sec=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 0.5, 1.0, 1e30]),
+                     st.floats(0, 100)),
+       tps=st.one_of(st.none(), st.floats(0, 1e38), st.floats(0, 50),
+                     st.sampled_from([2.0, float("nan"), float("inf"), -1.0])))
+def test_any_grid_or_seconds_is_refused_or_matches_reference(t, h, w, merge, per_frame, rule, sec, tps):
+    """Arbitrary (also huge, non-finite) grid rows and seconds on a short stream: either refused with a
+    ValueError naming the op, or the reference's positions, which all lie in [0, 2**62)."""
+    h, w = h * merge if h * merge < 2**63 else merge, w * merge if w * merge < 2**63 else merge
+    n = t * (h // merge) * (w // merge)
+    k = n if n <= 64 else 3
+    ids = [1] + [VID] * k + [2]
+    kw = dict(image_token_id=IMG, video_token_id=VID, spatial_merge_size=merge, tokens_per_second=tps,
+              video_frames="per_frame" if per_frame else "whole", text_after_vision=rule)
+    secs = [sec] if tps is not None else None
+    try:
+        got = packcuda.mrope_position_ids(torch.tensor(ids), [0, len(ids)], video_grid_thw=[[t, h, w]],
+                                          second_per_grid_ts=secs, **kw)
+    except ValueError as e:
+        assert "packcuda.mrope_position_ids" in str(e)
+        return
+    assert n == k  # only a grid matching the stream is accepted
+    assert got[0].min() >= 0 and got[0].max() < 2**62
+    if not per_frame or t == 1:
+        want = ref.mrope_position_ids(ids, [0, len(ids)], [], [[t, h, w]], secs, **kw)
+        for g, wv in zip(got, want):
+            assert torch.equal(g, wv)
+
+
+def test_valid_edges_work():
+    """Edges that are valid input: zero seconds (all frames at one time), an integer tokens_per_second, numpy
+    [n, 3] grids, a spec built from a dict with integer-valued numpy fields, grids that exactly fill the stream."""
+    np = pytest.importorskip("numpy")
+    ids = [VID] * 12
+    p = Pack(ids=ids, cu=[0, 12], videos=[[3, 4, 4]], secs=[0.0])
+    pos, _, deltas = ours(p, "cpu", tps=2)
+    assert pos[0].tolist() == [0] * 12 and deltas.tolist() == [max(pos.max().item(), 0) + 1 - 12]
+    for g, w in zip(ours(p, "cpu", tps=2), reference(p, tps=2)):
+        assert torch.equal(g, w)
+    got = packcuda.mrope_position_ids(torch.tensor(ids), np.array([0, 12]), video_grid_thw=np.array([[3, 4, 4]]),
+                                      second_per_grid_ts=np.array([0.5], dtype=np.float32), image_token_id=IMG,
+                                      video_token_id=VID, tokens_per_second=np.int64(2))
+    want = reference(Pack(ids=ids, cu=[0, 12], videos=[[3, 4, 4]], secs=[0.5]), tps=2)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    spec = packcuda.MRopeSpec.from_hf_config({"model_type": "qwen2_vl", "image_token_id": np.int64(IMG),
+                                              "video_token_id": VID, "vision_config": {"spatial_merge_size": 2}})
+    assert spec.image_token_id == IMG and type(spec.image_token_id) is int

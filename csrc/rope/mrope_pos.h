@@ -63,6 +63,12 @@ struct MergeDiv {
   bool divides(int64_t x) const { return shift >= 0 ? (x & (d - 1)) == 0 : x % d == 0; }
 };
 
+// Temporal interval of whole video v: float32(tokens_per_second) * float32(secs[v]) (1.0 without secs), one
+// float32 multiply as transformers computes it (Qwen2.5-VL); 1 without tokens_per_second.
+inline float mrope_video_interval(const double* tokens_per_second, const float* secs, int64_t v) {
+  return tokens_per_second ? static_cast<float>(*tokens_per_second) * (secs ? secs[v] : 1.0f) : 1.0f;
+}
+
 // The layout for n_images image rows and the video rows (per_frame: a video row [t, h, w] is t blocks).
 MRopeTableLayout mrope_table_layout(int64_t head, int64_t n_images, const MRopeGrid* videos, int64_t n_videos,
                                     bool per_frame);

@@ -1,9 +1,12 @@
 // Torch layer of mRoPE position ids: schema, host checks of the grids, block table, dispatch.
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "common/checked.h"
 #include "common/torch/checks.h"
 #include "rope/mrope_pos.h"
 #include "rope/mrope_pos_math.h"
@@ -73,16 +76,65 @@ Grids read_grids(const Tensor& image_grid, const Tensor& video_grid, const Tenso
   g.rows.reserve(static_cast<size_t>(image_grid.numel() / 3 + video_grid.numel() / 3));
   g.n_images = read_grid(kGridName[0], image_grid, merge, g.rows);
   g.n_videos = read_grid(kGridName[1], video_grid, merge, g.rows);
+  if (tps.has_value())
+    PC_ARG(std::isfinite(*tps) && *tps >= 0 && *tps <= FLT_MAX, kOp,
+           "tokens_per_second must be finite, >= 0 and within float32, got ", *tps);
   if (spg.numel() > 0) {
     PC_ARG(spg.is_cpu(), kOp, "second_per_grid_ts must be host metadata (a list or CPU tensor)");
     check_dtype(kOp, "second_per_grid_ts", spg, {ST::Float});
+    check_dim(kOp, "second_per_grid_ts", spg, 1);
     PC_ARG(spg.numel() == g.n_videos, kOp, "second_per_grid_ts has ", spg.numel(), " entries but video_grid_thw has ",
            g.n_videos, " rows");
     PC_ARG(tps.has_value(), kOp, "second_per_grid_ts needs tokens_per_second");
     g.secs_tensor = spg.is_contiguous() ? spg : torch::stable::contiguous(spg);
     g.secs = g.secs_tensor.const_data_ptr<float>();
+    for (int64_t i = 0; i < g.n_videos; ++i)
+      PC_ARG(std::isfinite(g.secs[i]) && g.secs[i] >= 0, kOp, "second_per_grid_ts[", i,
+             "] must be finite and >= 0, got ", g.secs[i]);
   }
   return g;
+}
+
+// The sizes the grids imply, in checked int64 arithmetic, before anything is sized or written from them: every
+// block's token count t*h*w / spatial_merge_size**2 and their sum, which cannot exceed the number of tokens (every
+// block is a run of its own tokens; returned), and a bound of every position. In a segment, text resumes at most
+// `advance` past a block start and a block's positions reach s + max(floor((T'-1) * interval), H'-1, W'-1), so
+// total + sum(len) + sum(max(floor((T'-1) * interval), H', W') + 1) bounds every position and every prefix sum of
+// the block table; twice it must fit int64 (the kernels subtract such sums), so no value wraps.
+int64_t check_grid_sizes(const Grids& g, int64_t merge, const double* tps, bool per_frame, int64_t total) {
+  namespace ck = packcuda::checked;
+  const rope::MergeDiv md(merge);
+  const char* kTokens = "the number of vision tokens of image_grid_thw and video_grid_thw";
+  const char* kBound = "the largest mRoPE position of image_grid_thw and video_grid_thw";
+  const char* kCount[2] = {"an image_grid_thw row's token count (t*h*w / spatial_merge_size**2)",
+                           "a video_grid_thw row's token count (t*h*w / spatial_merge_size**2)"};
+  int64_t tokens = 0, bound = total;
+  for (int m = 0; m < 2; ++m) {
+    const Grid* rows = m == 0 ? g.images() : g.videos();
+    const int64_t n = m == 0 ? g.n_images : g.n_videos;
+    for (int64_t i = 0; i < n; ++i) {
+      const Grid& r = rows[i];
+      const int64_t hm = md.div(r.h), wm = md.div(r.w);
+      const int64_t len = ck::mul(kOp, kCount[m], r.t, ck::mul(kOp, kCount[m], hm, wm));
+      tokens = ck::add(kOp, kTokens, tokens, len);
+      int64_t adv;
+      if (m == 1 && per_frame) {  // r.t blocks [1, h, w]
+        adv = ck::mul(kOp, kBound, r.t, ck::add(kOp, kBound, std::max(hm, wm), 1));
+      } else {
+        const float interval = m == 0 ? 1.0f : rope::mrope_video_interval(tps, g.secs, i);
+        PC_ARG(std::isfinite(interval), kOp, kGridName[m], "[", i, "]: the time interval tokens_per_second * ",
+               "second_per_grid_ts[", i, "] overflows float32");
+        const float p = static_cast<float>(r.t - 1) * interval;  // as rope::temporal_index computes it
+        PC_ARG(std::isfinite(p) && p < 9.2233720368547758e18f, kOp, kGridName[m], "[", i, "] = [", r.t, ", ", r.h,
+               ", ", r.w, "]: its temporal positions (t-1) * ", interval,
+               " (tokens_per_second * second_per_grid_ts) overflow int64");
+        adv = ck::add(kOp, kBound, rope::max3(rope::temporal_index(r.t - 1, interval), hm, wm), 1);
+      }
+      bound = ck::add(kOp, kBound, ck::add(kOp, kBound, bound, len), adv);
+    }
+  }
+  ck::mul(kOp, kBound, bound, 2);
+  return tokens;
 }
 
 // Error messages are rare: the table with its block -> grid row map is rebuilt only then.
@@ -159,12 +211,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
                              tokens_per_second);
   const double tps_v = tokens_per_second.value_or(0.0);
   const double* tps = tokens_per_second.has_value() ? &tps_v : nullptr;
+  const int64_t vision_tokens = check_grid_sizes(g, spatial_merge_size, tps, per_frame, total);
   const int64_t head = cu_in_table ? static_cast<int64_t>(seg.host.size()) : 0;
   const rope::MRopeTableLayout L = rope::mrope_table_layout(head, g.n_images, g.videos(), g.n_videos, per_frame);
   if (total == 0)
     for (int m = 0; m < 2; ++m)
       PC_ARG(L.n[m] == 0, kOp, kGridName[m], " describes ", L.n[m], " ", kModName[m],
              " blocks but input_ids is empty");
+  PC_ARG(vision_tokens <= total, kOp, "image_grid_thw and video_grid_thw describe ", vision_tokens,
+         " vision tokens (t*h*w / spatial_merge_size**2 per row) but input_ids has only ", total, " tokens");
   // The table: [cu_seqlens (host metadata only)] [block rows] [prefix sums].
   auto fill = [&](int64_t* out) {
     if (head) std::memcpy(out, seg.host.data(), static_cast<size_t>(head) * sizeof(int64_t));

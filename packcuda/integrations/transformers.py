@@ -29,6 +29,8 @@ Under context parallelism compute the positions on the global stream, then shard
 """
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import itertools
 import threading
@@ -39,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 import packcuda
+from packcuda._meta import host_list
 
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
@@ -142,16 +145,24 @@ def _get(obj, name, default=None):
     return getattr(obj, name, default)
 
 
-def _family_of(model_or_config) -> _Family:
+def _family_of(model_or_config, fn: str = "integrations.transformers", name: str = "model") -> _Family:
     cfg = _config_of(model_or_config)
     mt = _get(cfg, "model_type", None)
     mt = _ALIASES.get(mt, mt)
-    if mt not in _FAMILIES:
+    if not isinstance(mt, str) or mt not in _FAMILIES:
         what = type(model_or_config).__name__
         raise UnsupportedModelError(
-            f"packcuda.integrations.transformers: model_type {mt!r} ({what}) is not supported; "
+            f"packcuda.{fn}: {name} has model_type {mt!r} ({what}), which is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     return _FAMILIES[mt]
+
+
+def video_seconds_default() -> str:
+    """The rule by which the installed transformers turns Qwen2.5-VL's ``second_per_grid_ts`` into a temporal
+    interval: "whole" (``tokens_per_second * int(second_per_grid_ts)``, older 5.x releases such as 5.17) or
+    "float" (the float product; later releases, e.g. 5.24). Read from the installed modeling code itself
+    (:func:`truncates_video_seconds`), so a backport or a patched release is seen as it behaves."""
+    return "whole" if truncates_video_seconds() else "float"
 
 
 def _text_after_vision_default() -> str:
@@ -172,20 +183,40 @@ def _require(name: str):
 # ---------------------------------------------------------------------------------------------------
 # positions
 # ---------------------------------------------------------------------------------------------------
-def _flat_ids(input_ids: torch.Tensor, fn: str) -> torch.Tensor:
+def _check_ids(input_ids, fn: str) -> None:
     if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"packcuda.integrations.transformers.{fn}: input_ids must be a tensor")
+        raise TypeError(f"packcuda.{fn}: input_ids must be an integer tensor, got {type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"packcuda.{fn}: input_ids must be an integer tensor, got {input_ids.dtype}")
+
+
+def _flat_ids(input_ids: torch.Tensor, fn: str) -> torch.Tensor:
+    _check_ids(input_ids, fn)
     if input_ids.dim() == 2 and input_ids.shape[0] == 1:
         input_ids = input_ids[0]
     if input_ids.dim() != 1:
-        raise ValueError(f"packcuda.integrations.transformers.{fn}: input_ids must be [T] or [1, T] (one packed "
+        raise ValueError(f"packcuda.{fn}: input_ids must be [T] or [1, T] (one packed "
                          f"row), got shape {tuple(input_ids.shape)}")
     return input_ids
 
 
+def _whole_seconds(second_per_grid_ts, fn: str):
+    """second_per_grid_ts truncated to whole seconds (the "whole" video_seconds rule), checked as the op does."""
+    if second_per_grid_ts is None:
+        return None
+    from packcuda.mrope import _seconds
+
+    secs = _seconds(second_per_grid_ts, op=fn)
+    bad = ~torch.isfinite(secs) | (secs < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"packcuda.{fn}: second_per_grid_ts[{i}] must be finite and >= 0, got {float(secs[i])}")
+    return secs.trunc()
+
+
 def packed_position_ids(input_ids: torch.Tensor, cu_seqlens, config, *, image_grid_thw=None, video_grid_thw=None,
                         second_per_grid_ts=None, text_after_vision: Optional[str] = None,
-                        validate: bool = True) -> torch.Tensor:
+                        video_seconds: Optional[str] = None, validate: bool = True) -> torch.Tensor:
     """``position_ids`` int64 ``[4, 1, T]`` of one packed row for a Qwen-VL model.
 
     ``input_ids`` ``[T]`` (or ``[1, T]``) is the packed stream, ``cu_seqlens`` ``[N + 1]`` its samples (host
@@ -195,12 +226,22 @@ def packed_position_ids(input_ids: torch.Tensor, cu_seqlens, config, *, image_gr
     rows 1-3 the t/h/w mRoPE positions, identical to transformers' ``get_rope_index`` on each sample alone.
 
     ``text_after_vision`` defaults to the rule of the installed transformers ("grid" for >= 5.3, "max" for
-    4.x). Syncs: none on the GPU with host ``cu_seqlens`` and grids when ``validate=False``; with
-    ``validate=True`` one read of the kernel's status word (see :func:`packcuda.mrope_position_ids`).
+    4.x). ``video_seconds`` (Qwen2.5-VL videos) defaults to the rule of the installed transformers
+    (:func:`video_seconds_default`): "float" uses ``tokens_per_second * second_per_grid_ts``, "whole" truncates
+    ``second_per_grid_ts`` to whole seconds first, as transformers 5.17 does. Syncs: none on the GPU with host
+    ``cu_seqlens`` and grids when ``validate=False``; with ``validate=True`` one read of the kernel's status word
+    (see :func:`packcuda.mrope_position_ids`).
     """
-    ids = _flat_ids(input_ids, "packed_position_ids")
+    fn = "packed_position_ids"
+    ids = _flat_ids(input_ids, fn)
     cfg = _config_of(config)
-    _family_of(cfg)
+    fam = _family_of(cfg, fn, "config")
+    if text_after_vision is not None and text_after_vision not in ("grid", "max"):
+        raise ValueError(f"packcuda.{fn}: text_after_vision must be 'grid', 'max' or None, got {text_after_vision!r}")
+    if video_seconds is not None and video_seconds not in ("float", "whole"):
+        raise ValueError(f"packcuda.{fn}: video_seconds must be 'float', 'whole' or None, got {video_seconds!r}")
+    if (video_seconds or video_seconds_default()) == "whole" and fam.video_seconds:
+        second_per_grid_ts = _whole_seconds(second_per_grid_ts, fn)
     spec_cls = _require("MRopeSpec")
     spec = spec_cls.from_hf_config(cfg, text_after_vision=text_after_vision or _text_after_vision_default())
     pos, text_pos, _ = spec.position_ids(ids, cu_seqlens, image_grid_thw=image_grid_thw,
@@ -211,17 +252,26 @@ def packed_position_ids(input_ids: torch.Tensor, cu_seqlens, config, *, image_gr
 
 def mm_token_type_ids(input_ids: torch.Tensor, config) -> torch.Tensor:
     """transformers' ``mm_token_type_ids`` (0 text, 1 image, 2 video) of ``input_ids``, int32, same shape."""
+    fn = "mm_token_type_ids"
+    _check_ids(input_ids, fn)
     cfg = _config_of(config)
+    if cfg is None or isinstance(cfg, (str, bytes, int, float)):
+        raise TypeError(f"packcuda.{fn}: config must be a transformers config, a model or a dict, got "
+                        f"{type(config).__name__}")
     img, vid = _get(cfg, "image_token_id"), _get(cfg, "video_token_id")
+    if img is None or vid is None:
+        raise ValueError(f"packcuda.{fn}: config has no image_token_id / video_token_id")
+    img = packcuda._meta.check_int(fn, "config.image_token_id", img)
+    vid = packcuda._meta.check_int(fn, "config.video_token_id", vid)
     t = torch.zeros_like(input_ids, dtype=torch.int32)
     t = t.masked_fill(input_ids == img, 1)
     return t.masked_fill(input_ids == vid, 2)
 
 
-def _as_grid(g) -> Optional[torch.Tensor]:
-    if g is None:
-        return None
-    g = torch.as_tensor(g, dtype=torch.int64).reshape(-1, 3)
+def _as_grid(g, name: str, fn: str) -> Optional[torch.Tensor]:
+    from packcuda.mrope import _grid
+
+    g = _grid(g, name, op=fn).to(torch.int64)
     return g if g.shape[0] else None
 
 
@@ -230,15 +280,24 @@ def hf_packed_position_ids(model, input_ids: torch.Tensor, cu_seqlens, *, image_
     """The same ``[4, 1, T]`` positions computed the way trainers do today: the model's own
     ``get_rope_index`` called on every sample alone (a Python loop with host syncs), then concatenated.
     The reference path of :func:`packed_position_ids` (and its benchmark baseline)."""
-    fam = _family_of(model)
+    fn = "hf_packed_position_ids"
+    fam = _family_of(model, fn)
     base = model.model if hasattr(getattr(model, "model", None), "get_rope_index") else model
     if not hasattr(base, "get_rope_index"):
-        raise UnsupportedModelError(f"packcuda.integrations.transformers: {type(model).__name__} has no get_rope_index")
-    ids = _flat_ids(input_ids, "hf_packed_position_ids")
-    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+        raise UnsupportedModelError(f"packcuda.{fn}: model ({type(model).__name__}) has no get_rope_index")
+    ids = _flat_ids(input_ids, fn)
+    cu = host_list(cu_seqlens, "cu_seqlens", op=fn)
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != ids.numel():
+        raise ValueError(f"packcuda.{fn}: cu_seqlens must start at 0, be non-decreasing and end at the number of "
+                         f"tokens ({ids.numel()}), got {cu}")
     tt = mm_token_type_ids(ids, model)
-    igrid, vgrid = _as_grid(image_grid_thw), _as_grid(video_grid_thw)
-    secs = None if second_per_grid_ts is None else torch.as_tensor(second_per_grid_ts).reshape(-1)
+    igrid, vgrid = _as_grid(image_grid_thw, "image_grid_thw", fn), _as_grid(video_grid_thw, "video_grid_thw", fn)
+    if second_per_grid_ts is not None:
+        from packcuda.mrope import _seconds
+
+        secs = _seconds(second_per_grid_ts, op=fn)
+    else:
+        secs = None
     ii = vi = 0
     frames_left = 0
     rows, text = [], []
@@ -253,11 +312,17 @@ def hf_packed_position_ids(model, input_ids: torch.Tensor, cu_seqlens, *, image_
                     n_vid += 1
                 else:
                     if frames_left == 0:
+                        if vgrid is None or vi + n_vid >= vgrid.shape[0]:
+                            raise ValueError(f"packcuda.{fn}: input_ids has more videos than video_grid_thw "
+                                             f"describes (sample [{a}, {b}))")
                         frames_left = int(vgrid[vi + n_vid, 0])
                         n_vid += 1
                     frames_left -= 1
         if frames_left:
-            raise ValueError(f"hf_packed_position_ids: a video's frames cross the end of sample [{a}, {b})")
+            raise ValueError(f"packcuda.{fn}: a video's frames cross the end of sample [{a}, {b})")
+        if n_img > (0 if igrid is None else igrid.shape[0]) - ii or n_vid > (0 if vgrid is None else vgrid.shape[0]) - vi:
+            raise ValueError(f"packcuda.{fn}: input_ids has more vision blocks than image_grid_thw / video_grid_thw "
+                             f"describe (sample [{a}, {b}))")
         L = b - a
         if n_img == 0 and n_vid == 0:
             pos = torch.arange(L, device=ids.device).expand(3, L)
@@ -304,14 +369,58 @@ class _RopePositions:
     """What the patched rotary module returns in place of (cos, sin): the positions and the rotary constants.
     The patched ``apply_rotary_pos_emb`` recognizes it and calls packcuda.apply_rope."""
 
-    __slots__ = ("positions", "inv_freq", "mrope_section", "interleaved", "attention_scaling")
+    __slots__ = ("positions", "inv_freq", "rotary_dim", "mrope_section", "interleaved", "attention_scaling")
 
-    def __init__(self, positions, inv_freq, mrope_section, interleaved, attention_scaling):
-        self.positions = positions  # int64 [3, B*S]
+    def __init__(self, positions, inv_freq, rotary_dim, mrope_section, interleaved, attention_scaling):
+        self.positions = positions  # [3, Bp, Sp]: broadcast to q's [B, S] as transformers broadcasts cos/sin
         self.inv_freq = inv_freq  # fp32 [rotary_dim / 2]
+        self.rotary_dim = rotary_dim
         self.mrope_section = mrope_section
         self.interleaved = interleaved
         self.attention_scaling = attention_scaling
+
+
+def _rope_layout(module, fn: str) -> dict:
+    """``rotary_dim``, ``mrope_section`` and ``mrope_interleaved`` of a text rotary module, from
+    :func:`packcuda.rope_kwargs_from_config` on its config (the one reading of a config's rotary layout);
+    the frequencies themselves come from the module. Refuses a layout the module's frequencies do not have."""
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        raise UnsupportedModelError(f"packcuda.{fn}: {type(module).__name__} has no config")
+    rp = dict(getattr(cfg, "rope_parameters", None) or {})
+    if rp.get("rope_type", "default") != "default":
+        # static frequencies of another rope type are the module's (inv_freq, attention_scaling); the config
+        # still gives the layout
+        cfg = copy.copy(cfg)
+        object.__setattr__(cfg, "rope_parameters", {**rp, "rope_type": "default"})
+    try:
+        kw = _require("rope_kwargs_from_config")(cfg)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"packcuda.{fn}: the rotary layout of {type(module).__name__} is not supported: {e}") from e
+    n = int(module.inv_freq.numel())
+    if kw.get("mrope_section") is None or kw.get("rotary_dim") != 2 * n:
+        raise ValueError(f"packcuda.{fn}: {type(module).__name__} has {n} frequencies but its config gives "
+                         f"rotary_dim {kw.get('rotary_dim')} and mrope_section {kw.get('mrope_section')}")
+    return dict(rotary_dim=int(kw["rotary_dim"]), mrope_section=[int(v) for v in kw["mrope_section"]],
+                mrope_interleaved=bool(kw["mrope_interleaved"]))
+
+
+def _check_rope_layout(module, fn: str) -> dict:
+    """:func:`_rope_layout`, then the rotary kernel once on one token with these constants, so that whatever
+    it would refuse during a forward is refused now, before anything is patched."""
+    lay = _rope_layout(module, fn)
+    d = lay["rotary_dim"]
+    if module.inv_freq.is_meta:  # a model not materialized yet: the constants are checked, the kernel runs later
+        return lay
+    q = torch.zeros(1, 1, d)
+    try:
+        _rope_impl(q, q.clone(), torch.ones(3, 1, dtype=torch.int64), inv_freq=module.inv_freq.detach().float().cpu(),
+                   rotary_dim=d, mrope_section=lay["mrope_section"], mrope_interleaved=lay["mrope_interleaved"],
+                   attention_scaling=float(getattr(module, "attention_scaling", 1.0)))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"packcuda.{fn}: the rotary layout of {type(module).__name__} ({lay}) is refused by "
+                         f"packcuda.apply_rope: {e}") from e
+    return lay
 
 
 def _default_rope(q, k, positions, **kw):
@@ -326,14 +435,17 @@ def _rotary_forward(self, x, position_ids):
     """Replacement of the text rotary module's forward: no cos/sin tables, just the positions."""
     rope_type = getattr(self, "rope_type", "default")
     if rope_type in _DYNAMIC_ROPE_TYPES:
-        raise UnsupportedModelError(f"packcuda rotary patch: rope_type {rope_type!r} (dynamic frequencies) is not "
-                                    "supported; unpatch the model")
+        raise UnsupportedModelError(f"packcuda.patch_qwen_vl_rope: rope_type {rope_type!r} (dynamic frequencies) is "
+                                    "not supported; unpatch the model")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (2, 3):
+        raise ValueError("packcuda.patch_qwen_vl_rope: the rotary module takes position_ids [B, S] or [3, B, S], "
+                         f"got {getattr(position_ids, 'shape', type(position_ids).__name__)}")
     if position_ids.dim() == 2:
         position_ids = position_ids[None]
-    pos = position_ids.expand(3, -1, -1)  # [3, B, S]
-    fam = self._packcuda_family
-    carrier = _RopePositions(pos.reshape(3, -1), self.inv_freq.float(), list(self.mrope_section), fam.interleaved,
-                             float(self.attention_scaling))
+    pos = position_ids.expand(3, -1, -1)  # [3, Bp, Sp], broadcast against q in apply_rotary_pos_emb
+    lay = vars(self).get("_packcuda_rope") or _rope_layout(self, "patch_qwen_vl_rope")  # class patches: here
+    carrier = _RopePositions(pos, self.inv_freq.float(), lay["rotary_dim"], lay["mrope_section"],
+                             lay["mrope_interleaved"], float(self.attention_scaling))
     return carrier, carrier
 
 
@@ -342,12 +454,18 @@ def _make_apply(original):
         if not isinstance(cos, _RopePositions):
             return original(q, k, cos, sin, unsqueeze_dim)
         if unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4:
-            raise RuntimeError("packcuda rotary patch: expected q, k of shape [B, H, S, D] (unsqueeze_dim=1)")
+            raise ValueError("packcuda.patch_qwen_vl_rope: expected q, k of shape [B, H, S, D] (unsqueeze_dim=1)")
         B, Hq, S, D = q.shape
         Hk = k.shape[1]
+        pos = cos.positions
+        _, Bp, Sp = pos.shape
+        if Bp not in (1, B) or Sp not in (1, S):  # transformers broadcasts cos/sin [Bp, 1, Sp, D] against q
+            raise ValueError(f"packcuda.patch_qwen_vl_rope: position_ids with batch {Bp} and length {Sp} do not "
+                             f"broadcast to the batch of the hidden states ([{B}, {S}])")
+        pos = pos.expand(3, B, S).reshape(3, B * S)
         qt = q.transpose(1, 2).reshape(B * S, Hq, D)  # views for the [B, S, H, D] projections
         kt = k.transpose(1, 2).reshape(B * S, Hk, D)
-        qo, ko = _rope_impl(qt, kt, cos.positions, inv_freq=cos.inv_freq, rotary_dim=2 * cos.inv_freq.numel(),
+        qo, ko = _rope_impl(qt, kt, pos, inv_freq=cos.inv_freq, rotary_dim=cos.rotary_dim,
                             mrope_section=cos.mrope_section, mrope_interleaved=cos.interleaved,
                             attention_scaling=cos.attention_scaling)
         return qo.reshape(B, S, Hq, D).transpose(1, 2), ko.reshape(B, S, Hk, D).transpose(1, 2)
@@ -437,6 +555,9 @@ class RopePatch:
         setattr(owner, attr, value)
 
     def unpatch(self) -> None:
+        """Restores what this handle patched (idempotent)."""
+        if not isinstance(self, RopePatch):
+            raise TypeError(f"packcuda.RopePatch.unpatch: self must be a RopePatch, got {type(self).__name__}")
         with _LOCK:
             if not self.active:
                 return
@@ -485,24 +606,40 @@ def patch_qwen_vl_rope(model=None, *, model_types: Optional[Sequence[str]] = Non
     replaces, ``apply_rotary_pos_emb`` was not replaced by another library, the rope type has static
     frequencies. Returns a :class:`RopePatch`; ``unpatch()`` (or :func:`unpatch_qwen_vl_rope`) restores.
 
+    The rotary layout (``rotary_dim``, ``mrope_section``, interleaving) is read with
+    :func:`packcuda.rope_kwargs_from_config` from each rotary module's config; with a model, it is checked
+    when patching (the kernel runs once on one token with these constants), so a layout packcuda cannot
+    reproduce is a ``ValueError`` here, never during a forward (class patches read it at the module's first
+    forward). ``position_ids`` of batch 1 ([1, S] or [3, 1, S]) broadcast over the batch as transformers
+    broadcasts its cos/sin.
+
     What changes: the text rotary module returns the positions instead of cos/sin tables and the module's
     ``apply_rotary_pos_emb`` calls ``packcuda.apply_rope`` on q/k viewed as ``[B*S, H, D]`` (no copy). The
     vision towers and everything else run unchanged. Numerics: angles and rotation in fp32, rounded once to
     the activation dtype (transformers rounds cos/sin to it first), so bf16 results differ by rounding.
     """
+    fn = "patch_qwen_vl_rope"
+    if not isinstance(allow_unverified_version, bool):
+        raise TypeError(f"packcuda.{fn}: allow_unverified_version must be a bool, got "
+                        f"{type(allow_unverified_version).__name__}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"packcuda.{fn}: model must be a torch.nn.Module (a transformers model), got "
+                        f"{type(model).__name__}")
+    if model_types is not None and (isinstance(model_types, (str, bytes)) or not hasattr(model_types, "__iter__")):
+        raise TypeError(f"packcuda.{fn}: model_types must be a sequence of model_type names, got {model_types!r}")
     _check_version(allow_unverified_version)
     if model is not None:
         if model_types is not None:
-            raise ValueError("patch_qwen_vl_rope: give a model or model_types, not both")
-        fams = [_family_of(model)]
+            raise ValueError(f"packcuda.{fn}: give a model or model_types, not both")
+        fams = [_family_of(model, fn)]
     else:
         names = list(model_types) if model_types is not None else list(_FAMILIES)
         fams = []
         for n in names:
-            n2 = _ALIASES.get(n, n)
+            n2 = _ALIASES.get(n, n) if isinstance(n, str) else n
             if n2 not in _FAMILIES:
-                raise UnsupportedModelError(f"patch_qwen_vl_rope: model_type {n!r} is not supported; supported: "
-                                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                raise UnsupportedModelError(f"packcuda.{fn}: model_types has model_type {n!r}, which is not "
+                                            f"supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
             fams.append(_FAMILIES[n2])
     _require("apply_rope")
     mods = {}
@@ -516,19 +653,21 @@ def patch_qwen_vl_rope(model=None, *, model_types: Optional[Sequence[str]] = Non
         rot_cls = getattr(mods[fam.model_type], fam.rotary)
         targets = [m for m in model.modules() if type(m) is rot_cls]
         if not targets:
-            raise UnsupportedModelError(f"patch_qwen_vl_rope: {type(model).__name__} has no {fam.rotary} module")
+            raise UnsupportedModelError(f"packcuda.{fn}: model ({type(model).__name__}) has no {fam.rotary} module")
         for m in targets:
             rt = getattr(m, "rope_type", "default")
             if rt in _DYNAMIC_ROPE_TYPES:
-                raise UnsupportedModelError(f"patch_qwen_vl_rope: rope_type {rt!r} (dynamic frequencies) is not "
-                                            "supported")
+                raise UnsupportedModelError(f"packcuda.{fn}: model has rope_type {rt!r} (dynamic frequencies), "
+                                            "which is not supported")
+        layouts = [_check_rope_layout(m, fn) for m in targets]  # refused here, not during a forward
     handle = RopePatch(fams, model)
     with _LOCK:
         for fam in fams:
             mod = mods[fam.model_type]
             rot_cls = getattr(mod, fam.rotary)
             if model is not None:
-                for m in targets:
+                for m, lay in zip(targets, layouts):
+                    handle._set(m, "_packcuda_rope", lay)
                     handle._set(m, "_packcuda_family", fam)
                     handle._set(m, "forward", types.MethodType(_rotary_forward, m))
             else:
@@ -546,6 +685,9 @@ def patch_qwen_vl_rope(model=None, *, model_types: Optional[Sequence[str]] = Non
 
 def unpatch_qwen_vl_rope(handle: Optional[RopePatch] = None) -> None:
     """Undo one patch (``handle``) or, without an argument, every active one."""
+    if handle is not None and not isinstance(handle, RopePatch):
+        raise TypeError(f"packcuda.unpatch_qwen_vl_rope: handle must be a RopePatch (what patch_qwen_vl_rope "
+                        f"returns) or None, got {type(handle).__name__}")
     if handle is not None:
         handle.unpatch()
         return
@@ -557,6 +699,8 @@ def is_patched(model=None) -> bool:
     """Whether ``model`` (or, without an argument, any model) currently runs the packcuda rotary path."""
     if model is None:
         return bool(_ACTIVE)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"packcuda.is_patched: model must be a torch.nn.Module or None, got {type(model).__name__}")
     try:
         fam = _family_of(model)
     except UnsupportedModelError:
@@ -567,14 +711,35 @@ def is_patched(model=None) -> bool:
     return bool(mods) and all(getattr(m.forward, "__func__", m.forward) is _rotary_forward for m in mods)
 
 
+@functools.lru_cache(maxsize=1)
 def truncates_video_seconds() -> bool:
     """True when the installed transformers computes Qwen2.5-VL's video time interval as
     ``tokens_per_second * int(second_per_grid_ts)`` (older 5.x releases, e.g. 5.17), dropping fractional
     seconds. Later releases use the float product, which is the rule ``packcuda.mrope_position_ids``
-    implements; with whole-second ``second_per_grid_ts`` the two agree."""
+    implements; with whole-second ``second_per_grid_ts`` the two agree. Found by behaviour: the installed
+    ``get_rope_index`` runs once on a 0.5-second video of 3 frames (tokens_per_second 2: temporal positions
+    1, 2, 3 with the float product, 1, 1, 1 with whole seconds); its source is read only if that call fails."""
     try:
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
-
-        return "int(next(second_per_grid_ts))" in inspect.getsource(m.Qwen2_5_VLModel.get_rope_index)
+    except Exception:
+        return False
+    cls = m.Qwen2_5_VLModel
+    try:
+        ns = types.SimpleNamespace(config=types.SimpleNamespace(
+            vision_config=types.SimpleNamespace(spatial_merge_size=1, tokens_per_second=2), image_token_id=1,
+            video_token_id=2, vision_start_token_id=3, vision_end_token_id=4))
+        if hasattr(cls, "get_vision_position_ids"):
+            ns.get_vision_position_ids = functools.partial(cls.get_vision_position_ids, ns)
+        ids = torch.tensor([[3, 2, 2, 2]])
+        kw = dict(video_grid_thw=torch.tensor([[3, 1, 1]]), second_per_grid_ts=torch.tensor([0.5]))
+        if "mm_token_type_ids" in inspect.signature(cls.get_rope_index).parameters:
+            kw["mm_token_type_ids"] = torch.tensor([[0, 2, 2, 2]], dtype=torch.int32)
+        t = cls.get_rope_index(ns, ids, **kw)[0][0, 0, 1:].tolist()
+        if t in ([1, 1, 1], [1, 2, 3]):
+            return t == [1, 1, 1]
+    except Exception:
+        pass
+    try:
+        return "int(next(second_per_grid_ts))" in inspect.getsource(cls.get_rope_index)
     except Exception:
         return False

@@ -47,9 +47,7 @@ void fill_mrope_block_table(int64_t* out, const MRopeTableLayout& L, const MRope
       if (per_frame) {
         for (int64_t f = 0; f < g.t; ++f) add(1, g.h, g.w, 1.0f);
       } else {
-        float interval = 1.0f;  // one float32 multiply, as transformers computes it
-        if (tokens_per_second) interval = static_cast<float>(*tokens_per_second) * (secs ? secs[i] : 1.0f);
-        add(g.t, g.h, g.w, interval);
+        add(g.t, g.h, g.w, mrope_video_interval(tokens_per_second, secs, i));
       }
     }
   }
