@@ -2,11 +2,14 @@
 in one pass, forward and backward, out of place or in place."""
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from typing import Optional, Sequence, Tuple
 
 import torch
 
 from . import _lib
+from ._meta import check_float, check_int
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -14,6 +17,9 @@ ops = torch.ops.packcuda
 __all__ = ["apply_rope", "apply_rope_", "default_inv_freq", "rope_kwargs_from_config"]
 
 _STYLES = {"neox": False, "gptj": True}
+
+# Largest rotary_dim the kernels accept (rope::kMaxRotaryDim in csrc/rope/rope_apply.h).
+_MAX_ROTARY_DIM = 8192
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,14 +124,41 @@ class _ApplyRopeInplace(torch.autograd.Function):
         return dq, dk, None, None, None, None, None, None, None
 
 
-class _ApplyRopeInplaceOne(torch.autograd.Function):
-    """The same for a single tensor: autograd lets a Function that modifies a view in place return only one
-    tensor, so views (e.g. q and k slices of a fused QKV buffer) are rotated one Function each."""
+def _rotate_back(ctx, g):
+    """Gradient of one tensor rotated in place: g rotated by the negated angle."""
+    positions, inv_freq = ctx.saved_tensors
+    rotary_dim, section, interleaved, gptj, scaling = ctx.cfg
+    g = _last_dim_contiguous(g)
+    dx, _ = _rope_call(g, g.narrow(-2, 0, 0), positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling,
+                       True)
+    return dx
+
+
+class _ApplyRopeInplaceViewQ(torch.autograd.Function):
+    """In-place rotation of views (e.g. q and k slices of a fused QKV buffer). Autograd lets a Function that
+    modifies a view in place return only one tensor, so this one rotates q and k together in one op call (every
+    argument of both is checked before anything is written) and returns q marked dirty; :class:`_MarkRotated`
+    then marks k."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling):
+        ops.apply_rope_(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, False)
+        ctx.mark_dirty(q)
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling)
+        return q
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_rotate_back(ctx, g),) + (None,) * 8
+
+
+class _MarkRotated(torch.autograd.Function):
+    """k of :class:`_ApplyRopeInplaceViewQ`: already rotated there; marked dirty here, its backward rotates the
+    incoming gradient by the negated angle."""
 
     @staticmethod
     def forward(ctx, x, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling):
-        ops.apply_rope_(x, x.narrow(-2, 0, 0), positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling,
-                        False)
         ctx.mark_dirty(x)
         ctx.save_for_backward(positions, inv_freq)
         ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling)
@@ -133,12 +166,7 @@ class _ApplyRopeInplaceOne(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        positions, inv_freq = ctx.saved_tensors
-        rotary_dim, section, interleaved, gptj, scaling = ctx.cfg
-        g = _last_dim_contiguous(g)
-        dx, _ = _rope_call(g, g.narrow(-2, 0, 0), positions, inv_freq, rotary_dim, section, interleaved, gptj,
-                           scaling, True)
-        return dx, None, None, None, None, None, None, None
+        return (_rotate_back(ctx, g),) + (None,) * 7
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -150,49 +178,104 @@ _INV_FREQ_CACHE: dict = {}
 def default_inv_freq(rope_theta: float, rotary_dim: int) -> torch.Tensor:
     """fp32 ``[rotary_dim // 2]`` CPU tensor ``1 / rope_theta ** (arange(0, rotary_dim, 2) / rotary_dim)``,
     computed with the same float32 torch ops, in the same order, as transformers' default rope init (so the
-    frequencies are bit-identical to the model's ``inv_freq`` buffer)."""
-    return 1.0 / (rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    frequencies are bit-identical to the model's ``inv_freq`` buffer). ``rope_theta``: a finite number > 0 whose
+    frequencies are finite in fp32; ``rotary_dim``: an even integer in [2, 8192]."""
+    return _default_inv_freq("default_inv_freq", rope_theta, rotary_dim)
 
 
-def _inv_freq_for(rope_theta, rotary_dim, device) -> torch.Tensor:
+def _check_rotary_dim(op, rotary_dim, name="rotary_dim") -> int:
+    rd = check_int(op, name, rotary_dim, lo=2, hi=_MAX_ROTARY_DIM)
+    if rd % 2:
+        raise ValueError(f"packcuda.{op}: {name} must be a positive even number, got {rd}")
+    return rd
+
+
+def _default_inv_freq(op, rope_theta, rotary_dim) -> torch.Tensor:
+    theta = check_float(op, "rope_theta", rope_theta, lo=0.0, lo_open=True)
+    rd = _check_rotary_dim(op, rotary_dim)
+    t = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"packcuda.{op}: rope_theta={theta} gives non-finite fp32 frequencies (1 / rope_theta "
+                         "overflows fp32)")
+    return t
+
+
+def _inv_freq_for(op, rope_theta, rotary_dim, device) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        return default_inv_freq(rope_theta, rotary_dim)
-    key = (float(rope_theta), int(rotary_dim), device)
+        return _default_inv_freq(op, rope_theta, rotary_dim)
+    key = (rope_theta, rotary_dim, device)
     t = _INV_FREQ_CACHE.get(key)
     if t is None:
-        t = default_inv_freq(rope_theta, rotary_dim)
+        t = _default_inv_freq(op, rope_theta, rotary_dim)
         if device.type != "cpu":
             t = t.to(device, non_blocking=True)
         _INV_FREQ_CACHE[key] = t
     return t
 
 
+def _is_bool(v) -> bool:
+    return isinstance(v, bool) or type(v).__name__ == "bool_"  # Python or numpy bool
+
+
+def _positions_tensor(op, positions) -> torch.Tensor:
+    """positions as a tensor of integers: floats (or bools) are refused, never truncated."""
+    if not isinstance(positions, torch.Tensor):
+        if positions is None or isinstance(positions, (str, bytes, numbers.Number)):
+            raise TypeError(f"packcuda.{op}: positions must be an integer tensor or a (nested) list of integers, "
+                            f"got {type(positions).__name__}")
+        try:
+            positions = torch.as_tensor(positions)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"packcuda.{op}: positions must be an integer tensor or a (nested) list of integers "
+                            f"({e})") from e
+        if positions.dtype in (torch.int8, torch.int16, torch.uint8):
+            positions = positions.to(torch.int64)
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise TypeError(f"packcuda.{op}: positions must hold integers (int32/int64), got {positions.dtype}")
+    return positions
+
+
 def _resolve(name, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
              rotary_style, attention_scaling):
-    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
-        raise TypeError(f"packcuda.{name}: q and k must be tensors")
-    if q.dim() < 3:
-        raise ValueError(f"packcuda.{name}: q must be [..., H, D] with at least one token dim, got shape "
-                         f"{tuple(q.shape)}")
-    if rotary_style not in _STYLES:
+    for arg, x in (("q", q), ("k", k)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"packcuda.{name}: {arg} must be a tensor, got {type(x).__name__}")
+        if x.dim() < 3:
+            raise ValueError(f"packcuda.{name}: {arg} must be [..., H, D] with at least one token dim, got shape "
+                             f"{tuple(x.shape)}")
+    if k.dim() != q.dim() or k.shape[:-2] != q.shape[:-2]:
+        raise ValueError(f"packcuda.{name}: q and k must have the same tokens (leading dims), got q {tuple(q.shape)} and k "
+                         f"{tuple(k.shape)}")
+    if not isinstance(rotary_style, str) or rotary_style not in _STYLES:
         raise ValueError(f"packcuda.{name}: rotary_style must be 'neox' or 'gptj', got {rotary_style!r}")
-    if not isinstance(positions, torch.Tensor):
-        positions = torch.as_tensor(positions, dtype=torch.int64)
+    if not _is_bool(mrope_interleaved):
+        raise TypeError(f"packcuda.{name}: mrope_interleaved must be a bool, got {mrope_interleaved!r}")
+    scale = check_float(name, "attention_scaling", attention_scaling)
+    positions = _positions_tensor(name, positions)
     D = q.shape[-1]
     if inv_freq is None:
         if rope_theta is None:
             raise ValueError(f"packcuda.{name}: give rope_theta or inv_freq")
-        rd = D if rotary_dim is None else int(rotary_dim)
-        inv = _inv_freq_for(rope_theta, rd if rd > 0 and rd % 2 == 0 else max(rd, 0), q.device)
+        rd = D if rotary_dim is None else check_int(name, "rotary_dim", rotary_dim)
+        if rd > D:
+            raise ValueError(f"packcuda.{name}: rotary_dim ({rd}) must be <= head_dim ({D})")
+        inv = _inv_freq_for(name, check_float(name, "rope_theta", rope_theta, lo=0.0, lo_open=True),
+                            _check_rotary_dim(name, rd), q.device)
     else:
         if not isinstance(inv_freq, torch.Tensor):
-            inv_freq = torch.as_tensor(inv_freq, dtype=torch.float32)
+            raise TypeError(f"packcuda.{name}: inv_freq must be a float32 tensor, got {type(inv_freq).__name__}")
         inv = inv_freq
-        rd = 2 * inv.numel() if rotary_dim is None else int(rotary_dim)
-    section = [] if mrope_section is None else [int(s) for s in mrope_section]
-    if mrope_section is not None and len(section) != 3:
-        raise ValueError(f"packcuda.{name}: mrope_section must have 3 entries (t, h, w), got {list(mrope_section)}")
-    return positions, inv, rd, section, bool(mrope_interleaved), _STYLES[rotary_style], float(attention_scaling)
+        rd = 2 * inv.numel() if rotary_dim is None else check_int(name, "rotary_dim", rotary_dim)
+    section = []
+    if mrope_section is not None:
+        if isinstance(mrope_section, (str, bytes)) or not hasattr(mrope_section, "__len__"):
+            raise TypeError(f"packcuda.{name}: mrope_section must be a sequence of 3 integers, got "
+                            f"{mrope_section!r}")
+        if len(mrope_section) != 3:
+            raise ValueError(f"packcuda.{name}: mrope_section must have 3 entries (t, h, w), got "
+                             f"{list(mrope_section)}")
+        section = [check_int(name, f"mrope_section[{i}]", v, lo=0) for i, v in enumerate(mrope_section)]
+    return positions, inv, rd, section, bool(mrope_interleaved), _STYLES[rotary_style], scale
 
 
 def _flatten_tokens(name, x, inplace):
@@ -209,11 +292,21 @@ def _flatten_tokens(name, x, inplace):
     return x.reshape(shape)
 
 
-def _flatten_positions(positions, section, ndim):
-    if ndim <= 4:
+def _flatten_positions(name, positions, section, q):
+    """positions of a q with more than two token dims: [*tokens] / [3, *tokens] (q's token dims) or already flat
+    [T] / [3, T]; flattened to the latter."""
+    if q.dim() <= 4:
         return positions
     rows = 1 if section else 0
-    return positions.reshape(*positions.shape[:rows], -1)
+    lead = tuple(q.shape[:-2])
+    T = q.shape[:-2].numel()
+    if positions.dim() == rows + 1 and positions.shape[rows] == T:
+        return positions
+    if positions.dim() != rows + len(lead) or tuple(positions.shape[rows:]) != lead:
+        want = ("[3, " if rows else "[") + ", ".join(map(str, lead)) + "]"
+        raise ValueError(f"packcuda.{name}: positions must be {want} or flat over the {T} tokens of q, got shape "
+                         f"{tuple(positions.shape)}")
+    return positions.reshape(*positions.shape[:rows], T)
 
 
 def apply_rope(
@@ -251,10 +344,10 @@ def apply_rope(
     positions, inv, rd, section, inter, gptj, scale = _resolve(
         "apply_rope", q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
         rotary_style, attention_scaling)
-    if q.dim() > 4 or k.dim() > 4:
+    if q.dim() > 4:
         qf, kf = _flatten_tokens("apply_rope", q, False), _flatten_tokens("apply_rope", k, False)
-        qo, ko = _rope_call(qf, kf, _flatten_positions(positions, section, q.dim()), inv, rd, section, inter,
-                            gptj, scale, False)
+        qo, ko = _rope_call(qf, kf, _flatten_positions("apply_rope", positions, section, q), inv, rd, section,
+                            inter, gptj, scale, False)
         return qo.view(q.shape), ko.view(k.shape)
     return _rope_call(q, k, positions, inv, rd, section, inter, gptj, scale, False)
 
@@ -282,14 +375,20 @@ def apply_rope_(
         "apply_rope_", q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
         rotary_style, attention_scaling)
     qf, kf = _flatten_tokens("apply_rope_", q, True), _flatten_tokens("apply_rope_", k, True)
-    pos = _flatten_positions(positions, section, q.dim())
+    pos = _flatten_positions("apply_rope_", positions, section, q)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         if qf is not q or kf is not k:
             raise ValueError("packcuda.apply_rope_: differentiable in-place rotation needs q and k with at most "
                              "4 dims")
+        for arg, x in (("q", q), ("k", k)):
+            root = x._base if x._is_view() else x
+            if x.requires_grad and root.is_leaf:
+                what = "a view of a leaf" if x._is_view() else "a leaf"
+                raise ValueError(f"packcuda.apply_rope_: {arg} is {what} tensor that requires grad; it cannot be "
+                                 "rotated in place (use apply_rope, or rotate a non-leaf tensor)")
         if q._is_view() or k._is_view():
-            q = _ApplyRopeInplaceOne.apply(q, pos, inv, rd, section, inter, gptj, scale)
-            k = _ApplyRopeInplaceOne.apply(k, pos, inv, rd, section, inter, gptj, scale)
+            q = _ApplyRopeInplaceViewQ.apply(q, k, pos, inv, rd, section, inter, gptj, scale)
+            k = _MarkRotated.apply(k, pos, inv, rd, section, inter, gptj, scale)
             return q, k
         return _ApplyRopeInplace.apply(q, k, pos, inv, rd, section, inter, gptj, scale)
     ops.apply_rope_(qf, kf, pos, inv, rd, section, inter, gptj, scale, False)

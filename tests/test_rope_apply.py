@@ -401,8 +401,10 @@ def test_bad_inputs():
         packcuda.apply_rope(q, k, pos3[:2], rope_theta=1e4, mrope_section=[2, 3, 3])
     with pytest.raises(ValueError, match="positions has 4 tokens but q has 5"):
         packcuda.apply_rope(q, k, pos[:4], rope_theta=1e4)
-    with pytest.raises(ValueError, match=r"positions must have dtype in \{int32, int64\}, got float32"):
+    with pytest.raises(TypeError, match=r"positions must hold integers \(int32/int64\), got torch.float32"):
         packcuda.apply_rope(q, k, pos.float(), rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"positions must have dtype in \{int32, int64\}, got float32"):
+        torch.ops.packcuda.apply_rope(q, k, pos.float(), torch.ones(8), 16, [], False, False, 1.0, False)
     with pytest.raises(ValueError, match="q and k must have the same tokens"):
         packcuda.apply_rope(q, k[:4], pos, rope_theta=1e4)
     with pytest.raises(ValueError, match="k has dtype bfloat16 but q has dtype float32"):
@@ -427,7 +429,7 @@ def test_bad_inputs():
         packcuda.apply_rope(q, k, pos, rope_theta=1e4, rotary_style="half")
     with pytest.raises(ValueError, match="give rope_theta or inv_freq"):
         packcuda.apply_rope(q, k, pos)
-    with pytest.raises(ValueError, match="q and k must be different tensors"):
+    with pytest.raises(ValueError, match="q and k overlap in memory"):
         packcuda.apply_rope_(q, q, pos, rope_theta=1e4)
     with pytest.raises(ValueError, match=r"q must be \[T, Hq, D\] or \[B, S, Hq, D\]"):
         torch.ops.packcuda.apply_rope(q[0], k[0], pos, torch.ones(8), 16, [], False, False, 1.0, False)
