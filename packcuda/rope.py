@@ -395,13 +395,33 @@ def apply_rope_(
     return q, k
 
 
-# model type prefix -> (default mrope_section, interleaved), as the models' rotary modules use them
+# model type prefix -> (default mrope_section, interleaved, partial rotary honoured), as the models' rotary
+# modules use them (Qwen2/2.5-VL and Qwen3-VL rotate the whole head whatever partial_rotary_factor says)
 _MROPE_MODELS = {
-    "qwen2_vl": ([16, 24, 24], False),
-    "qwen2_5_vl": ([16, 24, 24], False),
-    "qwen3_vl": ([24, 20, 20], True),
-    "qwen3_5": ([11, 11, 10], True),
+    "qwen2_vl": ([16, 24, 24], False, False),
+    "qwen2_5_vl": ([16, 24, 24], False, False),
+    "qwen3_vl": ([24, 20, 20], True, False),
+    "qwen3_5": ([11, 11, 10], True, True),
 }
+
+
+def _config_rope_parameters(op, config) -> dict:
+    """The flat rope parameter dict of a transformers config: ``rope_parameters`` (transformers 5), else the
+    legacy ``rope_scaling`` dict, else empty; ``rope_theta`` / ``partial_rotary_factor`` may also sit on the
+    config itself (legacy form)."""
+    rp = getattr(config, "rope_parameters", None)
+    field = "rope_parameters"
+    if rp is None:
+        rp, field = getattr(config, "rope_scaling", None), "rope_scaling"
+    if rp is None:
+        return {}
+    if not isinstance(rp, Mapping):
+        raise TypeError(f"packcuda.{op}: config.{field} must be a dict, got {type(rp).__name__}")
+    nested = [key for key, v in rp.items() if isinstance(v, Mapping)]
+    if nested:
+        raise ValueError(f"packcuda.{op}: config.{field} holds one rope per layer type ({nested}); not supported "
+                         "(pass rope_theta / inv_freq of the layer type explicitly)")
+    return dict(rp)
 
 
 def rope_kwargs_from_config(config) -> dict:
@@ -409,20 +429,78 @@ def rope_kwargs_from_config(config) -> dict:
     ``rotary_dim`` (``head_dim * partial_rotary_factor``) and, for the Qwen-VL / Qwen3.5 families, the
     ``mrope_section`` and layout their rotary modules use (the config's section, else the module's default;
     Qwen2/2.5-VL sectioned, Qwen3-VL and Qwen3.5 interleaved). Other models: ``mrope_section`` from
-    ``rope_parameters`` if present, with its ``mrope_interleaved`` flag. Default rope type only."""
-    rp = dict(getattr(config, "rope_parameters", None) or {})
-    rope_type = rp.get("rope_type", "default")
+    ``rope_parameters`` if present, with its ``mrope_interleaved`` flag. Default rope type only.
+
+    The parameters are read from ``config.rope_parameters`` (transformers 5), else the legacy
+    ``config.rope_scaling``, with ``rope_theta`` / ``partial_rotary_factor`` on the config itself as fallbacks.
+    Sections are taken the way the models' rotary modules take them: a sectioned layout splits the
+    ``rotary_dim / 2`` slots by the section, so it must sum to that (else refused); the interleaved layout
+    assigns slot ``j`` to h when ``j % 3 == 1 and j < 3 * sH``, to w when ``j % 3 == 2 and j < 3 * sW``, else to
+    t, so a section that over- or under-covers the slots is clipped to the equivalent one summing to
+    ``rotary_dim / 2``. Anything else that the model could not run is refused with a ValueError/TypeError."""
+    op = "rope_kwargs_from_config"
+    if config is None:
+        raise TypeError(f"packcuda.{op}: config must be a transformers config, got None")
+    rp = _config_rope_parameters(op, config)
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type == "mrope":  # legacy Qwen2-VL rope_scaling: the default frequencies, sectioned
+        rope_type = "default"
     if rope_type != "default":
-        raise ValueError(f"packcuda.rope_kwargs_from_config: rope_type {rope_type!r} is not supported (pass "
-                         "inv_freq and attention_scaling from the model's rotary module instead)")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    factor = rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
-    kw = dict(rope_theta=rp["rope_theta"], rotary_dim=int(head_dim * factor))
+        raise ValueError(f"packcuda.{op}: rope_type {rope_type!r} is not supported (pass inv_freq and "
+                         "attention_scaling from the model's rotary module instead)")
+    theta = rp.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError(f"packcuda.{op}: the config has no rope_theta (neither rope_parameters['rope_theta'] nor "
+                         "config.rope_theta)")
+    theta = check_float(op, "rope_theta", theta, lo=0.0, lo_open=True)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+        if hidden is None or heads is None:
+            raise ValueError(f"packcuda.{op}: the config has no head_dim and no hidden_size / num_attention_heads "
+                             "to derive it from")
+        head_dim = check_int(op, "hidden_size", hidden, lo=1) // check_int(op, "num_attention_heads", heads, lo=1)
+    head_dim = check_int(op, "head_dim", head_dim, lo=1)
     mt = getattr(config, "model_type", "") or ""
-    family = next((v for k, v in _MROPE_MODELS.items() if mt == k or mt.startswith(k + "_")), None)
+    family = next((v for key, v in _MROPE_MODELS.items() if mt == key or mt.startswith(key + "_")), None)
+    factor = rp.get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None)
+    factor = 1.0 if factor is None or (family is not None and not family[2]) else factor
+    factor = check_float(op, "partial_rotary_factor", factor, lo=0.0, hi=1.0, lo_open=True)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"packcuda.{op}: rotary_dim = int(head_dim * partial_rotary_factor) = int({head_dim} * "
+                         f"{factor}) = {rotary_dim} must be a positive even number")
+    kw = dict(rope_theta=theta, rotary_dim=_check_rotary_dim(op, rotary_dim))
     section = rp.get("mrope_section")
     if family is not None:
-        kw.update(mrope_section=list(section if section is not None else family[0]), mrope_interleaved=family[1])
+        section, interleaved = (section if section is not None else family[0]), family[1]
     elif section is not None:
-        kw.update(mrope_section=list(section), mrope_interleaved=bool(rp.get("mrope_interleaved", False)))
+        interleaved = rp.get("mrope_interleaved", False)
+        if not _is_bool(interleaved):
+            raise TypeError(f"packcuda.{op}: rope_parameters['mrope_interleaved'] must be a bool, got "
+                            f"{interleaved!r}")
+    if section is not None:
+        kw.update(mrope_section=_config_section(op, section, rotary_dim // 2, bool(interleaved)),
+                  mrope_interleaved=bool(interleaved))
     return kw
+
+
+def _config_section(op, section, n, interleaved) -> list:
+    """A config's mrope_section as the rotary module applies it over n = rotary_dim / 2 slots (see
+    rope_kwargs_from_config)."""
+    if isinstance(section, (str, bytes, Mapping)) or not hasattr(section, "__len__"):
+        raise TypeError(f"packcuda.{op}: mrope_section must be a list of 3 integers, got {section!r}")
+    if len(section) != 3:
+        raise ValueError(f"packcuda.{op}: mrope_section must have 3 entries (t, h, w), got {list(section)}")
+    s = [check_int(op, f"mrope_section[{i}]", v, lo=0) for i, v in enumerate(section)]
+    if sum(s) == n:
+        return s
+    if not interleaved:
+        raise ValueError(f"packcuda.{op}: mrope_section {s} sums to {sum(s)} but rotary_dim / 2 = {n} (the sectioned "
+                         "layout splits the rotary slots by the section)")
+    # interleaved: h takes the slots j % 3 == 1 below 3 * sH, w those j % 3 == 2 below 3 * sW, t the rest; the
+    # slots that exist below n are (n + 1) // 3 and n // 3
+    s_h, s_w = min(s[1], (n + 1) // 3), min(s[2], n // 3)
+    return [n - s_h - s_w, s_h, s_w]

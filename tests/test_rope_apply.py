@@ -512,3 +512,128 @@ def test_cuda_wide_heads_and_tiles(dtype, inplace):
         scale = float(max(q.abs().max(), k.abs().max()))
         _assert_close_ulp(qo, wq, dtype, scale, 4.0)
         _assert_close_ulp(ko, wk, dtype, scale, 4.0)
+
+
+# ------------------------------------------------------------------------------------ configs (transformers 5)
+def _hf_rotate(cfg, Rotary, hf_apply, q, k, pos):
+    rot = Rotary(cfg)
+    cos, sin = rot(q, pos[:, None, :])
+    return hf_apply(q, k, cos, sin), rot
+
+
+@pytest.mark.parametrize("section,head_dim", [([16, 8, 8], 8), ([8, 8, 8], 64), ([2, 30, 1], 32), ([24, 20, 20], 128)])
+def test_transformers_oracle_interleaved_section_clipped(section, head_dim):
+    """Qwen3-VL's interleaved layout takes the h / w slots as [1 : 3 sH : 3] / [2 : 3 sW : 3] of the rotary slots,
+    so a section that does not sum to rotary_dim / 2 (transformers' own test config: head_dim 8, [16, 8, 8])
+    clips; rope_kwargs_from_config gives the equivalent section and the result equals transformers'."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_vl import configuration_qwen3_vl as c3, modeling_qwen3_vl as m3
+
+    cfg = c3.Qwen3VLTextConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=head_dim, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                                       mrope_section=section, mrope_interleaved=True))
+    kw = packcuda.rope_kwargs_from_config(cfg)
+    n = kw["rotary_dim"] // 2
+    assert kw["rotary_dim"] == head_dim and sum(kw["mrope_section"]) == n and kw["mrope_interleaved"]
+    if sum(section) == n:
+        assert kw["mrope_section"] == section
+    g = _seed("clip", tuple(section), head_dim)
+    T = 50
+    pos = torch.randint(0, 3000, (3, T), generator=g)
+    q = torch.randn(1, 4, T, head_dim, generator=g)
+    k = torch.randn(1, 2, T, head_dim, generator=g)
+    (hq, hk), rot = _hf_rotate(cfg, m3.Qwen3VLTextRotaryEmbedding, m3.apply_rotary_pos_emb, q, k, pos)
+    oq, ok = packcuda.apply_rope(q.transpose(1, 2), k.transpose(1, 2), pos[:, None, :], **kw)
+    assert torch.allclose(oq.transpose(1, 2), hq, atol=2e-5, rtol=0)
+    assert torch.allclose(ok.transpose(1, 2), hk, atol=2e-5, rtol=0)
+    # the slot -> axis map is transformers' exactly: a position change on one axis moves the same slots
+    for axis in (1, 2):
+        p2 = pos.clone()
+        p2[axis] += 7
+        (h2, _), _ = _hf_rotate(cfg, m3.Qwen3VLTextRotaryEmbedding, m3.apply_rotary_pos_emb, q, k, p2)
+        o2, _ = packcuda.apply_rope(q.transpose(1, 2), k.transpose(1, 2), p2[:, None, :], **kw)
+        moved_hf = (h2 - hq).abs().amax(dim=(0, 1, 2)) > 0
+        moved = (o2 - oq).transpose(1, 2).abs().amax(dim=(0, 1, 2)) > 0
+        assert torch.equal(moved, moved_hf)
+
+
+def test_rope_kwargs_sectioned_section_must_cover():
+    """Qwen2-VL splits the slots by the section (torch.split): a section that does not sum to rotary_dim / 2
+    fails in transformers' own forward, so it is refused up front."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl import configuration_qwen2_vl as c2, modeling_qwen2_vl as m2
+
+    cfg = c2.Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[16, 8, 8]))
+    with pytest.raises(ValueError, match=r"packcuda.rope_kwargs_from_config: mrope_section \[16, 8, 8\] sums to 32"):
+        packcuda.rope_kwargs_from_config(cfg)
+    q = torch.randn(1, 4, 5, 16)
+    with pytest.raises(RuntimeError):
+        _hf_rotate(cfg, m2.Qwen2VLRotaryEmbedding, m2.apply_rotary_pos_emb, q, q, torch.zeros(3, 5, dtype=torch.long))
+
+
+def test_rope_kwargs_config_forms():
+    """The forms transformers 5 configs take: rope_parameters (also converted from legacy rope_theta /
+    rope_scaling kwargs), a bare legacy object with rope_theta on the config, Qwen3 text (plain RoPE)."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from transformers import Qwen2VLConfig, Qwen3Config
+
+    assert packcuda.rope_kwargs_from_config(Qwen3Config()) == dict(rope_theta=10000.0, rotary_dim=128)
+    assert packcuda.rope_kwargs_from_config(Qwen3Config(rope_theta=123.0))["rope_theta"] == 123.0
+    legacy = Qwen2VLConfig(text_config=dict(rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+                                            rope_theta=1e6)).get_text_config()
+    assert packcuda.rope_kwargs_from_config(legacy) == dict(rope_theta=1e6, rotary_dim=128,
+                                                            mrope_section=[16, 24, 24], mrope_interleaved=False)
+    bare = SimpleNamespace(model_type="llama", rope_theta=5e5, hidden_size=256, num_attention_heads=4,
+                           rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]})
+    assert packcuda.rope_kwargs_from_config(bare) == dict(rope_theta=5e5, rotary_dim=64, mrope_section=[8, 12, 12],
+                                                          mrope_interleaved=False)
+    partial = SimpleNamespace(model_type="x", rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5),
+                              head_dim=64)
+    assert packcuda.rope_kwargs_from_config(partial) == dict(rope_theta=1e4, rotary_dim=32)
+    # Qwen2/2.5-VL and Qwen3-VL rotary modules rotate the whole head whatever partial_rotary_factor says
+    q3 = SimpleNamespace(model_type="qwen3_vl_text", head_dim=128,
+                         rope_parameters=dict(rope_theta=5e6, partial_rotary_factor=0.5, mrope_section=[24, 20, 20]))
+    assert packcuda.rope_kwargs_from_config(q3)["rotary_dim"] == 128
+
+
+def test_inplace_4d_views_of_one_buffer_and_expanded_positions():
+    """Valid in-place inputs the memory checks must keep accepting: [B, S, H, D] q/k views into one fused
+    buffer (extents interleave), a k whose heads sit between q's, positions expanded (stride 0, read only)."""
+    g = _seed("4dviews")
+    B, S, D = 2, 5, 16
+    buf = torch.randn(B, S, 7, D, generator=g)
+    want = buf.clone()
+    q, k = buf[:, :, 0:4], buf[:, :, 4:5]
+    pos = torch.arange(S).expand(B, S)
+    wq, wk = packcuda.apply_rope(q, k, pos, rope_theta=1e4)
+    packcuda.apply_rope_(q, k, pos, rope_theta=1e4)
+    assert torch.equal(q, wq) and torch.equal(k, wk) and torch.equal(buf[:, :, 5:], want[:, :, 5:])
+    # q heads 0, 2, 4 and k heads 1, 3 of one buffer: disjoint elements
+    buf2 = torch.randn(9, 6, D, generator=g)
+    q2, k2 = buf2[:, 0:6:2], buf2[:, 1:5:2]
+    wq2, wk2 = packcuda.apply_rope(q2, k2, torch.arange(9), rope_theta=1e4)
+    packcuda.apply_rope_(q2, k2, torch.arange(9), rope_theta=1e4)
+    assert torch.equal(q2, wq2) and torch.equal(k2, wk2)
+    # partial rotary: k starts inside q's passthrough channels of the same head row (never written)
+    buf3 = torch.randn(4, 2 * D, generator=g)
+    q3 = buf3[:, :D].view(4, 1, D)
+    k3 = buf3[:, D // 2: D // 2 + D].view(4, 1, D)
+    wq3, wk3 = packcuda.apply_rope(q3, k3, torch.arange(4), rope_theta=1e4, rotary_dim=D // 2)
+    with pytest.raises(ValueError, match="q and k overlap"):  # q's channels [D/2, D) are k's [0, D/2) ...
+        packcuda.apply_rope_(q3, k3, torch.arange(4), rope_theta=1e4, rotary_dim=D)
+    packcuda.apply_rope_(q3, k3, torch.arange(4), rope_theta=1e4, rotary_dim=D // 2)  # ... only rotated ones count
+    assert torch.equal(k3, wk3) and torch.equal(q3[..., : D // 2], wq3[..., : D // 2])
+
+
+def test_positions_as_lists_and_default_inv_freq_bounds():
+    q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+    a = packcuda.apply_rope(q, k, [0, 1, 2], rope_theta=1e4)
+    b = packcuda.apply_rope(q, k, torch.arange(3), rope_theta=1e4)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    c = packcuda.apply_rope(q, k, [[0, 1, 2]] * 3, rope_theta=1e4, mrope_section=[2, 1, 1])
+    assert torch.equal(c[0], b[0])
+    assert packcuda.default_inv_freq(1e30, 8192).shape == (4096,)
+    assert torch.equal(packcuda.default_inv_freq(10000, 16), packcuda.default_inv_freq(10000.0, 16))
