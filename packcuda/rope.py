@@ -327,7 +327,8 @@ def apply_rope(
     - ``q``/``k``: bf16, fp16 or fp32; any strides on the token and head dims (views into a fused QKV
       buffer are fine, no copies), last dim contiguous. ``[B, S, H, D]`` works too (then positions may be
       ``[B, S]`` / ``[3, B, S]``); more leading token dims are flattened.
-    - ``positions``: int32/int64, ``[T]`` for plain RoPE or ``[3, T]`` (t, h, w rows) with ``mrope_section``.
+    - ``positions``: int32/int64 (or a nested list of ints; floats are refused, never truncated), ``[T]`` for
+      plain RoPE or ``[3, T]`` (t, h, w rows) with ``mrope_section``.
       Per token: packed sequences restart wherever the positions restart; CP shards pass their own.
       Host (CPU) positions with CUDA q/k are uploaded without a sync.
     - ``inv_freq``: fp32 ``[rotary_dim / 2]``; by default computed from ``rope_theta`` over ``rotary_dim``
@@ -369,8 +370,11 @@ def apply_rope_(
 
     Only the rotated channels are read and written: with partial rotary (``rotary_dim < D``) the
     passthrough channels are never touched, and on views into a fused QKV buffer every other byte of the
-    buffer stays as it was. Differentiable (mark-dirty semantics, like other in-place torch ops: q and k
-    must not be leaves that require grad)."""
+    buffer stays as it was. q and k must share no element with each other (views of one buffer that
+    interleave, e.g. q and k heads of a fused QKV row, are fine), neither may repeat an element (no stride 0,
+    e.g. an expanded tensor), and ``positions`` / ``inv_freq`` may not lie in their memory; everything is
+    checked before anything is written. Differentiable (mark-dirty semantics, like other in-place torch ops:
+    q and k must not be leaves, or views of leaves, that require grad)."""
     positions, inv, rd, section, inter, gptj, scale = _resolve(
         "apply_rope_", q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
         rotary_style, attention_scaling)

@@ -239,7 +239,7 @@ CASES = [
         arg="rope_theta"),
     _fp("theta_inf", packcuda.default_inv_freq, lambda: call(packcuda.default_inv_freq, float("inf"), 16),
         arg="rope_theta"),
-    _fp("theta_subnormal", packcuda.default_inv_freq, lambda: call(packcuda.default_inv_freq, 1e-40, 16),
+    _fp("theta_subnormal", packcuda.default_inv_freq, lambda: call(packcuda.default_inv_freq, 1e-45, 16),
         arg="rope_theta"),
     _fp("theta_none", packcuda.default_inv_freq, lambda: call(packcuda.default_inv_freq, None, 16),
         exc=TypeError, arg="rope_theta"),

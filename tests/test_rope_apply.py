@@ -157,7 +157,7 @@ def test_fused_qkv_views_in_place_touch_nothing_else(device, dtype, rd):
     assert torch.equal(after[~touched], b[~touched])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     T=st.integers(0, 40),
     Hq=st.integers(0, 5),
@@ -617,15 +617,12 @@ def test_inplace_4d_views_of_one_buffer_and_expanded_positions():
     wq2, wk2 = packcuda.apply_rope(q2, k2, torch.arange(9), rope_theta=1e4)
     packcuda.apply_rope_(q2, k2, torch.arange(9), rope_theta=1e4)
     assert torch.equal(q2, wq2) and torch.equal(k2, wk2)
-    # partial rotary: k starts inside q's passthrough channels of the same head row (never written)
+    # partial rotary: k starting inside q's passthrough channels shares elements with q, rotated or not
     buf3 = torch.randn(4, 2 * D, generator=g)
-    q3 = buf3[:, :D].view(4, 1, D)
-    k3 = buf3[:, D // 2: D // 2 + D].view(4, 1, D)
-    wq3, wk3 = packcuda.apply_rope(q3, k3, torch.arange(4), rope_theta=1e4, rotary_dim=D // 2)
-    with pytest.raises(ValueError, match="q and k overlap"):  # q's channels [D/2, D) are k's [0, D/2) ...
-        packcuda.apply_rope_(q3, k3, torch.arange(4), rope_theta=1e4, rotary_dim=D)
-    packcuda.apply_rope_(q3, k3, torch.arange(4), rope_theta=1e4, rotary_dim=D // 2)  # ... only rotated ones count
-    assert torch.equal(k3, wk3) and torch.equal(q3[..., : D // 2], wq3[..., : D // 2])
+    q3, k3 = buf3[:, :D].view(4, 1, D), buf3[:, D // 2: D // 2 + D].view(4, 1, D)
+    for rd in (D, D // 2):
+        with pytest.raises(ValueError, match="q and k overlap"):
+            packcuda.apply_rope_(q3, k3, torch.arange(4), rope_theta=1e4, rotary_dim=rd)
 
 
 def test_positions_as_lists_and_default_inv_freq_bounds():
@@ -637,3 +634,127 @@ def test_positions_as_lists_and_default_inv_freq_bounds():
     assert torch.equal(c[0], b[0])
     assert packcuda.default_inv_freq(1e30, 8192).shape == (4096,)
     assert torch.equal(packcuda.default_inv_freq(10000, 16), packcuda.default_inv_freq(10000.0, 16))
+
+
+# ------------------------------------------------------------------------------------ hypothesis: layouts, memory
+@settings(max_examples=150, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    S=st.integers(1, 12),
+    Hq=st.integers(1, 4),
+    Hk=st.integers(1, 3),
+    half=st.integers(1, 10),
+    extra=st.integers(0, 6),
+    layout=st.sampled_from(["bshd", "bhsd", "fused", "flat-fused"]),
+    style=st.sampled_from(["neox", "gptj"]),
+    kind=st.sampled_from(["plain", "sectioned", "interleaved"]),
+    batched_pos=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_4d_layouts_vs_fp64_reference(B, S, Hq, Hk, half, extra, layout, style, kind, batched_pos, dtype,
+                                                 seed):
+    """[B, S, H, D] q/k as HF-layout transposes, slices of one fused QKV buffer or flat [T, H, D] slices of it;
+    positions [B, S] or flat; out of place and in place against the fp64 reference; in place touches only the
+    rotated channels of q and k."""
+    g = torch.Generator().manual_seed(seed)
+    rd, D = 2 * half, 2 * half + extra
+    if layout == "bhsd":
+        q = torch.randn(B, Hq, S, D, generator=g).to(dtype).transpose(1, 2)
+        k = torch.randn(B, Hk, S, D, generator=g).to(dtype).transpose(1, 2)
+        buf = None
+    else:
+        buf = torch.randn(B, S, Hq + 2 * Hk, D, generator=g).to(dtype)
+        q, k = buf[:, :, :Hq], buf[:, :, Hq: Hq + Hk]
+        if layout == "flat-fused":
+            q, k = q.reshape(B * S, Hq, D), k.reshape(B * S, Hk, D)  # views: buf is contiguous
+    section = None
+    if kind != "plain":
+        a = int(torch.randint(0, half + 1, (1,), generator=g))
+        b = int(torch.randint(0, half - a + 1, (1,), generator=g))
+        section = [a, b, half - a - b]
+    rows = (3,) if section else ()
+    pos = torch.randint(0, 1 << 16, rows + (B, S), generator=g)
+    pos_arg = pos if batched_pos and q.dim() == 4 else pos.reshape(*rows, B * S)
+    inv = _inv(1e4, rd)
+    kw = dict(inv_freq=inv, rotary_dim=rd, mrope_section=section, mrope_interleaved=kind == "interleaved",
+              rotary_style=style)
+    wq, wk = ref.apply_rope(q.reshape(B * S, Hq, D), k.reshape(B * S, Hk, D), pos.reshape(*rows, B * S), inv, rd,
+                            section, kind == "interleaved", style)
+    qo, ko = packcuda.apply_rope(q, k, pos_arg, **kw)
+    assert qo.shape == q.shape and ko.shape == k.shape
+    scale = float(max(q.abs().max(), k.abs().max()))
+    _assert_close_ulp(qo.reshape(B * S, Hq, D), wq, dtype, scale, 4.0)
+    _assert_close_ulp(ko.reshape(B * S, Hk, D), wk, dtype, scale, 4.0)
+    before = None if buf is None else buf.clone()
+    packcuda.apply_rope_(q, k, pos_arg, **kw)
+    assert torch.equal(q, qo) and torch.equal(k, ko)
+    if buf is not None:
+        touched = torch.zeros(buf.shape, dtype=torch.bool)
+        touched[:, :, : Hq + Hk, :rd] = True
+        assert torch.equal(buf[~touched], before[~touched])
+
+
+def _elements(x: torch.Tensor) -> set:
+    """Storage offsets of the elements of x."""
+    sizes, strides = list(x.shape), list(x.stride())
+    idx = torch.zeros(sizes, dtype=torch.long) + x.storage_offset()
+    for d, (n, st_) in enumerate(zip(sizes, strides)):
+        shape = [1] * len(sizes)
+        shape[d] = n
+        idx = idx + (torch.arange(n) * st_).view(shape)
+    return set(idx.flatten().tolist())
+
+
+def _nested(x: torch.Tensor) -> bool:
+    span = 0
+    for stride, size in sorted((st_, n) for n, st_ in zip(x.shape, x.stride()) if n > 1):
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    T=st.integers(1, 6),
+    Hq=st.integers(1, 3),
+    Hk=st.integers(1, 3),
+    half=st.integers(1, 4),
+    extra=st.integers(0, 4),
+    ss_q=st.integers(0, 40),
+    ss_k=st.integers(0, 40),
+    sh_q=st.integers(0, 12),
+    sh_k=st.integers(0, 12),
+    off_q=st.integers(0, 60),
+    off_k=st.integers(0, 60),
+    same_token_stride=st.booleans(),
+)
+def test_hypothesis_inplace_overlap_decision(T, Hq, Hk, half, extra, ss_q, ss_k, sh_q, sh_k, off_q, off_k,
+                                             same_token_stride):
+    """q and k as arbitrary strided views of one buffer: the in-place op refuses whenever q and k share an element
+    or one repeats an element; when q and k walk the tokens with the same stride and each is nested (dims ordered
+    by stride, each stride beyond the span of the dims inside it: the rule the op applies to an in-place output)
+    the decision is exact (accepted iff disjoint); accepted calls give the out-of-place result."""
+    rd, D = 2 * half, 2 * half + extra
+    if same_token_stride:
+        ss_k = ss_q
+    size = 1 + max(off_q + (T - 1) * ss_q + (Hq - 1) * sh_q + D, off_k + (T - 1) * ss_k + (Hk - 1) * sh_k + D)
+    buf = torch.randn(size, generator=torch.Generator().manual_seed(T * 1000 + off_q))
+    q = buf.as_strided((T, Hq, D), (ss_q, sh_q, 1), off_q)
+    k = buf.as_strided((T, Hk, D), (ss_k, sh_k, 1), off_k)
+    repeats = lambda x: len(_elements(x)) < x.numel()  # noqa: E731
+    shared = bool(_elements(q) & _elements(k))
+    pos = torch.arange(T)
+    before = buf.clone()
+    try:
+        wq, wk = packcuda.apply_rope(q, k, pos, rope_theta=1e4, rotary_dim=rd)
+        packcuda.apply_rope_(q, k, pos, rope_theta=1e4, rotary_dim=rd)
+    except ValueError as e:
+        assert "packcuda.apply_rope_" in str(e)
+        assert torch.equal(buf, before)  # nothing written
+        if ss_q == ss_k and _nested(q) and _nested(k):
+            assert shared, f"refused disjoint q/k: {e}"
+        return
+    assert not shared and not repeats(q) and not repeats(k)
+    assert torch.equal(q, wq) and torch.equal(k, wk)

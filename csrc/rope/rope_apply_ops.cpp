@@ -161,18 +161,13 @@ struct Extent {
   bool overlaps(const Extent& o) const { return lo < hi && o.lo < o.hi && lo < o.hi && o.lo < hi; }
 };
 
-// Bytes spanned by the elements of t; with `last` >= 0 the last dim counts only its first `last` elements
-// (the rotated channels an in-place rotation touches).
-Extent extent_of(const char* op, const char* name, const Tensor& t, int64_t last = -1) {
+// Bytes spanned by the elements of t.
+Extent extent_of(const char* op, const char* name, const Tensor& t) {
   Extent e;
   if (t.numel() == 0) return e;
-  const int64_t nd = t.dim();
   int64_t span = 0;  // offset of the last element, in elements
-  for (int64_t d = 0; d < nd; ++d) {
-    const int64_t len = (d == nd - 1 && last >= 0) ? std::min(last, t.size(d)) : t.size(d);
-    if (len == 0) return e;
-    span = checked::add(op, name, span, checked::mul(op, name, len - 1, t.stride(d)));
-  }
+  for (int64_t d = 0; d < t.dim(); ++d)
+    span = checked::add(op, name, span, checked::mul(op, name, t.size(d) - 1, t.stride(d)));
   const int64_t es = element_size(t.scalar_type());
   e.lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   e.hi = e.lo + static_cast<uintptr_t>(checked::mul(op, name, checked::add(op, name, span, 1), es));
@@ -212,10 +207,10 @@ std::vector<std::pair<int64_t, int64_t>> token_dims(const Tensor& t) {
   return out;
 }
 
-// Whether the rotated channels [0, rd) of q and k (same dtype, same token shape, extents overlapping) can share
-// an element. Exact when q and k walk the tokens with the same strides (views into one fused QKV buffer);
-// anything else is reported as overlapping.
-bool qk_may_overlap(const Tensor& q, const Tensor& k, int64_t rd) {
+// Whether q and k (same dtype, same token shape, head_dim, extents overlapping) can share an element. Exact when q
+// and k walk the tokens with the same strides (views into one fused QKV buffer); anything else is reported as
+// overlapping.
+bool qk_may_overlap(const Tensor& q, const Tensor& k) {
   const auto tq = token_dims(q), tk = token_dims(k);
   if (tq != tk || tq.size() > 2) return true;
   const int64_t es = element_size(q.scalar_type());
@@ -223,6 +218,7 @@ bool qk_may_overlap(const Tensor& q, const Tensor& k, int64_t rd) {
   if (diff % es != 0) return true;
   const int64_t d0 = static_cast<int64_t>(diff / es);  // k's first element relative to q's, in elements
   const int64_t nd = q.dim();
+  const int64_t rd = q.size(nd - 1);  // channels of a head (contiguous)
   const int64_t hq = q.size(nd - 2), hk = k.size(nd - 2);
   const int64_t shq = q.stride(nd - 2), shk = k.stride(nd - 2);
   // outer token dim (when two remain): walked explicitly; inner one: solved in closed form
@@ -232,7 +228,7 @@ bool qk_may_overlap(const Tensor& q, const Tensor& k, int64_t rd) {
   for (int64_t mo = -(n_out - 1); mo <= n_out - 1; ++mo)
     for (int64_t h = 0; h < hq; ++h)
       for (int64_t g = 0; g < hk; ++g) {
-        // q element h*shq + c + m*s_in (+ mo*s_out) == k element d0 + g*shk + c' for channels c, c' < rd
+        // q element h*shq + c + m*s_in (+ mo*s_out) == k element d0 + g*shk + c' for channels c, c' < D
         const int64_t delta = d0 + g * shk - h * shq - mo * s_out;  // m*s_in must lie in [delta-rd+1, delta+rd-1]
         if (s_in == 0 || n_in == 1) {
           if (delta > -rd && delta < rd) return true;
@@ -247,21 +243,22 @@ bool qk_may_overlap(const Tensor& q, const Tensor& k, int64_t rd) {
 
 // Everything the in-place op needs of memory, checked after prepare (dims, dtypes, devices) and before any write.
 void check_inplace_memory(const char* op, const Tensor& q, const Tensor& k, const Tensor& positions,
-                          const Tensor& inv_freq, int64_t rotary_dim) {
+                          const Tensor& inv_freq) {
   check_no_self_overlap(op, "q", q);
   check_no_self_overlap(op, "k", k);
-  const Extent eq = extent_of(op, "q", q, rotary_dim), ek = extent_of(op, "k", k, rotary_dim);
-  const bool same_dev_qk = q.is_cpu() == k.is_cpu() && q.get_device_index() == k.get_device_index();
-  PC_ARG(!(same_dev_qk && eq.overlaps(ek) && qk_may_overlap(q, k, rotary_dim)), op,
+  const Extent eq = extent_of(op, "q", q), ek = extent_of(op, "k", k);
+  const auto same_device = [](const Tensor& a, const Tensor& b) {
+    return a.is_cpu() == b.is_cpu() && a.get_device_index() == b.get_device_index();
+  };
+  PC_ARG(!(same_device(q, k) && eq.overlaps(ek) && qk_may_overlap(q, k)), op,
          "q and k overlap in memory: the in-place rotation needs q and k to share no element");
   const std::pair<const char*, const Tensor*> reads[] = {{"positions", &positions}, {"inv_freq", &inv_freq}};
   for (const auto& [name, t] : reads) {
     const Extent e = extent_of(op, name, *t);
-    for (const auto& [out_name, out, out_ext] : {std::tuple{"q", &q, eq}, std::tuple{"k", &k, ek}}) {
-      const bool same_dev = t->is_cpu() == out->is_cpu() && t->get_device_index() == out->get_device_index();
-      PC_ARG(!(same_dev && e.overlaps(out_ext)), op, name, " shares memory with ", out_name,
-             ", which the in-place rotation writes");
-    }
+    PC_ARG(!(same_device(*t, q) && e.overlaps(eq)), op, name, " shares memory with q, which the in-place "
+           "rotation writes");
+    PC_ARG(!(same_device(*t, k) && e.overlaps(ek)), op, name, " shares memory with k, which the in-place "
+           "rotation writes");
   }
 }
 
@@ -299,7 +296,7 @@ void apply_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, int64_t 
   const char* op = "apply_rope_";
   Prepared p = prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj,
                        attention_scaling);
-  check_inplace_memory(op, q, k, positions, inv_freq, rotary_dim);
+  check_inplace_memory(op, q, k, positions, inv_freq);
   fill_view(p.args.q, q, q);
   fill_view(p.args.k, k, k);
   p.args.inverse = inverse;
