@@ -218,24 +218,26 @@ bool qk_may_overlap(const Tensor& q, const Tensor& k) {
   if (diff % es != 0) return true;
   const int64_t d0 = static_cast<int64_t>(diff / es);  // k's first element relative to q's, in elements
   const int64_t nd = q.dim();
-  const int64_t rd = q.size(nd - 1);  // channels of a head (contiguous)
+  const int64_t D = q.size(nd - 1);  // channels of a head (contiguous)
   const int64_t hq = q.size(nd - 2), hk = k.size(nd - 2);
   const int64_t shq = q.stride(nd - 2), shk = k.stride(nd - 2);
   // outer token dim (when two remain): walked explicitly; inner one: solved in closed form
   const int64_t n_out = tq.size() == 2 ? tq[0].first : 1, s_out = tq.size() == 2 ? tq[0].second : 0;
   const int64_t n_in = tq.empty() ? 1 : tq.back().first, s_in = tq.empty() ? 0 : tq.back().second;
-  if ((2 * n_out - 1) > (int64_t{1} << 24) / std::max<int64_t>(1, hq * hk)) return true;  // too costly to prove
+  constexpr int64_t kMaxWork = int64_t{1} << 24;  // beyond this many (outer offset, q head, k head) triples the
+                                                 // pair is reported as overlapping rather than proven disjoint
+  if (hq > kMaxWork || hk > kMaxWork || hq * hk > kMaxWork / (2 * n_out - 1)) return true;
   for (int64_t mo = -(n_out - 1); mo <= n_out - 1; ++mo)
     for (int64_t h = 0; h < hq; ++h)
       for (int64_t g = 0; g < hk; ++g) {
         // q element h*shq + c + m*s_in (+ mo*s_out) == k element d0 + g*shk + c' for channels c, c' < D
-        const int64_t delta = d0 + g * shk - h * shq - mo * s_out;  // m*s_in must lie in [delta-rd+1, delta+rd-1]
+        const int64_t delta = d0 + g * shk - h * shq - mo * s_out;  // m*s_in must lie in [delta-D+1, delta+D-1]
         if (s_in == 0 || n_in == 1) {
-          if (delta > -rd && delta < rd) return true;
+          if (delta > -D && delta < D) return true;
           continue;
         }
-        const int64_t lo = std::max(ceil_div(delta - rd + 1, s_in), -(n_in - 1));
-        const int64_t hi = std::min(floor_div(delta + rd - 1, s_in), n_in - 1);
+        const int64_t lo = std::max(ceil_div(delta - D + 1, s_in), -(n_in - 1));
+        const int64_t hi = std::min(floor_div(delta + D - 1, s_in), n_in - 1);
         if (lo <= hi) return true;
       }
   return false;
