@@ -2,11 +2,14 @@
 in one pass, forward and backward, out of place or in place."""
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from typing import Optional, Sequence, Tuple
 
 import torch
 
 from . import _lib
+from ._meta import check_float, check_int
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -14,6 +17,9 @@ ops = torch.ops.packcuda
 __all__ = ["apply_rope", "apply_rope_", "default_inv_freq", "rope_kwargs_from_config"]
 
 _STYLES = {"neox": False, "gptj": True}
+
+# Largest rotary_dim the kernels accept (rope::kMaxRotaryDim in csrc/rope/rope_apply.h).
+_MAX_ROTARY_DIM = 8192
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,14 +124,41 @@ class _ApplyRopeInplace(torch.autograd.Function):
         return dq, dk, None, None, None, None, None, None, None
 
 
-class _ApplyRopeInplaceOne(torch.autograd.Function):
-    """The same for a single tensor: autograd lets a Function that modifies a view in place return only one
-    tensor, so views (e.g. q and k slices of a fused QKV buffer) are rotated one Function each."""
+def _rotate_back(ctx, g):
+    """Gradient of one tensor rotated in place: g rotated by the negated angle."""
+    positions, inv_freq = ctx.saved_tensors
+    rotary_dim, section, interleaved, gptj, scaling = ctx.cfg
+    g = _last_dim_contiguous(g)
+    dx, _ = _rope_call(g, g.narrow(-2, 0, 0), positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling,
+                       True)
+    return dx
+
+
+class _ApplyRopeInplaceViewQ(torch.autograd.Function):
+    """In-place rotation of views (e.g. q and k slices of a fused QKV buffer). Autograd lets a Function that
+    modifies a view in place return only one tensor, so this one rotates q and k together in one op call (every
+    argument of both is checked before anything is written) and returns q marked dirty; :class:`_MarkRotated`
+    then marks k."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling):
+        ops.apply_rope_(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, False)
+        ctx.mark_dirty(q)
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling)
+        return q
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_rotate_back(ctx, g),) + (None,) * 8
+
+
+class _MarkRotated(torch.autograd.Function):
+    """k of :class:`_ApplyRopeInplaceViewQ`: already rotated there; marked dirty here, its backward rotates the
+    incoming gradient by the negated angle."""
 
     @staticmethod
     def forward(ctx, x, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling):
-        ops.apply_rope_(x, x.narrow(-2, 0, 0), positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling,
-                        False)
         ctx.mark_dirty(x)
         ctx.save_for_backward(positions, inv_freq)
         ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling)
@@ -133,12 +166,7 @@ class _ApplyRopeInplaceOne(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        positions, inv_freq = ctx.saved_tensors
-        rotary_dim, section, interleaved, gptj, scaling = ctx.cfg
-        g = _last_dim_contiguous(g)
-        dx, _ = _rope_call(g, g.narrow(-2, 0, 0), positions, inv_freq, rotary_dim, section, interleaved, gptj,
-                           scaling, True)
-        return dx, None, None, None, None, None, None, None
+        return (_rotate_back(ctx, g),) + (None,) * 7
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -150,49 +178,104 @@ _INV_FREQ_CACHE: dict = {}
 def default_inv_freq(rope_theta: float, rotary_dim: int) -> torch.Tensor:
     """fp32 ``[rotary_dim // 2]`` CPU tensor ``1 / rope_theta ** (arange(0, rotary_dim, 2) / rotary_dim)``,
     computed with the same float32 torch ops, in the same order, as transformers' default rope init (so the
-    frequencies are bit-identical to the model's ``inv_freq`` buffer)."""
-    return 1.0 / (rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    frequencies are bit-identical to the model's ``inv_freq`` buffer). ``rope_theta``: a finite number > 0 whose
+    frequencies are finite in fp32; ``rotary_dim``: an even integer in [2, 8192]."""
+    return _default_inv_freq("default_inv_freq", rope_theta, rotary_dim)
 
 
-def _inv_freq_for(rope_theta, rotary_dim, device) -> torch.Tensor:
+def _check_rotary_dim(op, rotary_dim, name="rotary_dim") -> int:
+    rd = check_int(op, name, rotary_dim, lo=2, hi=_MAX_ROTARY_DIM)
+    if rd % 2:
+        raise ValueError(f"packcuda.{op}: {name} must be a positive even number, got {rd}")
+    return rd
+
+
+def _default_inv_freq(op, rope_theta, rotary_dim) -> torch.Tensor:
+    theta = check_float(op, "rope_theta", rope_theta, lo=0.0, lo_open=True)
+    rd = _check_rotary_dim(op, rotary_dim)
+    t = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"packcuda.{op}: rope_theta={theta} gives non-finite fp32 frequencies (1 / rope_theta "
+                         "overflows fp32)")
+    return t
+
+
+def _inv_freq_for(op, rope_theta, rotary_dim, device) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        return default_inv_freq(rope_theta, rotary_dim)
-    key = (float(rope_theta), int(rotary_dim), device)
+        return _default_inv_freq(op, rope_theta, rotary_dim)
+    key = (rope_theta, rotary_dim, device)
     t = _INV_FREQ_CACHE.get(key)
     if t is None:
-        t = default_inv_freq(rope_theta, rotary_dim)
+        t = _default_inv_freq(op, rope_theta, rotary_dim)
         if device.type != "cpu":
             t = t.to(device, non_blocking=True)
         _INV_FREQ_CACHE[key] = t
     return t
 
 
+def _is_bool(v) -> bool:
+    return isinstance(v, bool) or type(v).__name__ == "bool_"  # Python or numpy bool
+
+
+def _positions_tensor(op, positions) -> torch.Tensor:
+    """positions as a tensor of integers: floats (or bools) are refused, never truncated."""
+    if not isinstance(positions, torch.Tensor):
+        if positions is None or isinstance(positions, (str, bytes, numbers.Number)):
+            raise TypeError(f"packcuda.{op}: positions must be an integer tensor or a (nested) list of integers, "
+                            f"got {type(positions).__name__}")
+        try:
+            positions = torch.as_tensor(positions)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"packcuda.{op}: positions must be an integer tensor or a (nested) list of integers "
+                            f"({e})") from e
+        if positions.dtype in (torch.int8, torch.int16, torch.uint8):
+            positions = positions.to(torch.int64)
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise TypeError(f"packcuda.{op}: positions must hold integers (int32/int64), got {positions.dtype}")
+    return positions
+
+
 def _resolve(name, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
              rotary_style, attention_scaling):
-    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
-        raise TypeError(f"packcuda.{name}: q and k must be tensors")
-    if q.dim() < 3:
-        raise ValueError(f"packcuda.{name}: q must be [..., H, D] with at least one token dim, got shape "
-                         f"{tuple(q.shape)}")
-    if rotary_style not in _STYLES:
+    for arg, x in (("q", q), ("k", k)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"packcuda.{name}: {arg} must be a tensor, got {type(x).__name__}")
+        if x.dim() < 3:
+            raise ValueError(f"packcuda.{name}: {arg} must be [..., H, D] with at least one token dim, got shape "
+                             f"{tuple(x.shape)}")
+    if k.dim() != q.dim() or k.shape[:-2] != q.shape[:-2]:
+        raise ValueError(f"packcuda.{name}: q and k must have the same tokens (leading dims), got q {tuple(q.shape)} and k "
+                         f"{tuple(k.shape)}")
+    if not isinstance(rotary_style, str) or rotary_style not in _STYLES:
         raise ValueError(f"packcuda.{name}: rotary_style must be 'neox' or 'gptj', got {rotary_style!r}")
-    if not isinstance(positions, torch.Tensor):
-        positions = torch.as_tensor(positions, dtype=torch.int64)
+    if not _is_bool(mrope_interleaved):
+        raise TypeError(f"packcuda.{name}: mrope_interleaved must be a bool, got {mrope_interleaved!r}")
+    scale = check_float(name, "attention_scaling", attention_scaling)
+    positions = _positions_tensor(name, positions)
     D = q.shape[-1]
     if inv_freq is None:
         if rope_theta is None:
             raise ValueError(f"packcuda.{name}: give rope_theta or inv_freq")
-        rd = D if rotary_dim is None else int(rotary_dim)
-        inv = _inv_freq_for(rope_theta, rd if rd > 0 and rd % 2 == 0 else max(rd, 0), q.device)
+        rd = D if rotary_dim is None else check_int(name, "rotary_dim", rotary_dim)
+        if rd > D:
+            raise ValueError(f"packcuda.{name}: rotary_dim ({rd}) must be <= head_dim ({D})")
+        inv = _inv_freq_for(name, check_float(name, "rope_theta", rope_theta, lo=0.0, lo_open=True),
+                            _check_rotary_dim(name, rd), q.device)
     else:
         if not isinstance(inv_freq, torch.Tensor):
-            inv_freq = torch.as_tensor(inv_freq, dtype=torch.float32)
+            raise TypeError(f"packcuda.{name}: inv_freq must be a float32 tensor, got {type(inv_freq).__name__}")
         inv = inv_freq
-        rd = 2 * inv.numel() if rotary_dim is None else int(rotary_dim)
-    section = [] if mrope_section is None else [int(s) for s in mrope_section]
-    if mrope_section is not None and len(section) != 3:
-        raise ValueError(f"packcuda.{name}: mrope_section must have 3 entries (t, h, w), got {list(mrope_section)}")
-    return positions, inv, rd, section, bool(mrope_interleaved), _STYLES[rotary_style], float(attention_scaling)
+        rd = 2 * inv.numel() if rotary_dim is None else check_int(name, "rotary_dim", rotary_dim)
+    section = []
+    if mrope_section is not None:
+        if isinstance(mrope_section, (str, bytes)) or not hasattr(mrope_section, "__len__"):
+            raise TypeError(f"packcuda.{name}: mrope_section must be a sequence of 3 integers, got "
+                            f"{mrope_section!r}")
+        if len(mrope_section) != 3:
+            raise ValueError(f"packcuda.{name}: mrope_section must have 3 entries (t, h, w), got "
+                             f"{list(mrope_section)}")
+        section = [check_int(name, f"mrope_section[{i}]", v, lo=0) for i, v in enumerate(mrope_section)]
+    return positions, inv, rd, section, bool(mrope_interleaved), _STYLES[rotary_style], scale
 
 
 def _flatten_tokens(name, x, inplace):
@@ -209,11 +292,21 @@ def _flatten_tokens(name, x, inplace):
     return x.reshape(shape)
 
 
-def _flatten_positions(positions, section, ndim):
-    if ndim <= 4:
+def _flatten_positions(name, positions, section, q):
+    """positions of a q with more than two token dims: [*tokens] / [3, *tokens] (q's token dims) or already flat
+    [T] / [3, T]; flattened to the latter."""
+    if q.dim() <= 4:
         return positions
     rows = 1 if section else 0
-    return positions.reshape(*positions.shape[:rows], -1)
+    lead = tuple(q.shape[:-2])
+    T = q.shape[:-2].numel()
+    if positions.dim() == rows + 1 and positions.shape[rows] == T:
+        return positions
+    if positions.dim() != rows + len(lead) or tuple(positions.shape[rows:]) != lead:
+        want = ("[3, " if rows else "[") + ", ".join(map(str, lead)) + "]"
+        raise ValueError(f"packcuda.{name}: positions must be {want} or flat over the {T} tokens of q, got shape "
+                         f"{tuple(positions.shape)}")
+    return positions.reshape(*positions.shape[:rows], T)
 
 
 def apply_rope(
@@ -234,7 +327,8 @@ def apply_rope(
     - ``q``/``k``: bf16, fp16 or fp32; any strides on the token and head dims (views into a fused QKV
       buffer are fine, no copies), last dim contiguous. ``[B, S, H, D]`` works too (then positions may be
       ``[B, S]`` / ``[3, B, S]``); more leading token dims are flattened.
-    - ``positions``: int32/int64, ``[T]`` for plain RoPE or ``[3, T]`` (t, h, w rows) with ``mrope_section``.
+    - ``positions``: int32/int64 (or a nested list of ints; floats are refused, never truncated), ``[T]`` for
+      plain RoPE or ``[3, T]`` (t, h, w rows) with ``mrope_section``.
       Per token: packed sequences restart wherever the positions restart; CP shards pass their own.
       Host (CPU) positions with CUDA q/k are uploaded without a sync.
     - ``inv_freq``: fp32 ``[rotary_dim / 2]``; by default computed from ``rope_theta`` over ``rotary_dim``
@@ -251,10 +345,10 @@ def apply_rope(
     positions, inv, rd, section, inter, gptj, scale = _resolve(
         "apply_rope", q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
         rotary_style, attention_scaling)
-    if q.dim() > 4 or k.dim() > 4:
+    if q.dim() > 4:
         qf, kf = _flatten_tokens("apply_rope", q, False), _flatten_tokens("apply_rope", k, False)
-        qo, ko = _rope_call(qf, kf, _flatten_positions(positions, section, q.dim()), inv, rd, section, inter,
-                            gptj, scale, False)
+        qo, ko = _rope_call(qf, kf, _flatten_positions("apply_rope", positions, section, q), inv, rd, section,
+                            inter, gptj, scale, False)
         return qo.view(q.shape), ko.view(k.shape)
     return _rope_call(q, k, positions, inv, rd, section, inter, gptj, scale, False)
 
@@ -276,33 +370,62 @@ def apply_rope_(
 
     Only the rotated channels are read and written: with partial rotary (``rotary_dim < D``) the
     passthrough channels are never touched, and on views into a fused QKV buffer every other byte of the
-    buffer stays as it was. Differentiable (mark-dirty semantics, like other in-place torch ops: q and k
-    must not be leaves that require grad)."""
+    buffer stays as it was. q and k must share no element with each other (views of one buffer that
+    interleave, e.g. q and k heads of a fused QKV row, are fine), neither may repeat an element (no stride 0,
+    e.g. an expanded tensor), and ``positions`` / ``inv_freq`` may not lie in their memory; everything is
+    checked before anything is written. Differentiable (mark-dirty semantics, like other in-place torch ops:
+    q and k must not be leaves, or views of leaves, that require grad)."""
     positions, inv, rd, section, inter, gptj, scale = _resolve(
         "apply_rope_", q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
         rotary_style, attention_scaling)
     qf, kf = _flatten_tokens("apply_rope_", q, True), _flatten_tokens("apply_rope_", k, True)
-    pos = _flatten_positions(positions, section, q.dim())
+    pos = _flatten_positions("apply_rope_", positions, section, q)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         if qf is not q or kf is not k:
             raise ValueError("packcuda.apply_rope_: differentiable in-place rotation needs q and k with at most "
                              "4 dims")
+        for arg, x in (("q", q), ("k", k)):
+            root = x._base if x._is_view() else x
+            if x.requires_grad and root.is_leaf:
+                what = "a view of a leaf" if x._is_view() else "a leaf"
+                raise ValueError(f"packcuda.apply_rope_: {arg} is {what} tensor that requires grad; it cannot be "
+                                 "rotated in place (use apply_rope, or rotate a non-leaf tensor)")
         if q._is_view() or k._is_view():
-            q = _ApplyRopeInplaceOne.apply(q, pos, inv, rd, section, inter, gptj, scale)
-            k = _ApplyRopeInplaceOne.apply(k, pos, inv, rd, section, inter, gptj, scale)
+            q = _ApplyRopeInplaceViewQ.apply(q, k, pos, inv, rd, section, inter, gptj, scale)
+            k = _MarkRotated.apply(k, pos, inv, rd, section, inter, gptj, scale)
             return q, k
         return _ApplyRopeInplace.apply(q, k, pos, inv, rd, section, inter, gptj, scale)
     ops.apply_rope_(qf, kf, pos, inv, rd, section, inter, gptj, scale, False)
     return q, k
 
 
-# model type prefix -> (default mrope_section, interleaved), as the models' rotary modules use them
+# model type prefix -> (default mrope_section, interleaved, partial rotary honoured), as the models' rotary
+# modules use them (Qwen2/2.5-VL and Qwen3-VL rotate the whole head whatever partial_rotary_factor says)
 _MROPE_MODELS = {
-    "qwen2_vl": ([16, 24, 24], False),
-    "qwen2_5_vl": ([16, 24, 24], False),
-    "qwen3_vl": ([24, 20, 20], True),
-    "qwen3_5": ([11, 11, 10], True),
+    "qwen2_vl": ([16, 24, 24], False, False),
+    "qwen2_5_vl": ([16, 24, 24], False, False),
+    "qwen3_vl": ([24, 20, 20], True, False),
+    "qwen3_5": ([11, 11, 10], True, True),
 }
+
+
+def _config_rope_parameters(op, config) -> dict:
+    """The flat rope parameter dict of a transformers config: ``rope_parameters`` (transformers 5), else the
+    legacy ``rope_scaling`` dict, else empty; ``rope_theta`` / ``partial_rotary_factor`` may also sit on the
+    config itself (legacy form)."""
+    rp = getattr(config, "rope_parameters", None)
+    field = "rope_parameters"
+    if rp is None:
+        rp, field = getattr(config, "rope_scaling", None), "rope_scaling"
+    if rp is None:
+        return {}
+    if not isinstance(rp, Mapping):
+        raise TypeError(f"packcuda.{op}: config.{field} must be a dict, got {type(rp).__name__}")
+    nested = [key for key, v in rp.items() if isinstance(v, Mapping)]
+    if nested:
+        raise ValueError(f"packcuda.{op}: config.{field} holds one rope per layer type ({nested}); not supported "
+                         "(pass rope_theta / inv_freq of the layer type explicitly)")
+    return dict(rp)
 
 
 def rope_kwargs_from_config(config) -> dict:
@@ -310,20 +433,78 @@ def rope_kwargs_from_config(config) -> dict:
     ``rotary_dim`` (``head_dim * partial_rotary_factor``) and, for the Qwen-VL / Qwen3.5 families, the
     ``mrope_section`` and layout their rotary modules use (the config's section, else the module's default;
     Qwen2/2.5-VL sectioned, Qwen3-VL and Qwen3.5 interleaved). Other models: ``mrope_section`` from
-    ``rope_parameters`` if present, with its ``mrope_interleaved`` flag. Default rope type only."""
-    rp = dict(getattr(config, "rope_parameters", None) or {})
-    rope_type = rp.get("rope_type", "default")
+    ``rope_parameters`` if present, with its ``mrope_interleaved`` flag. Default rope type only.
+
+    The parameters are read from ``config.rope_parameters`` (transformers 5), else the legacy
+    ``config.rope_scaling``, with ``rope_theta`` / ``partial_rotary_factor`` on the config itself as fallbacks.
+    Sections are taken the way the models' rotary modules take them: a sectioned layout splits the
+    ``rotary_dim / 2`` slots by the section, so it must sum to that (else refused); the interleaved layout
+    assigns slot ``j`` to h when ``j % 3 == 1 and j < 3 * sH``, to w when ``j % 3 == 2 and j < 3 * sW``, else to
+    t, so a section that over- or under-covers the slots is clipped to the equivalent one summing to
+    ``rotary_dim / 2``. Anything else that the model could not run is refused with a ValueError/TypeError."""
+    op = "rope_kwargs_from_config"
+    if config is None:
+        raise TypeError(f"packcuda.{op}: config must be a transformers config, got None")
+    rp = _config_rope_parameters(op, config)
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type == "mrope":  # legacy Qwen2-VL rope_scaling: the default frequencies, sectioned
+        rope_type = "default"
     if rope_type != "default":
-        raise ValueError(f"packcuda.rope_kwargs_from_config: rope_type {rope_type!r} is not supported (pass "
-                         "inv_freq and attention_scaling from the model's rotary module instead)")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    factor = rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
-    kw = dict(rope_theta=rp["rope_theta"], rotary_dim=int(head_dim * factor))
+        raise ValueError(f"packcuda.{op}: rope_type {rope_type!r} is not supported (pass inv_freq and "
+                         "attention_scaling from the model's rotary module instead)")
+    theta = rp.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError(f"packcuda.{op}: the config has no rope_theta (neither rope_parameters['rope_theta'] nor "
+                         "config.rope_theta)")
+    theta = check_float(op, "rope_theta", theta, lo=0.0, lo_open=True)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+        if hidden is None or heads is None:
+            raise ValueError(f"packcuda.{op}: the config has no head_dim and no hidden_size / num_attention_heads "
+                             "to derive it from")
+        head_dim = check_int(op, "hidden_size", hidden, lo=1) // check_int(op, "num_attention_heads", heads, lo=1)
+    head_dim = check_int(op, "head_dim", head_dim, lo=1)
     mt = getattr(config, "model_type", "") or ""
-    family = next((v for k, v in _MROPE_MODELS.items() if mt == k or mt.startswith(k + "_")), None)
+    family = next((v for key, v in _MROPE_MODELS.items() if mt == key or mt.startswith(key + "_")), None)
+    factor = rp.get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None)
+    factor = 1.0 if factor is None or (family is not None and not family[2]) else factor
+    factor = check_float(op, "partial_rotary_factor", factor, lo=0.0, hi=1.0, lo_open=True)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"packcuda.{op}: rotary_dim = int(head_dim * partial_rotary_factor) = int({head_dim} * "
+                         f"{factor}) = {rotary_dim} must be a positive even number")
+    kw = dict(rope_theta=theta, rotary_dim=_check_rotary_dim(op, rotary_dim))
     section = rp.get("mrope_section")
     if family is not None:
-        kw.update(mrope_section=list(section if section is not None else family[0]), mrope_interleaved=family[1])
+        section, interleaved = (section if section is not None else family[0]), family[1]
     elif section is not None:
-        kw.update(mrope_section=list(section), mrope_interleaved=bool(rp.get("mrope_interleaved", False)))
+        interleaved = rp.get("mrope_interleaved", False)
+        if not _is_bool(interleaved):
+            raise TypeError(f"packcuda.{op}: rope_parameters['mrope_interleaved'] must be a bool, got "
+                            f"{interleaved!r}")
+    if section is not None:
+        kw.update(mrope_section=_config_section(op, section, rotary_dim // 2, bool(interleaved)),
+                  mrope_interleaved=bool(interleaved))
     return kw
+
+
+def _config_section(op, section, n, interleaved) -> list:
+    """A config's mrope_section as the rotary module applies it over n = rotary_dim / 2 slots (see
+    rope_kwargs_from_config)."""
+    if isinstance(section, (str, bytes, Mapping)) or not hasattr(section, "__len__"):
+        raise TypeError(f"packcuda.{op}: mrope_section must be a list of 3 integers, got {section!r}")
+    if len(section) != 3:
+        raise ValueError(f"packcuda.{op}: mrope_section must have 3 entries (t, h, w), got {list(section)}")
+    s = [check_int(op, f"mrope_section[{i}]", v, lo=0) for i, v in enumerate(section)]
+    if sum(s) == n:
+        return s
+    if not interleaved:
+        raise ValueError(f"packcuda.{op}: mrope_section {s} sums to {sum(s)} but rotary_dim / 2 = {n} (the sectioned "
+                         "layout splits the rotary slots by the section)")
+    # interleaved: h takes the slots j % 3 == 1 below 3 * sH, w those j % 3 == 2 below 3 * sW, t the rest; the
+    # slots that exist below n are (n + 1) // 3 and n // 3
+    s_h, s_w = min(s[1], (n + 1) // 3), min(s[2], n // 3)
+    return [n - s_h - s_w, s_h, s_w]

@@ -157,7 +157,7 @@ def test_fused_qkv_views_in_place_touch_nothing_else(device, dtype, rd):
     assert torch.equal(after[~touched], b[~touched])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     T=st.integers(0, 40),
     Hq=st.integers(0, 5),
@@ -401,8 +401,10 @@ def test_bad_inputs():
         packcuda.apply_rope(q, k, pos3[:2], rope_theta=1e4, mrope_section=[2, 3, 3])
     with pytest.raises(ValueError, match="positions has 4 tokens but q has 5"):
         packcuda.apply_rope(q, k, pos[:4], rope_theta=1e4)
-    with pytest.raises(ValueError, match=r"positions must have dtype in \{int32, int64\}, got float32"):
+    with pytest.raises(TypeError, match=r"positions must hold integers \(int32/int64\), got torch.float32"):
         packcuda.apply_rope(q, k, pos.float(), rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"positions must have dtype in \{int32, int64\}, got float32"):
+        torch.ops.packcuda.apply_rope(q, k, pos.float(), torch.ones(8), 16, [], False, False, 1.0, False)
     with pytest.raises(ValueError, match="q and k must have the same tokens"):
         packcuda.apply_rope(q, k[:4], pos, rope_theta=1e4)
     with pytest.raises(ValueError, match="k has dtype bfloat16 but q has dtype float32"):
@@ -427,7 +429,7 @@ def test_bad_inputs():
         packcuda.apply_rope(q, k, pos, rope_theta=1e4, rotary_style="half")
     with pytest.raises(ValueError, match="give rope_theta or inv_freq"):
         packcuda.apply_rope(q, k, pos)
-    with pytest.raises(ValueError, match="q and k must be different tensors"):
+    with pytest.raises(ValueError, match="q and k overlap in memory"):
         packcuda.apply_rope_(q, q, pos, rope_theta=1e4)
     with pytest.raises(ValueError, match=r"q must be \[T, Hq, D\] or \[B, S, Hq, D\]"):
         torch.ops.packcuda.apply_rope(q[0], k[0], pos, torch.ones(8), 16, [], False, False, 1.0, False)
@@ -510,3 +512,249 @@ def test_cuda_wide_heads_and_tiles(dtype, inplace):
         scale = float(max(q.abs().max(), k.abs().max()))
         _assert_close_ulp(qo, wq, dtype, scale, 4.0)
         _assert_close_ulp(ko, wk, dtype, scale, 4.0)
+
+
+# ------------------------------------------------------------------------------------ configs (transformers 5)
+def _hf_rotate(cfg, Rotary, hf_apply, q, k, pos):
+    rot = Rotary(cfg)
+    cos, sin = rot(q, pos[:, None, :])
+    return hf_apply(q, k, cos, sin), rot
+
+
+@pytest.mark.parametrize("section,head_dim", [([16, 8, 8], 8), ([8, 8, 8], 64), ([2, 30, 1], 32), ([24, 20, 20], 128)])
+def test_transformers_oracle_interleaved_section_clipped(section, head_dim):
+    """Qwen3-VL's interleaved layout takes the h / w slots as [1 : 3 sH : 3] / [2 : 3 sW : 3] of the rotary slots,
+    so a section that does not sum to rotary_dim / 2 (transformers' own test config: head_dim 8, [16, 8, 8])
+    clips; rope_kwargs_from_config gives the equivalent section and the result equals transformers'."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_vl import configuration_qwen3_vl as c3, modeling_qwen3_vl as m3
+
+    cfg = c3.Qwen3VLTextConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=head_dim, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                                       mrope_section=section, mrope_interleaved=True))
+    kw = packcuda.rope_kwargs_from_config(cfg)
+    n = kw["rotary_dim"] // 2
+    assert kw["rotary_dim"] == head_dim and sum(kw["mrope_section"]) == n and kw["mrope_interleaved"]
+    if sum(section) == n:
+        assert kw["mrope_section"] == section
+    g = _seed("clip", tuple(section), head_dim)
+    T = 50
+    pos = torch.randint(0, 3000, (3, T), generator=g)
+    q = torch.randn(1, 4, T, head_dim, generator=g)
+    k = torch.randn(1, 2, T, head_dim, generator=g)
+    (hq, hk), rot = _hf_rotate(cfg, m3.Qwen3VLTextRotaryEmbedding, m3.apply_rotary_pos_emb, q, k, pos)
+    oq, ok = packcuda.apply_rope(q.transpose(1, 2), k.transpose(1, 2), pos[:, None, :], **kw)
+    assert torch.allclose(oq.transpose(1, 2), hq, atol=2e-5, rtol=0)
+    assert torch.allclose(ok.transpose(1, 2), hk, atol=2e-5, rtol=0)
+    # the slot -> axis map is transformers' exactly: a position change on one axis moves the same slots
+    for axis in (1, 2):
+        p2 = pos.clone()
+        p2[axis] += 7
+        (h2, _), _ = _hf_rotate(cfg, m3.Qwen3VLTextRotaryEmbedding, m3.apply_rotary_pos_emb, q, k, p2)
+        o2, _ = packcuda.apply_rope(q.transpose(1, 2), k.transpose(1, 2), p2[:, None, :], **kw)
+        moved_hf = (h2 - hq).abs().amax(dim=(0, 1, 2)) > 0
+        moved = (o2 - oq).transpose(1, 2).abs().amax(dim=(0, 1, 2)) > 0
+        assert torch.equal(moved, moved_hf)
+
+
+def test_rope_kwargs_sectioned_section_must_cover():
+    """Qwen2-VL splits the slots by the section (torch.split): a section that does not sum to rotary_dim / 2
+    fails in transformers' own forward, so it is refused up front."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl import configuration_qwen2_vl as c2, modeling_qwen2_vl as m2
+
+    cfg = c2.Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[16, 8, 8]))
+    with pytest.raises(ValueError, match=r"packcuda.rope_kwargs_from_config: mrope_section \[16, 8, 8\] sums to 32"):
+        packcuda.rope_kwargs_from_config(cfg)
+    q = torch.randn(1, 4, 5, 16)
+    with pytest.raises(RuntimeError):
+        _hf_rotate(cfg, m2.Qwen2VLRotaryEmbedding, m2.apply_rotary_pos_emb, q, q, torch.zeros(3, 5, dtype=torch.long))
+
+
+def test_rope_kwargs_config_forms():
+    """The forms transformers 5 configs take: rope_parameters (also converted from legacy rope_theta /
+    rope_scaling kwargs), a bare legacy object with rope_theta on the config, Qwen3 text (plain RoPE)."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from transformers import Qwen2VLConfig, Qwen3Config
+
+    assert packcuda.rope_kwargs_from_config(Qwen3Config()) == dict(rope_theta=10000.0, rotary_dim=128)
+    assert packcuda.rope_kwargs_from_config(Qwen3Config(rope_theta=123.0))["rope_theta"] == 123.0
+    legacy = Qwen2VLConfig(text_config=dict(rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+                                            rope_theta=1e6)).get_text_config()
+    assert packcuda.rope_kwargs_from_config(legacy) == dict(rope_theta=1e6, rotary_dim=128,
+                                                            mrope_section=[16, 24, 24], mrope_interleaved=False)
+    bare = SimpleNamespace(model_type="llama", rope_theta=5e5, hidden_size=256, num_attention_heads=4,
+                           rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]})
+    assert packcuda.rope_kwargs_from_config(bare) == dict(rope_theta=5e5, rotary_dim=64, mrope_section=[8, 12, 12],
+                                                          mrope_interleaved=False)
+    partial = SimpleNamespace(model_type="x", rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5),
+                              head_dim=64)
+    assert packcuda.rope_kwargs_from_config(partial) == dict(rope_theta=1e4, rotary_dim=32)
+    # Qwen2/2.5-VL and Qwen3-VL rotary modules rotate the whole head whatever partial_rotary_factor says
+    q3 = SimpleNamespace(model_type="qwen3_vl_text", head_dim=128,
+                         rope_parameters=dict(rope_theta=5e6, partial_rotary_factor=0.5, mrope_section=[24, 20, 20]))
+    assert packcuda.rope_kwargs_from_config(q3)["rotary_dim"] == 128
+
+
+def test_inplace_4d_views_of_one_buffer_and_expanded_positions():
+    """Valid in-place inputs the memory checks must keep accepting: [B, S, H, D] q/k views into one fused
+    buffer (extents interleave), a k whose heads sit between q's, positions expanded (stride 0, read only)."""
+    g = _seed("4dviews")
+    B, S, D = 2, 5, 16
+    buf = torch.randn(B, S, 7, D, generator=g)
+    want = buf.clone()
+    q, k = buf[:, :, 0:4], buf[:, :, 4:5]
+    pos = torch.arange(S).expand(B, S)
+    wq, wk = packcuda.apply_rope(q, k, pos, rope_theta=1e4)
+    packcuda.apply_rope_(q, k, pos, rope_theta=1e4)
+    assert torch.equal(q, wq) and torch.equal(k, wk) and torch.equal(buf[:, :, 5:], want[:, :, 5:])
+    # q heads 0, 2, 4 and k heads 1, 3 of one buffer: disjoint elements
+    buf2 = torch.randn(9, 6, D, generator=g)
+    q2, k2 = buf2[:, 0:6:2], buf2[:, 1:5:2]
+    wq2, wk2 = packcuda.apply_rope(q2, k2, torch.arange(9), rope_theta=1e4)
+    packcuda.apply_rope_(q2, k2, torch.arange(9), rope_theta=1e4)
+    assert torch.equal(q2, wq2) and torch.equal(k2, wk2)
+    # partial rotary: k starting inside q's passthrough channels shares elements with q, rotated or not
+    buf3 = torch.randn(4, 2 * D, generator=g)
+    q3, k3 = buf3[:, :D].view(4, 1, D), buf3[:, D // 2: D // 2 + D].view(4, 1, D)
+    for rd in (D, D // 2):
+        with pytest.raises(ValueError, match="q and k overlap"):
+            packcuda.apply_rope_(q3, k3, torch.arange(4), rope_theta=1e4, rotary_dim=rd)
+
+
+def test_positions_as_lists_and_default_inv_freq_bounds():
+    q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+    a = packcuda.apply_rope(q, k, [0, 1, 2], rope_theta=1e4)
+    b = packcuda.apply_rope(q, k, torch.arange(3), rope_theta=1e4)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    c = packcuda.apply_rope(q, k, [[0, 1, 2]] * 3, rope_theta=1e4, mrope_section=[2, 1, 1])
+    assert torch.equal(c[0], b[0])
+    assert packcuda.default_inv_freq(1e30, 8192).shape == (4096,)
+    assert torch.equal(packcuda.default_inv_freq(10000, 16), packcuda.default_inv_freq(10000.0, 16))
+
+
+# ------------------------------------------------------------------------------------ hypothesis: layouts, memory
+@settings(max_examples=150, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    S=st.integers(1, 12),
+    Hq=st.integers(1, 4),
+    Hk=st.integers(1, 3),
+    half=st.integers(1, 10),
+    extra=st.integers(0, 6),
+    layout=st.sampled_from(["bshd", "bhsd", "fused", "flat-fused"]),
+    style=st.sampled_from(["neox", "gptj"]),
+    kind=st.sampled_from(["plain", "sectioned", "interleaved"]),
+    batched_pos=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_4d_layouts_vs_fp64_reference(B, S, Hq, Hk, half, extra, layout, style, kind, batched_pos, dtype,
+                                                 seed):
+    """[B, S, H, D] q/k as HF-layout transposes, slices of one fused QKV buffer or flat [T, H, D] slices of it;
+    positions [B, S] or flat; out of place and in place against the fp64 reference; in place touches only the
+    rotated channels of q and k."""
+    g = torch.Generator().manual_seed(seed)
+    rd, D = 2 * half, 2 * half + extra
+    if layout == "bhsd":
+        q = torch.randn(B, Hq, S, D, generator=g).to(dtype).transpose(1, 2)
+        k = torch.randn(B, Hk, S, D, generator=g).to(dtype).transpose(1, 2)
+        buf = None
+    else:
+        buf = torch.randn(B, S, Hq + 2 * Hk, D, generator=g).to(dtype)
+        q, k = buf[:, :, :Hq], buf[:, :, Hq: Hq + Hk]
+        if layout == "flat-fused":
+            q, k = q.reshape(B * S, Hq, D), k.reshape(B * S, Hk, D)  # views: buf is contiguous
+    section = None
+    if kind != "plain":
+        a = int(torch.randint(0, half + 1, (1,), generator=g))
+        b = int(torch.randint(0, half - a + 1, (1,), generator=g))
+        section = [a, b, half - a - b]
+    rows = (3,) if section else ()
+    pos = torch.randint(0, 1 << 16, rows + (B, S), generator=g)
+    pos_arg = pos if batched_pos and q.dim() == 4 else pos.reshape(*rows, B * S)
+    inv = _inv(1e4, rd)
+    kw = dict(inv_freq=inv, rotary_dim=rd, mrope_section=section, mrope_interleaved=kind == "interleaved",
+              rotary_style=style)
+    wq, wk = ref.apply_rope(q.reshape(B * S, Hq, D), k.reshape(B * S, Hk, D), pos.reshape(*rows, B * S), inv, rd,
+                            section, kind == "interleaved", style)
+    qo, ko = packcuda.apply_rope(q, k, pos_arg, **kw)
+    assert qo.shape == q.shape and ko.shape == k.shape
+    scale = float(max(q.abs().max(), k.abs().max()))
+    _assert_close_ulp(qo.reshape(B * S, Hq, D), wq, dtype, scale, 4.0)
+    _assert_close_ulp(ko.reshape(B * S, Hk, D), wk, dtype, scale, 4.0)
+    before = None if buf is None else buf.clone()
+    packcuda.apply_rope_(q, k, pos_arg, **kw)
+    assert torch.equal(q, qo) and torch.equal(k, ko)
+    if buf is not None:
+        touched = torch.zeros(buf.shape, dtype=torch.bool)
+        touched[:, :, : Hq + Hk, :rd] = True
+        assert torch.equal(buf[~touched], before[~touched])
+
+
+def _elements(x: torch.Tensor) -> set:
+    """Storage offsets of the elements of x."""
+    sizes, strides = list(x.shape), list(x.stride())
+    idx = torch.zeros(sizes, dtype=torch.long) + x.storage_offset()
+    for d, (n, st_) in enumerate(zip(sizes, strides)):
+        shape = [1] * len(sizes)
+        shape[d] = n
+        idx = idx + (torch.arange(n) * st_).view(shape)
+    return set(idx.flatten().tolist())
+
+
+def _nested(x: torch.Tensor) -> bool:
+    span = 0
+    for stride, size in sorted((st_, n) for n, st_ in zip(x.shape, x.stride()) if n > 1):
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    T=st.integers(1, 6),
+    Hq=st.integers(1, 3),
+    Hk=st.integers(1, 3),
+    half=st.integers(1, 4),
+    extra=st.integers(0, 4),
+    ss_q=st.integers(0, 40),
+    ss_k=st.integers(0, 40),
+    sh_q=st.integers(0, 12),
+    sh_k=st.integers(0, 12),
+    off_q=st.integers(0, 60),
+    off_k=st.integers(0, 60),
+    same_token_stride=st.booleans(),
+)
+def test_hypothesis_inplace_overlap_decision(T, Hq, Hk, half, extra, ss_q, ss_k, sh_q, sh_k, off_q, off_k,
+                                             same_token_stride):
+    """q and k as arbitrary strided views of one buffer: the in-place op refuses whenever q and k share an element
+    or one repeats an element; when q and k walk the tokens with the same stride and each is nested (dims ordered
+    by stride, each stride beyond the span of the dims inside it: the rule the op applies to an in-place output)
+    the decision is exact (accepted iff disjoint); accepted calls give the out-of-place result."""
+    rd, D = 2 * half, 2 * half + extra
+    if same_token_stride:
+        ss_k = ss_q
+    size = 1 + max(off_q + (T - 1) * ss_q + (Hq - 1) * sh_q + D, off_k + (T - 1) * ss_k + (Hk - 1) * sh_k + D)
+    buf = torch.randn(size, generator=torch.Generator().manual_seed(T * 1000 + off_q))
+    q = buf.as_strided((T, Hq, D), (ss_q, sh_q, 1), off_q)
+    k = buf.as_strided((T, Hk, D), (ss_k, sh_k, 1), off_k)
+    repeats = lambda x: len(_elements(x)) < x.numel()  # noqa: E731
+    shared = bool(_elements(q) & _elements(k))
+    pos = torch.arange(T)
+    before = buf.clone()
+    try:
+        wq, wk = packcuda.apply_rope(q, k, pos, rope_theta=1e4, rotary_dim=rd)
+        packcuda.apply_rope_(q, k, pos, rope_theta=1e4, rotary_dim=rd)
+    except ValueError as e:
+        assert "packcuda.apply_rope_" in str(e)
+        assert torch.equal(buf, before)  # nothing written
+        if ss_q == ss_k and _nested(q) and _nested(k):
+            assert shared, f"refused disjoint q/k: {e}"
+        return
+    assert not shared and not repeats(q) and not repeats(k)
+    assert torch.equal(q, wq) and torch.equal(k, wk)

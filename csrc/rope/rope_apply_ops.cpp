@@ -1,8 +1,12 @@
 // Torch layer of the rotary application: schemas, argument checks, dispatch to the core kernels.
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <tuple>
+#include <utility>
 #include <vector>
 
+#include "common/checked.h"
 #include "common/torch/checks.h"
 #include "rope/rope_apply.h"
 #include "rope/rope_math.h"
@@ -109,7 +113,7 @@ Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor&
     int64_t sum = 0;
     for (size_t i = 0; i < 3; ++i) {
       PC_ARG(mrope_section[i] >= 0, op, "mrope_section[", i, "] must be >= 0, got ", mrope_section[i]);
-      sum += mrope_section[i];
+      sum = checked::add(op, "the sum of mrope_section", sum, mrope_section[i]);
     }
     PC_ARG(sum == n, op, "mrope_section [", mrope_section[0], ", ", mrope_section[1], ", ", mrope_section[2],
            "] sums to ", sum, " but rotary_dim / 2 = ", n);
@@ -146,6 +150,120 @@ Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor&
   return p;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// memory checks of the in-place op: q and k are written where they are, so neither may repeat an element
+// (stride 0, self-overlapping strides), they may not share an element with each other, and the read-only
+// positions / inv_freq may not lie in memory the rotation writes.
+// ---------------------------------------------------------------------------------------------------
+// [lo, hi) byte range; empty when lo == hi.
+struct Extent {
+  uintptr_t lo = 0, hi = 0;
+  bool overlaps(const Extent& o) const { return lo < hi && o.lo < o.hi && lo < o.hi && o.lo < hi; }
+};
+
+// Bytes spanned by the elements of t.
+Extent extent_of(const char* op, const char* name, const Tensor& t) {
+  Extent e;
+  if (t.numel() == 0) return e;
+  int64_t span = 0;  // offset of the last element, in elements
+  for (int64_t d = 0; d < t.dim(); ++d)
+    span = checked::add(op, name, span, checked::mul(op, name, t.size(d) - 1, t.stride(d)));
+  const int64_t es = element_size(t.scalar_type());
+  e.lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  e.hi = e.lo + static_cast<uintptr_t>(checked::mul(op, name, checked::add(op, name, span, 1), es));
+  return e;
+}
+
+// No element of an in-place output may be reached twice: no stride 0 on a dim of size > 1, and, with the dims
+// ordered by stride, every stride beyond the span of the dims inside it.
+void check_no_self_overlap(const char* op, const char* name, const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims of size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) <= 1) continue;
+    PC_ARG(t.stride(d) != 0, op, name, " has stride 0 in dim ", d, " (size ", t.size(d),
+           "): an in-place output must not repeat elements (expanded tensor?), got shape ", shape_str(t));
+    dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;
+  for (const auto& [stride, size] : dims) {
+    PC_ARG(stride > span, op, name, " overlaps itself in memory (stride ", stride, " inside a span of ", span + 1,
+           " elements): an in-place output must not repeat elements");
+    span = checked::add(op, name, span, checked::mul(op, name, size - 1, stride));
+  }
+}
+
+int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+
+// Token dims (size > 1) of a [T, H, D] / [B, S, H, D] tensor as (size, stride), [B, S] merged when they are one
+// uniform walk; outermost first.
+std::vector<std::pair<int64_t, int64_t>> token_dims(const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t d = 0; d < t.dim() - 2; ++d)
+    if (t.size(d) > 1) out.emplace_back(t.size(d), t.stride(d));
+  if (out.size() == 2 && out[0].second == out[1].first * out[1].second)
+    out = {{out[0].first * out[1].first, out[1].second}};
+  return out;
+}
+
+// Whether q and k (same dtype, same token shape, head_dim, extents overlapping) can share an element. Exact when q
+// and k walk the tokens with the same strides (views into one fused QKV buffer); anything else is reported as
+// overlapping.
+bool qk_may_overlap(const Tensor& q, const Tensor& k) {
+  const auto tq = token_dims(q), tk = token_dims(k);
+  if (tq != tk || tq.size() > 2) return true;
+  const int64_t es = element_size(q.scalar_type());
+  const intptr_t diff = reinterpret_cast<intptr_t>(k.const_data_ptr()) - reinterpret_cast<intptr_t>(q.const_data_ptr());
+  if (diff % es != 0) return true;
+  const int64_t d0 = static_cast<int64_t>(diff / es);  // k's first element relative to q's, in elements
+  const int64_t nd = q.dim();
+  const int64_t D = q.size(nd - 1);  // channels of a head (contiguous)
+  const int64_t hq = q.size(nd - 2), hk = k.size(nd - 2);
+  const int64_t shq = q.stride(nd - 2), shk = k.stride(nd - 2);
+  // outer token dim (when two remain): walked explicitly; inner one: solved in closed form
+  const int64_t n_out = tq.size() == 2 ? tq[0].first : 1, s_out = tq.size() == 2 ? tq[0].second : 0;
+  const int64_t n_in = tq.empty() ? 1 : tq.back().first, s_in = tq.empty() ? 0 : tq.back().second;
+  constexpr int64_t kMaxWork = int64_t{1} << 24;  // beyond this many (outer offset, q head, k head) triples the
+                                                 // pair is reported as overlapping rather than proven disjoint
+  if (hq > kMaxWork || hk > kMaxWork || hq * hk > kMaxWork / (2 * n_out - 1)) return true;
+  for (int64_t mo = -(n_out - 1); mo <= n_out - 1; ++mo)
+    for (int64_t h = 0; h < hq; ++h)
+      for (int64_t g = 0; g < hk; ++g) {
+        // q element h*shq + c + m*s_in (+ mo*s_out) == k element d0 + g*shk + c' for channels c, c' < D
+        const int64_t delta = d0 + g * shk - h * shq - mo * s_out;  // m*s_in must lie in [delta-D+1, delta+D-1]
+        if (s_in == 0 || n_in == 1) {
+          if (delta > -D && delta < D) return true;
+          continue;
+        }
+        const int64_t lo = std::max(ceil_div(delta - D + 1, s_in), -(n_in - 1));
+        const int64_t hi = std::min(floor_div(delta + D - 1, s_in), n_in - 1);
+        if (lo <= hi) return true;
+      }
+  return false;
+}
+
+// Everything the in-place op needs of memory, checked after prepare (dims, dtypes, devices) and before any write.
+void check_inplace_memory(const char* op, const Tensor& q, const Tensor& k, const Tensor& positions,
+                          const Tensor& inv_freq) {
+  check_no_self_overlap(op, "q", q);
+  check_no_self_overlap(op, "k", k);
+  const Extent eq = extent_of(op, "q", q), ek = extent_of(op, "k", k);
+  const auto same_device = [](const Tensor& a, const Tensor& b) {
+    return a.is_cpu() == b.is_cpu() && a.get_device_index() == b.get_device_index();
+  };
+  PC_ARG(!(same_device(q, k) && eq.overlaps(ek) && qk_may_overlap(q, k)), op,
+         "q and k overlap in memory: the in-place rotation needs q and k to share no element");
+  const std::pair<const char*, const Tensor*> reads[] = {{"positions", &positions}, {"inv_freq", &inv_freq}};
+  for (const auto& [name, t] : reads) {
+    const Extent e = extent_of(op, name, *t);
+    PC_ARG(!(same_device(*t, q) && e.overlaps(eq)), op, name, " shares memory with q, which the in-place "
+           "rotation writes");
+    PC_ARG(!(same_device(*t, k) && e.overlaps(ek)), op, name, " shares memory with k, which the in-place "
+           "rotation writes");
+  }
+}
+
 void launch(const Tensor& q, const rope::RopeArgs& a) {
   if (a.tokens == 0 || a.q.heads + a.k.heads == 0) return;
   if (q.is_cuda()) {
@@ -180,8 +298,7 @@ void apply_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, int64_t 
   const char* op = "apply_rope_";
   Prepared p = prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj,
                        attention_scaling);
-  PC_ARG(q.numel() == 0 || k.numel() == 0 || q.const_data_ptr() != k.const_data_ptr(), op,
-         "q and k must be different tensors for the in-place version");
+  check_inplace_memory(op, q, k, positions, inv_freq);
   fill_view(p.args.q, q, q);
   fill_view(p.args.k, k, k);
   p.args.inverse = inverse;
