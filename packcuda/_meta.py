@@ -23,10 +23,14 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # ---------------------------------------------------------------------------------------------------
 # scalar arguments: integers that are really integers, finite floats, devices (one vocabulary for every op)
 # ---------------------------------------------------------------------------------------------------
+def _is_bool_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dtype == torch.bool
+
+
 def check_int(op: str, name: str, value, *, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
     """`value` as a Python int, refusing what is not an integer (bool, float, 0-d float tensor) with a TypeError
     and what lies outside [lo, hi] (default: int64) with a ValueError, both naming ``packcuda.<op>`` and `name`."""
-    if isinstance(value, bool) or isinstance(value, float) or not (
+    if isinstance(value, (bool, float)) or _is_bool_tensor(value) or not (
         isinstance(value, numbers.Integral) or hasattr(value, "__index__")
     ):
         raise TypeError(f"packcuda.{op}: {name} must be an integer, got {value!r} ({type(value).__name__})")
@@ -116,7 +120,8 @@ def host_tensor(values: IntsLike, name: str = "cu_seqlens", *, op: Optional[str]
     vals = list(values)
     out = []
     for i, v in enumerate(vals):
-        if isinstance(v, (bool, float)) or not (isinstance(v, numbers.Integral) or hasattr(v, "__index__")):
+        if isinstance(v, (bool, float)) or _is_bool_tensor(v) or not (
+                isinstance(v, numbers.Integral) or hasattr(v, "__index__")):
             raise TypeError(f"{who}: {name}[{i}] must be an integer, got {v!r} ({type(v).__name__})")
         try:
             iv = int(v.__index__())
