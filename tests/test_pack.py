@@ -86,6 +86,8 @@ def test_positions_and_labels_hypothesis(lens, ignore, wide):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fill", [0.0, -100.0, 1.0])
 def test_gather_rows_fill(device, dtype, fill):
+    if dtype == torch.bool and fill not in (0.0, 1.0):
+        pytest.skip("bool holds only 0 and 1 (other fills are refused: see catalogue_pack.py)")
     g = torch.Generator().manual_seed(3)
     src = _rand((20, 6), dtype, g)
     index = torch.tensor([3, -1, 0, 19, -1, 7], dtype=torch.int64)
@@ -171,7 +173,7 @@ def test_bad_cu_seqlens():
         packcuda.next_token_labels(ids, [0, 4, 9])
     with pytest.raises(ValueError, match="dtype"):
         packcuda.next_token_labels(ids.float(), [0, 10])
-    with pytest.raises(TypeError, match="integers"):
+    with pytest.raises(TypeError, match="integer"):
         packcuda.position_ids([0, 1.5])
 
 
@@ -259,9 +261,10 @@ def test_gather_scatter_rows_dim(device, dtype):
     index = torch.tensor([5, -1, 0, 36, 12, -1, 7, 8, 9, 30, 2], dtype=torch.int64)
     perm = torch.randperm(n + 2, generator=g)[:n]
     perm[::5] = -1
+    fill = 1.0 if dtype == torch.bool else 3.0  # bool holds only 0 and 1
     for name, src, dim in _views(dtype, g, n):
-        got = packcuda.gather_rows(src.to(device), index.to(device), 3.0, dim=dim)
-        want = ref.gather_rows_dim(src, index, 3.0, dim)
+        got = packcuda.gather_rows(src.to(device), index.to(device), fill, dim=dim)
+        want = ref.gather_rows_dim(src, index, fill, dim)
         assert got.shape == want.shape and got.is_contiguous(), name
         assert torch.equal(got.cpu(), want), name
         back = packcuda.scatter_rows(got, index.to(device), n, dim=dim)
@@ -331,3 +334,220 @@ def test_bad_rows_dim():
         packcuda.scatter_rows(x, torch.tensor([0, 1]), 7, dim=1)
     with pytest.raises(ValueError, match="appears twice"):
         packcuda.scatter_rows(x, torch.tensor([0, 1, 1, 2, 3]), 7, dim=1)
+
+
+# ------------------------------------------------------------------------------------ valid edge inputs
+def _gather_ref(src, index, fill, dim):
+    """Plain torch: rows along dim, -1 gives a row of fill."""
+    d = dim % src.dim()
+    moved = src.movedim(d, 0)
+    out = torch.full((index.numel(), *moved.shape[1:]), fill, dtype=src.dtype)
+    keep = index >= 0
+    out[keep] = moved[index[keep]]
+    return out.movedim(0, d)
+
+
+def _scatter_ref(src, index, num_rows, dim):
+    d = dim % src.dim()
+    moved = src.movedim(d, 0)
+    out = torch.zeros((num_rows, *moved.shape[1:]), dtype=src.dtype)
+    keep = index >= 0
+    out[index[keep]] = moved[keep]
+    return out.movedim(0, d)
+
+
+def _strided_empties():
+    """Zero-size sources with non-default strides: (name, src, dim)."""
+    return [
+        ("[0, 2, 0].transpose(0, 2) dim -1", torch.empty(0, 2, 0).transpose(0, 2), -1),
+        ("[1, 2, 1, 0].transpose(0, -1) dim -1", torch.empty(1, 2, 1, 0).transpose(0, -1), -1),
+        ("[0, 2].t() dim 0", torch.empty(0, 2).t(), 0),
+        ("[0, 2].t() dim 1", torch.empty(0, 2).t(), 1),
+        ("[3, 0, 4] dim 1", torch.empty(3, 0, 4), 1),
+        ("[3, 0, 4].transpose(0, 2) dim 1", torch.empty(3, 0, 4).transpose(0, 2), 1),
+        ("[0, 5] dim 0 (zero lead)", torch.empty(0, 5), 1),
+        ("[4, 0] dim 0 (zero row)", torch.empty(4, 0), 0),
+        ("[2, 3, 0] dim -2 (zero trailing)", torch.empty(2, 3, 0), -2),
+        ("expanded [0] -> [3, 0]", torch.empty(1, 0).expand(3, 0), 1),
+        ("expanded zero rows", torch.empty(1, 0, 2).expand(4, 0, 2), 1),
+        ("[0] 1-D", torch.empty(0), 0),
+        ("[2, 0, 3][:, :, ::2]", torch.empty(2, 0, 3)[:, :, ::2], -1),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_strided_empties())))
+def test_rows_empty_any_strides_work(device, case):
+    name, src, dim = _strided_empties()[case]
+    n = src.shape[dim]
+    for index in ([-1], [-1, -1, -1], [], list(range(n)) + [-1]):
+        idx = torch.tensor(index, dtype=torch.int64)
+        got = packcuda.gather_rows(src.to(device), idx.to(device), 2.0, dim=dim)
+        want = _gather_ref(src, idx, 2.0, dim)
+        assert got.shape == want.shape and torch.equal(got.cpu(), want), name
+    m = src.shape[dim]
+    idx = torch.full((m,), -1, dtype=torch.int64)
+    if m:
+        idx[0] = 2
+    got = packcuda.scatter_rows(src.to(device), idx.to(device), 3, dim=dim)
+    assert torch.equal(got.cpu(), _scatter_ref(src, idx, 3, dim)), name
+
+
+def test_gather_fill_exact_values(device):
+    src = torch.zeros(2, 3, dtype=torch.int64, device=device)
+    idx = torch.tensor([-1, 0], device=device)
+    for fill in (2**53 + 1, -(2**63), 2**63 - 1):
+        got = packcuda.gather_rows(src, idx, fill)
+        assert got[0].tolist() == [fill] * 3 and got[1].tolist() == [0] * 3
+    i32 = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    assert packcuda.gather_rows(i32, idx[:1], -(2**31))[0, 0].item() == -(2**31)
+    assert packcuda.gather_rows(i32, idx[:1], 7.0)[0, 0].item() == 7  # an integral float is exact
+    b = torch.zeros(2, 1, dtype=torch.bool, device=device)
+    assert packcuda.gather_rows(b, idx[:1], True)[0, 0].item() is True
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        f = torch.zeros(2, 2, dtype=dtype, device=device)
+        assert torch.isnan(packcuda.gather_rows(f, idx[:1], float("nan"))).all()
+        assert (packcuda.gather_rows(f, idx[:1], float("-inf")) == float("-inf")).all()
+        assert packcuda.gather_rows(f, idx[:1], 3)[0, 0].item() == 3.0
+    assert packcuda.gather_rows(torch.zeros(1, 1, dtype=torch.float64), torch.tensor([-1]), 1e300).item() == 1e300
+    # 65519 rounds to 65504 (finite in float16): rounded, not refused
+    assert packcuda.gather_rows(torch.zeros(1, 1, dtype=torch.float16), torch.tensor([-1]), 65519.0).item() == 65504
+
+
+def test_ignore_index_extremes(device):
+    cu = [0, 2, 3]
+    ids32 = torch.tensor([5, 6, 7], dtype=torch.int32, device=device)
+    for ig in (-(2**31), 2**31 - 1):
+        assert packcuda.next_token_labels(ids32, cu, ig).tolist() == [6, ig, ig]
+    ids64 = ids32.long()
+    for ig in (2**53 + 1, -(2**63)):
+        assert packcuda.next_token_labels(ids64, cu, ig).tolist() == [6, ig, ig]
+
+
+def test_scatter_huge_num_rows_of_empty_rows():
+    # rows of zero bytes: a huge output is still empty (and the repeat check does not allocate num_rows bytes)
+    out = packcuda.scatter_rows(torch.empty(3, 0), torch.tensor([0, 2**50, -1]), 2**60)
+    assert out.shape == (2**60, 0)
+
+
+def test_pad_empty_and_zero_sizes(device):
+    x = torch.empty(0, 4, device=device)
+    idx = torch.empty(0, dtype=torch.int64, device=device)
+    assert packcuda.pad(x, idx, 0, 5).shape == (0, 5, 4)
+    assert torch.equal(packcuda.pad(x, idx, 2, 3).cpu(), torch.zeros(2, 3, 4))
+    xp, ind, cu, mx = packcuda.unpad(torch.empty(0, 3, 2, device=device), lengths=[])
+    assert xp.shape == (0, 2) and ind.numel() == 0 and cu.tolist() == [0] and mx == 0
+
+
+def test_index_sharing_src_storage(device):
+    # the index may be a view of the same storage as the data (both are only read)
+    buf = torch.tensor([2, 0, 1, -1, 9, 8, 7], dtype=torch.int64, device=device)
+    src, index = buf[:3], buf[:4]
+    got = packcuda.gather_rows(src, index, -5)
+    assert got.tolist() == [1, 2, 0, -5]
+
+
+def test_meta_tensors_only_through_fake_kernels():
+    # all-meta inputs to a raw op: its meta (fake) kernel gives the output's shape; mixing is refused
+    ops = torch.ops.packcuda
+    x = torch.empty(4, 3, device="meta")
+    idx = torch.empty(2, dtype=torch.int64, device="meta")
+    assert ops.gather_rows(x, idx, 0.0, 0).shape == (2, 3)
+    assert ops.scatter_rows(x, torch.empty(4, dtype=torch.int64, device="meta"), 7, 0).shape == (7, 3)
+    with pytest.raises(ValueError, match="packcuda.gather_rows: index is on cpu but src is on meta"):
+        ops.gather_rows(x, torch.tensor([0]), 0.0, 0)
+
+
+def test_fake_tensor_mode_keeps_working():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(3, 5, 2)
+        idx = torch.empty(4, dtype=torch.int64)
+        assert packcuda.gather_rows(x, idx, 0.0, dim=1).shape == (3, 4, 2)
+        assert packcuda.scatter_rows(x, torch.empty(5, dtype=torch.int64), 9, dim=1).shape == (3, 9, 2)
+        assert packcuda.next_token_labels(torch.empty(6, dtype=torch.int32), torch.tensor([0, 6])).shape == (6,)
+        assert packcuda.pad(torch.empty(4, 2), idx, 2, 3).shape == (2, 3, 2)
+
+
+def test_mask_indices_strided_mask():
+    m = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0]], dtype=torch.bool).t()  # [4, 2], not contiguous
+    got = torch.ops.packcuda.mask_indices(m, torch.tensor([0, 1, 2, 4, 5]), 5)
+    assert got.tolist() == [i for i, v in enumerate(m.flatten().tolist()) if v]
+
+
+@requires_cuda
+def test_indexless_cuda_device():
+    cu = [0, 3, 5]
+    cu_dev = torch.tensor(cu, device="cuda")
+    want = ref.position_ids(cu)
+    assert torch.equal(packcuda.position_ids(cu_dev, device="cuda").cpu(), want)
+    assert torch.equal(packcuda.position_ids(cu, device="cuda").cpu(), want)
+    assert torch.equal(packcuda.position_ids(cu_dev, device="cpu"), want)
+    ops = torch.ops.packcuda
+    assert torch.equal(ops.segment_positions(cu_dev, 5, torch.device("cuda")).cpu(), want)
+    assert torch.equal(ops.right_pad_indices(cu_dev, 3, 5, torch.device("cuda")).cpu(),
+                       torch.tensor([0, 1, 2, 3, 4]))
+
+
+# ------------------------------------------------------------------------------------ hypothesis parity
+@st.composite
+def _row_case(draw):
+    nd = draw(st.integers(1, 4))
+    shape = draw(st.lists(st.integers(0, 4), min_size=nd, max_size=nd))
+    dim = draw(st.integers(-nd, nd - 1))
+    view = draw(st.sampled_from(["plain", "transpose", "expand", "slice"]))
+    dtype = draw(st.sampled_from([torch.float32, torch.int64, torch.int16, torch.bfloat16, torch.bool]))
+    n = shape[dim]
+    index = draw(st.lists(st.integers(-1, n - 1), max_size=6))
+    perm = draw(st.permutations(list(range(n + 2))))[:n]
+    perm = [p if draw(st.booleans()) else -1 for p in perm]
+    return shape, dim, view, dtype, index, perm
+
+
+def _make_view(shape, view, dtype, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    nd = len(shape)
+    if view == "transpose" and nd >= 2:
+        base = _rand(tuple(reversed(shape[:2])) + tuple(shape[2:]), dtype, g)
+        return base.transpose(0, 1)
+    if view == "expand" and nd >= 2 and dim % nd != 0:
+        return _rand((1, *shape[1:]), dtype, g).expand(*shape)
+    if view == "slice":
+        return _rand((*shape[:-1], 2 * shape[-1]), dtype, g)[..., ::2]
+    return _rand(tuple(shape), dtype, g)
+
+
+@settings(max_examples=250, deadline=None)
+@given(c=_row_case(), seed=st.integers(0, 2**16))
+def test_gather_scatter_hypothesis(c, seed):
+    shape, dim, view, dtype, index, perm = c
+    src = _make_view(shape, view, dtype, dim, seed)
+    fill = 1 if dtype == torch.bool else -3
+    idx = torch.tensor(index, dtype=torch.int64)
+    devices = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+    for device in devices:
+        got = packcuda.gather_rows(src.to(device), idx.to(device), fill, dim=dim)
+        assert torch.equal(got.cpu(), _gather_ref(src, idx, fill, dim))
+        p = torch.tensor(perm, dtype=torch.int64)
+        got = packcuda.scatter_rows(src.to(device), p.to(device), len(perm) + 2, dim=dim)
+        assert torch.equal(got.cpu(), _scatter_ref(src, p, len(perm) + 2, dim))
+
+
+@settings(max_examples=120, deadline=None)
+@given(lens=st.lists(st.integers(0, 6), min_size=0, max_size=5), S=st.integers(0, 7), seed=st.integers(0, 99),
+       use_mask=st.booleans())
+def test_unpad_pad_hypothesis(lens, S, seed, use_mask):
+    lens = [min(n, S) for n in lens]
+    B = len(lens)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, 2, generator=g)
+    m = torch.arange(S)[None] < torch.tensor(lens, dtype=torch.int64).view(B, 1)
+    if use_mask and B and S:
+        m = torch.rand(B, S, generator=g) > 0.5
+    xp, idx, cu, mx = packcuda.unpad(x, m) if use_mask else packcuda.unpad(x, lengths=lens)
+    flat = m.reshape(-1)
+    assert torch.equal(idx, torch.nonzero(flat).flatten())
+    assert torch.equal(xp, x.reshape(B * S, 2)[flat])
+    assert cu.tolist() == [0] + torch.cumsum(m.sum(1), 0).tolist()
+    assert mx == (int(m.sum(1).max()) if B else 0)
+    assert torch.equal(packcuda.pad(xp, idx, B, S), x * m[..., None])

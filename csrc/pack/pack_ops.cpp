@@ -4,6 +4,7 @@
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
+#include "common/checked.h"
 #include "common/torch/checks.h"
 #include "pack/pack.h"
 
@@ -18,18 +19,30 @@ struct RowView {
   int64_t lead = 1, n = 0, row_bytes = 0, lead_bytes = 0;
 };
 
-// False when the strides do not allow that view without a copy.
+// False when the strides do not allow that view without a copy. A tensor without elements is always viewed
+// (its strides are arbitrary and no byte of it is ever read): lead and row come from the sizes alone.
 bool row_view(const Tensor& t, int64_t dim, RowView& v) {
   const auto sz = t.sizes();
   const auto st = t.strides();
   const int64_t nd = static_cast<int64_t>(sz.size());
   const int64_t esz = element_size(t.scalar_type());
+  v.n = sz[dim];
+  if (t.numel() == 0) {
+    // Callers view an empty src only for a non-empty output of the same lead and row (the zero is along
+    // dim), whose byte count was checked: these products fit.
+    int64_t inner = 1, lead = 1;
+    for (int64_t k = nd - 1; k > dim; --k) inner *= sz[k];
+    for (int64_t k = dim - 1; k >= 0; --k) lead *= sz[k];
+    v.lead = lead;
+    v.row_bytes = inner * esz;
+    v.lead_bytes = 0;
+    return true;
+  }
   int64_t inner = 1;
   for (int64_t k = nd - 1; k > dim; --k) {
     if (sz[k] != 1 && st[k] != inner) return false;
     inner *= sz[k];
   }
-  v.n = sz[dim];
   if (v.n > 1 && st[dim] != inner) return false;
   v.row_bytes = inner * esz;
   v.lead = 1;
@@ -78,23 +91,27 @@ RowView rows_of(Tensor& src, int64_t dim) {
   RowView v;
   if (!row_view(src, dim, v)) {
     src = torch::stable::contiguous(src);
-    row_view(src, dim, v);
+    if (!row_view(src, dim, v)) throw std::logic_error("packcuda: a contiguous tensor has no row view");
   }
   return v;
 }
 
-Tensor gather_rows(Tensor src, Tensor index, double fill, int64_t dim) {
+Tensor gather_rows(Tensor src, Tensor index, double fill, int64_t dim, std::optional<int64_t> fill_int) {
   const char* op = "gather_rows";
   dim = normalize_dim(op, "src", src, dim);
   index = checked_index(op, src, index);
   check_row_dtype(op, "src", src);
-  const RowView v = rows_of(src, dim);
-  if (src.is_cpu()) check_index_range(op, "index", index, -1, v.n, false);
+  const ST dt = src.scalar_type();
+  const uint64_t fbits = fill_int.has_value() ? fill_bits(op, "fill", dt, *fill_int) : fill_bits(op, "fill", dt, fill);
+  const int64_t n_src = src.size(dim);
+  if (src.is_cpu()) check_index_range(op, "index", index, -1, n_src, false);
   const int64_t n_out = index.numel();
-  Tensor out = new_tensor(resized(src, dim, n_out), src.scalar_type(), src.device());
-  if (n_out == 0 || v.lead == 0 || v.row_bytes == 0) return out;
-  const int esz = static_cast<int>(element_size(src.scalar_type()));
-  const uint64_t fbits = fill_bits(src.scalar_type(), fill);
+  const std::vector<int64_t> out_shape = resized(src, dim, n_out);
+  const int64_t out_bytes = checked_nbytes(op, "the output size", out_shape, dt);
+  Tensor out = new_tensor(out_shape, dt, src.device());
+  if (out_bytes == 0) return out;
+  const RowView v = rows_of(src, dim);
+  const int esz = static_cast<int>(element_size(dt));
   if (src.is_cuda()) {
     PC_CUDA_ONLY({
       CudaScope cs(src);
@@ -116,13 +133,16 @@ Tensor scatter_rows(Tensor src, Tensor index, int64_t num_rows, int64_t dim) {
   PC_ARG(index.numel() == src.size(dim), op, "index has ", index.numel(), " entries but src has ", src.size(dim),
          " rows", dim == 0 ? "" : detail::cat(" along dim ", dim));
   PC_ARG(num_rows >= 0, op, "num_rows must be >= 0, got ", num_rows);
-  const RowView v = rows_of(src, dim);
   if (src.is_cpu()) check_index_range(op, "index", index, -1, num_rows, /*unique=*/true);
-  Tensor out = new_tensor(resized(src, dim, num_rows), src.scalar_type(), src.device());
-  if (v.lead == 0 || v.row_bytes == 0) return out;
+  const ST dt = src.scalar_type();
+  const std::vector<int64_t> out_shape = resized(src, dim, num_rows);
+  const int64_t out_bytes = checked_nbytes(op, "the output size (num_rows)", out_shape, dt);
+  Tensor out = new_tensor(out_shape, dt, src.device());
+  if (out_bytes == 0) return out;
+  const RowView v = rows_of(src, dim);
   // Narrow rows: zero-fill then scatter (two light passes). Wide rows: invert the index (8 bytes a row) and
   // gather, so every output byte is written exactly once.
-  [[maybe_unused]] const int esz = static_cast<int>(element_size(src.scalar_type()));
+  [[maybe_unused]] const int esz = static_cast<int>(element_size(dt));
   [[maybe_unused]] const bool direct = v.row_bytes <= 64;
   if (src.is_cuda()) {
     PC_CUDA_ONLY({
@@ -135,9 +155,8 @@ Tensor scatter_rows(Tensor src, Tensor index, int64_t num_rows, int64_t dim) {
         Tensor inv = new_tensor({num_rows}, ST::Long, index.device());
         pack::invert_index_cuda(inv.mutable_data_ptr<int64_t>(), num_rows, index.const_data_ptr<int64_t>(),
                                 index.numel(), cs.stream);
-        if (num_rows > 0)
-          pack::gather_rows_cuda(out.mutable_data_ptr(), src.const_data_ptr(), inv.const_data_ptr<int64_t>(),
-                                 num_rows, v.row_bytes, 0, esz, cs.stream, v.lead, v.lead_bytes);
+        pack::gather_rows_cuda(out.mutable_data_ptr(), src.const_data_ptr(), inv.const_data_ptr<int64_t>(),
+                               num_rows, v.row_bytes, 0, esz, cs.stream, v.lead, v.lead_bytes);
       }
     });
   } else {
@@ -152,7 +171,8 @@ Tensor segment_positions(Tensor cu_seqlens, int64_t total, std::optional<Device>
   PC_ARG(total >= 0, op, "total must be >= 0, got ", total);
   const Device target = target_device(cu_seqlens, device);
   Segments seg = segments(op, "cu_seqlens", cu_seqlens, target, total);
-  Tensor out = torch::stable::new_empty(seg.tensor, {total}, ST::Long);
+  checked_nbytes(op, "total", {total}, ST::Long);
+  Tensor out = new_tensor({total}, ST::Long, target);
   if (total == 0) return out;
   if (out.is_cuda()) {
     PC_CUDA_ONLY({
@@ -169,10 +189,14 @@ Tensor next_token_labels(Tensor input_ids, Tensor cu_seqlens, int64_t ignore_ind
   const char* op = "next_token_labels";
   check_dim(op, "input_ids", input_ids, 1);
   check_dtype(op, "input_ids", input_ids, {ST::Int, ST::Long});
-  input_ids = torch::stable::contiguous(input_ids);
+  int64_t lo, hi;
+  int_dtype_range(input_ids.scalar_type(), lo, hi);
+  PC_ARG(ignore_index >= lo && ignore_index <= hi, op, "ignore_index=", ignore_index, " is out of range for ",
+         dtype_name(input_ids.scalar_type()), " input_ids [", lo, ", ", hi, "]");
+  input_ids = dense(input_ids);
   const int64_t total = input_ids.numel();
   Segments seg = segments(op, "cu_seqlens", cu_seqlens, input_ids.device(), total);
-  Tensor out = torch::stable::new_empty(input_ids, {total});
+  Tensor out = new_tensor({total}, input_ids.scalar_type(), input_ids.device());
   if (total == 0) return out;
   const int esz = static_cast<int>(element_size(input_ids.scalar_type()));
   if (out.is_cuda()) {
@@ -191,12 +215,16 @@ Tensor next_token_labels(Tensor input_ids, Tensor cu_seqlens, int64_t ignore_ind
 Tensor right_pad_indices(Tensor cu_seqlens, int64_t seqlen, int64_t total, std::optional<Device> device) {
   const char* op = "right_pad_indices";
   PC_ARG(seqlen >= 0, op, "seqlen must be >= 0, got ", seqlen);
+  PC_ARG(total >= 0, op, "total must be >= 0, got ", total);
   const Device target = target_device(cu_seqlens, device);
   Segments seg = segments(op, "cu_seqlens", cu_seqlens, target, total);
+  // the flat positions b * seqlen + j must fit int64
+  checked::mul(op, "batch size * seqlen", seg.count, seqlen);
   for (int64_t i = 0; seg.on_host && i < seg.count; ++i)
     PC_ARG(seg.host[i + 1] - seg.host[i] <= seqlen, op, "length of sequence ", i, " (",
            seg.host[i + 1] - seg.host[i], ") exceeds seqlen ", seqlen);
-  Tensor out = torch::stable::new_empty(seg.tensor, {total}, ST::Long);
+  checked_nbytes(op, "total", {total}, ST::Long);
+  Tensor out = new_tensor({total}, ST::Long, target);
   if (total == 0) return out;
   if (out.is_cuda()) {
     PC_CUDA_ONLY({
@@ -214,28 +242,31 @@ Tensor mask_indices(Tensor mask, Tensor cu_seqlens, int64_t total) {
   const char* op = "mask_indices";
   check_dim(op, "attention_mask", mask, 2);
   check_dtype(op, "attention_mask", mask, {ST::Bool, ST::Byte});
-  mask = torch::stable::contiguous(mask);
+  PC_ARG(total >= 0, op, "total must be >= 0, got ", total);
+  mask = dense(mask);
   Segments seg = segments(op, "cu_seqlens", cu_seqlens, mask.device(), total);
-  PC_ARG(seg.count == mask.size(0), op, "cu_seqlens has ", seg.count, " segments but attention_mask has ",
-         mask.size(0), " rows");
-  Tensor out = torch::stable::new_empty(seg.tensor, {total}, ST::Long);
-  if (total == 0) return out;
+  const int64_t rows = mask.size(0), cols = mask.size(1);
+  PC_ARG(seg.count == rows, op, "cu_seqlens has ", seg.count, " segments but attention_mask has ", rows, " rows");
   const auto* m = static_cast<const uint8_t*>(mask.const_data_ptr());
-  if (out.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(out);
-      pack::mask_indices_cuda(out.mutable_data_ptr<int64_t>(), m, mask.size(0), mask.size(1), seg.ptr(),
-                              cs.stream);
-    });
-  } else {
+  if (mask.is_cpu()) {
     // On the host the counts are checked against the mask before anything is written.
-    for (int64_t r = 0; r < mask.size(0); ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       int64_t c = 0;
-      for (int64_t j = 0; j < mask.size(1); ++j) c += m[r * mask.size(1) + j] != 0;
+      for (int64_t j = 0; j < cols; ++j) c += m[r * cols + j] != 0;
       PC_ARG(c == seg.host[r + 1] - seg.host[r], op, "row ", r, " of attention_mask has ", c,
              " set entries but cu_seqlens gives ", seg.host[r + 1] - seg.host[r]);
     }
-    pack::mask_indices_cpu(out.mutable_data_ptr<int64_t>(), m, mask.size(0), mask.size(1), seg.ptr());
+  }
+  checked_nbytes(op, "total", {total}, ST::Long);
+  Tensor out = new_tensor({total}, ST::Long, mask.device());
+  if (total == 0) return out;
+  if (out.is_cuda()) {
+    PC_CUDA_ONLY({
+      CudaScope cs(out);
+      pack::mask_indices_cuda(out.mutable_data_ptr<int64_t>(), m, rows, cols, seg.ptr(), cs.stream);
+    });
+  } else {
+    pack::mask_indices_cpu(out.mutable_data_ptr<int64_t>(), m, rows, cols, seg.ptr());
   }
   return out;
 }
@@ -244,7 +275,7 @@ Tensor mask_indices(Tensor mask, Tensor cu_seqlens, int64_t total) {
 }  // namespace packcuda::th
 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
-  m.def("gather_rows(Tensor src, Tensor index, float fill=0., int dim=0) -> Tensor");
+  m.def("gather_rows(Tensor src, Tensor index, float fill=0., int dim=0, int? fill_int=None) -> Tensor");
   m.def("scatter_rows(Tensor src, Tensor index, int num_rows, int dim=0) -> Tensor");
   m.def("segment_positions(Tensor cu_seqlens, int total, Device? device=None) -> Tensor");
   m.def("next_token_labels(Tensor input_ids, Tensor cu_seqlens, int ignore_index=-100) -> Tensor");

@@ -1,6 +1,10 @@
 #include "common/torch/checks.h"
+#include "common/checked.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 #include <sstream>
@@ -150,6 +154,7 @@ Segments segments(const char* op, const char* name, const Tensor& cu, const torc
   check_dim(op, name, cu, 1);
   check_dtype(op, name, cu, {ST::Int, ST::Long});
   PC_ARG(cu.numel() >= 1, op, name, " must have at least one entry (it starts with 0)");
+  check_device_kind(op, "device", target);
   Segments s;
   s.count = cu.numel() - 1;
   if (cu.is_cpu()) {
@@ -184,42 +189,116 @@ int64_t row_bytes_of(const Tensor& t) {
   return n;
 }
 
-uint64_t fill_bits(ST t, double value) {
+bool int_dtype_range(ST t, int64_t& lo, int64_t& hi) {
+  switch (t) {
+    case ST::Bool: lo = 0, hi = 1; return true;
+    case ST::Byte: lo = 0, hi = 255; return true;
+    case ST::Char: lo = -128, hi = 127; return true;
+    case ST::Short: lo = -32768, hi = 32767; return true;
+    case ST::Int: lo = std::numeric_limits<int32_t>::min(), hi = std::numeric_limits<int32_t>::max(); return true;
+    case ST::Long: lo = std::numeric_limits<int64_t>::min(), hi = std::numeric_limits<int64_t>::max(); return true;
+    default: return false;
+  }
+}
+
+namespace {
+// Bits of a floating fill; a finite value that the dtype rounds to infinity is refused.
+uint64_t float_fill_bits(const char* op, const char* name, ST t, double value) {
   uint64_t bits = 0;
   auto put = [&](auto v) { std::memcpy(&bits, &v, sizeof(v)); };
+  double held = value;
   switch (t) {
-    case ST::Bool: put(static_cast<uint8_t>(value != 0)); break;
-    case ST::Byte: put(static_cast<uint8_t>(value)); break;
-    case ST::Char: put(static_cast<int8_t>(value)); break;
-    case ST::Short: put(static_cast<int16_t>(value)); break;
-    case ST::Int: put(static_cast<int32_t>(value)); break;
-    case ST::Long: put(static_cast<int64_t>(value)); break;
-    case ST::Half: put(c10::Half(static_cast<float>(value))); break;
-    case ST::BFloat16: put(c10::BFloat16(static_cast<float>(value))); break;
-    case ST::Float: put(static_cast<float>(value)); break;
+    case ST::Half: { const c10::Half h(static_cast<float>(value)); held = static_cast<float>(h); put(h); break; }
+    case ST::BFloat16: { const c10::BFloat16 h(static_cast<float>(value)); held = static_cast<float>(h); put(h); break; }
+    case ST::Float: { const float f = static_cast<float>(value); held = f; put(f); break; }
     case ST::Double: put(value); break;
-    default: break;
+    default: PC_ARG(false, op, name, ": dtype ", dtype_name(t), " is not supported");
+  }
+  PC_ARG(!std::isfinite(value) || std::isfinite(held), op, name, "=", value, " is beyond the finite range of ",
+         dtype_name(t));
+  return bits;
+}
+
+uint64_t int_fill_bits(ST t, int64_t v) {
+  uint64_t bits = 0;
+  auto put = [&](auto x) { std::memcpy(&bits, &x, sizeof(x)); };
+  switch (t) {
+    case ST::Bool: case ST::Byte: put(static_cast<uint8_t>(v)); break;
+    case ST::Char: put(static_cast<int8_t>(v)); break;
+    case ST::Short: put(static_cast<int16_t>(v)); break;
+    case ST::Int: put(static_cast<int32_t>(v)); break;
+    default: put(v); break;
   }
   return bits;
+}
+}  // namespace
+
+uint64_t fill_bits(const char* op, const char* name, ST t, double value) {
+  int64_t lo, hi;
+  if (!int_dtype_range(t, lo, hi)) return float_fill_bits(op, name, t, value);
+  // -2^63 and 2^63 are exact doubles: the range test is exact for every double (NaN fails it too)
+  const bool in_range = value >= static_cast<double>(lo) &&
+                        (t == ST::Long ? value < 9223372036854775808.0 : value <= static_cast<double>(hi));
+  PC_ARG(in_range && std::trunc(value) == value, op, name, "=", value, " cannot be held exactly by ",
+         dtype_name(t), " (integral values in [", lo, ", ", hi, "] only)");
+  return int_fill_bits(t, static_cast<int64_t>(value));
+}
+
+uint64_t fill_bits(const char* op, const char* name, ST t, int64_t value) {
+  int64_t lo, hi;
+  if (!int_dtype_range(t, lo, hi)) return float_fill_bits(op, name, t, static_cast<double>(value));
+  PC_ARG(value >= lo && value <= hi, op, name, "=", value, " is out of range for ", dtype_name(t), " [", lo, ", ",
+         hi, "]");
+  return int_fill_bits(t, value);
 }
 
 void check_index_range(const char* op, const char* name, const Tensor& index, int64_t lo, int64_t hi,
                        bool unique) {
   const int64_t* p = index.const_data_ptr<int64_t>();
   const int64_t n = index.numel();
-  std::vector<uint8_t> seen(unique && hi > 0 ? hi : 0, 0);
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i)
     PC_ARG(p[i] >= lo && p[i] < hi, op, name, "[", i, "]=", p[i], " is out of range [", lo, ", ", hi, ")");
-    if (unique && p[i] >= 0) {
+  if (!unique || n < 2) return;
+  // A byte per row when the rows are not many more than the index entries, else a sorted copy.
+  if (hi <= 16 * n + 4096) {
+    std::vector<uint8_t> seen(hi > 0 ? hi : 0, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (p[i] < 0) continue;
       PC_ARG(!seen[p[i]], op, name, " must not repeat a row, but ", p[i], " appears twice");
       seen[p[i]] = 1;
     }
+  } else {
+    std::vector<int64_t> v;
+    v.reserve(n);
+    for (int64_t i = 0; i < n; ++i)
+      if (p[i] >= 0) v.push_back(p[i]);
+    std::sort(v.begin(), v.end());
+    const auto d = std::adjacent_find(v.begin(), v.end());
+    PC_ARG(d == v.end(), op, name, " must not repeat a row, but ", (d == v.end() ? 0 : *d), " appears twice");
   }
 }
 
+int64_t checked_nbytes(const char* op, const char* what, const std::vector<int64_t>& sizes, ST t) {
+  int64_t n = element_size(t);
+  for (int64_t s : sizes) PC_ARG(s >= 0, op, what, " has a negative size ", s);
+  for (int64_t s : sizes)
+    if (s == 0) return 0;
+  for (int64_t s : sizes) n = checked::mul(op, what, n, s);
+  return n;
+}
+
 torch::stable::Device target_device(const Tensor& meta, const std::optional<torch::stable::Device>& device) {
-  if (device.has_value()) return *device;
-  return meta.device();
+  torch::stable::Device d = device.has_value() ? *device : meta.device();
+  if (d.is_cuda() && !d.has_index()) d.set_index(torch::stable::accelerator::getCurrentDeviceIndex());
+  return d;
+}
+
+void check_device_kind(const char* op, const char* name, const torch::stable::Device& d) {
+  const auto ty = d.type();
+  PC_ARG(d.is_cpu() || d.is_cuda(), op, name, "=",
+         ty == torch::headeronly::DeviceType::Meta ? std::string("meta")
+                                                   : detail::cat("device type ", static_cast<int>(ty)),
+         " is not supported (packcuda runs on cpu and cuda)");
 }
 
 cudaStream_t current_stream(int32_t device_index) {

@@ -90,13 +90,26 @@ struct CudaScope {
 void check_row_dtype(const char* op, const char* name, const Tensor& t);
 std::vector<int64_t> shape_of(const Tensor& t);
 int64_t row_bytes_of(const Tensor& t);  // bytes of one slice along dim 0 (t contiguous)
-// One element of dtype t holding `value`, as raw bits.
-uint64_t fill_bits(ST t, double value);
-// Host check of an int64 index tensor: values in [lo, hi), unique among those >= 0 when asked.
+// One element of dtype t holding `value`, as raw bits. A value the dtype cannot hold is refused (naming op and
+// name): bool takes 0 or 1; integer dtypes take integral values in their range; floating dtypes take NaN, +-inf
+// and any finite value that stays finite in the dtype (it is rounded to the nearest representable value).
+uint64_t fill_bits(const char* op, const char* name, ST t, double value);
+// The same for an integer value (carried as an integer end to end: no rounding through a double for int64).
+uint64_t fill_bits(const char* op, const char* name, ST t, int64_t value);
+// Range [lo, hi] of an integer dtype (int8 .. int64, uint8, bool); false for other dtypes.
+bool int_dtype_range(ST t, int64_t& lo, int64_t& hi);
+// Host check of an int64 index tensor: values in [lo, hi), unique among those >= 0 when asked. Memory use is
+// bounded by the index length (a huge hi with a short index does not allocate hi bytes).
 void check_index_range(const char* op, const char* name, const Tensor& index, int64_t lo, int64_t hi,
                        bool unique);
-// The device outputs go to: `device` when given, else the metadata's device.
+// Bytes of a contiguous tensor of `sizes` and dtype t, with checked arithmetic (an overflow is refused naming
+// op and what).
+int64_t checked_nbytes(const char* op, const char* what, const std::vector<int64_t>& sizes, ST t);
+// The device outputs go to: `device` when given, else the metadata's device. An index-less CUDA device means
+// the current CUDA device. (segments() refuses targets other than cpu and cuda.)
 torch::stable::Device target_device(const Tensor& meta, const std::optional<torch::stable::Device>& device);
+// Refuses devices packcuda has no kernels for (meta, ...), naming op and name.
+void check_device_kind(const char* op, const char* name, const torch::stable::Device& d);
 
 #ifdef USE_CUDA
 #define PC_CUDA_ONLY(...) __VA_ARGS__
