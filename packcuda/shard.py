@@ -357,23 +357,30 @@ _CPU = torch.device("cpu")
 _INT_ONLY = {int}
 
 
-def _fill_value(op: str, name: str, value, dtype: torch.dtype) -> float:
-    """A fill value for pad slots of a ``dtype`` tensor, as the float the row gather takes. Floating dtypes take
-    any real number (NaN and infinities included); integer dtypes an integer value that the dtype holds and
-    that a float carries exactly (bool: 0 or 1). Anything else is refused, naming ``packcuda.<op>`` and
-    `name`, before any op runs."""
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"packcuda.{op}: {name} must be a real number, got {value!r} ({type(value).__name__})")
-    v = float(value)
+def _fill_value(op: str, name: str, value, dtype: torch.dtype):
+    """A fill value for pad slots of a ``dtype`` tensor: a float for floating dtypes (any real number, NaN and
+    infinities included), an int for integer dtypes (an integral value the dtype holds, carried as an integer
+    so int64 stays exact; bool: 0 or 1). Anything else is refused, naming ``packcuda.<op>`` and `name`, before
+    any op runs."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if not isinstance(value, bool):
+            raise TypeError(f"packcuda.{op}: {name} must be a real number, got {value!r} ({type(value).__name__})")
     if dtype.is_floating_point or dtype.is_complex:
-        return v
-    if not math.isfinite(v) or not v.is_integer():
-        raise ValueError(f"packcuda.{op}: {name}={value!r} is not an integer value, but the tensor is {dtype}")
-    info = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
-    if not info[0] <= int(v) <= info[1] or (isinstance(value, numbers.Integral) and int(v) != int(value)):
+        return float(value)
+    if isinstance(value, numbers.Integral):
+        iv = int(value)
+    else:
+        v = float(value)
+        if not math.isfinite(v) or not v.is_integer():
+            raise ValueError(f"packcuda.{op}: {name}={value!r} is not an integer value, but the tensor is {dtype}")
+        iv = int(v)
+    lo, hi = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    if not lo <= iv <= hi:
         raise ValueError(f"packcuda.{op}: {name}={value!r} does not fit the tensor's dtype {dtype} "
-                         f"(range [{info[0]}, {info[1]}]{', exactly as a float' if dtype == torch.int64 else ''})")
-    return v
+                         f"(range [{lo}, {hi}])")
+    return iv
+
+
 _shard_plan_op = ops.shard_plan.default
 
 

@@ -140,8 +140,6 @@ CASES = [
          op="ShardPlan.shard"),
     Case("ShardPlan.shard", "fill_above_int32", lambda: call(_plan().shard, torch.arange(9, dtype=torch.int32),
                                                             fill=2**31), arg="fill", op="ShardPlan.shard"),
-    Case("ShardPlan.shard", "fill_inexact_int64", lambda: call(_plan().shard, torch.arange(9), fill=2**62 + 1),
-         arg="fill", op="ShardPlan.shard"),
     Case("ShardPlan.shard", "fill_uint8_negative", lambda: call(_plan().shard, torch.zeros(9, dtype=torch.uint8),
                                                                fill=-1), arg="fill", op="ShardPlan.shard"),
     Case("ShardPlan.shard", "fill_bool_2", lambda: call(_plan().shard, torch.zeros(9, dtype=torch.bool), fill=2),

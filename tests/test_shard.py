@@ -596,6 +596,8 @@ def test_edge_arguments_that_work():
     plan = packcuda.shard_plan([0, 3, 5], 2, 0)
     x = torch.arange(5)
     assert plan.shard(x, fill=-(2**53)).tolist() == [0, -(2**53), 3, -(2**53)]
+    assert plan.shard(x, fill=2**62 + 1).tolist() == [0, 2**62 + 1, 3, 2**62 + 1]  # integers stay integers
+    assert plan.labels(x, ignore_index=2**53 + 1).tolist() == [1, 2**53 + 1, 4, 2**53 + 1]
     assert plan.shard(x, fill=7.0).tolist() == [0, 7, 3, 7]
     assert plan.shard(x.to(torch.uint8), fill=255).tolist() == [0, 255, 3, 255]
     assert plan.shard(x > 2, fill=True).tolist() == [False, True, True, True]
