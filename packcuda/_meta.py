@@ -71,6 +71,11 @@ def resolve_device(op: str, name: str, device) -> Optional[torch.device]:
     except (RuntimeError, TypeError) as e:
         raise (TypeError if not isinstance(device, (str, int)) else ValueError)(
             f"packcuda.{op}: {name}={device!r} is not a device") from e
+    if isinstance(device, str) and ":" in device:
+        # torch keeps the index in 8 bits ("cuda:4096" would silently become cuda:0): compare with the text
+        idx = device.rsplit(":", 1)[1].strip()
+        if not idx.isdigit() or int(idx) != d.index:
+            raise ValueError(f"packcuda.{op}: {name}={device!r} is not a device index torch can hold")
     if d.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0 or (d.index is not None and not 0 <= d.index < n):

@@ -266,6 +266,10 @@ def _resolve(name, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_sect
             raise TypeError(f"packcuda.{name}: inv_freq must be a float32 tensor, got {type(inv_freq).__name__}")
         inv = inv_freq
         rd = 2 * inv.numel() if rotary_dim is None else check_int(name, "rotary_dim", rotary_dim)
+    meta = q.device.type == "meta"
+    for arg, x in (("k", k), ("positions", positions), ("inv_freq", inv)):
+        if (x.device.type == "meta") != meta:  # a meta tensor mixed with real ones would give no real result
+            raise ValueError(f"packcuda.{name}: {arg} is on {x.device} but q is on {q.device}")
     section = []
     if mrope_section is not None:
         if isinstance(mrope_section, (str, bytes)) or not hasattr(mrope_section, "__len__"):

@@ -69,7 +69,7 @@ CASES = [
          make=lambda: _pp(image_grid_thw=[[1, 2**62 + 1, 4]])),
     Case(PP, "grid_float", op="mrope_position_ids", arg="image_grid_thw", exc=TypeError,
          make=lambda: _pp(image_grid_thw=[[1.5, 4, 4]])),
-    Case(PP, "seconds_nan", op="mrope_position_ids", arg="second_per_grid_ts",
+    Case(PP, "seconds_nan", arg="second_per_grid_ts",
          make=lambda: _pp(_ids(0, 8), image_grid_thw=None, video_grid_thw=[[2, 4, 4]],
                           second_per_grid_ts=[float("nan")])),
     Case(PP, "seconds_nan_whole_rule", arg="second_per_grid_ts",

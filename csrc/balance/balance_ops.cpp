@@ -104,8 +104,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
       "str workload=\"attention\", int workload_coef=24576) -> (Tensor, Tensor)");
 }
 
-// Host metadata work: a CPU kernel only (the facade hands CPU tensors; a device tensor is refused).
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
-  m.impl("plan_micro_batches", TORCH_BOX(&packcuda::th::plan_micro_batches));
+// Host metadata work: a CPU kernel (the facade hands CPU tensors; a device tensor is refused).
+#define PC_BALANCE_IMPLS(m)                                                       \
+  m.impl("plan_micro_batches", TORCH_BOX(&packcuda::th::plan_micro_batches));     \
   m.impl("balance_across_ranks", TORCH_BOX(&packcuda::th::balance_across_ranks));
-}
+
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_BALANCE_IMPLS(m) }
+#ifdef USE_CUDA
+// registered for CUDA too, only so that a device tensor gets the op's own clear refusal
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) { PC_BALANCE_IMPLS(m) }
+#endif

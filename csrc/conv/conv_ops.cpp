@@ -452,6 +452,7 @@ STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
 #ifdef USE_CUDA
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
   PC_CONV_IMPLS(m)
+  m.impl("conv_prefix_schedule", TORCH_BOX(&packcuda::th::conv_prefix_schedule));  // refuses device metadata
   m.impl("conv_exchange_run", TORCH_BOX(&packcuda::th::conv_exchange_run));
 }
 #endif

@@ -200,8 +200,9 @@ def _flat_ids(input_ids: torch.Tensor, fn: str) -> torch.Tensor:
     return input_ids
 
 
-def _whole_seconds(second_per_grid_ts, fn: str):
-    """second_per_grid_ts truncated to whole seconds (the "whole" video_seconds rule), checked as the op does."""
+def _checked_seconds(second_per_grid_ts, fn: str, whole: bool):
+    """second_per_grid_ts checked as the op does (finite, >= 0; refused naming `fn`), truncated to whole seconds
+    under the "whole" video_seconds rule."""
     if second_per_grid_ts is None:
         return None
     from packcuda.mrope import _seconds
@@ -211,7 +212,7 @@ def _whole_seconds(second_per_grid_ts, fn: str):
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"packcuda.{fn}: second_per_grid_ts[{i}] must be finite and >= 0, got {float(secs[i])}")
-    return secs.trunc()
+    return secs.trunc() if whole else second_per_grid_ts
 
 
 def packed_position_ids(input_ids: torch.Tensor, cu_seqlens, config, *, image_grid_thw=None, video_grid_thw=None,
@@ -240,8 +241,8 @@ def packed_position_ids(input_ids: torch.Tensor, cu_seqlens, config, *, image_gr
         raise ValueError(f"packcuda.{fn}: text_after_vision must be 'grid', 'max' or None, got {text_after_vision!r}")
     if video_seconds is not None and video_seconds not in ("float", "whole"):
         raise ValueError(f"packcuda.{fn}: video_seconds must be 'float', 'whole' or None, got {video_seconds!r}")
-    if (video_seconds or video_seconds_default()) == "whole" and fam.video_seconds:
-        second_per_grid_ts = _whole_seconds(second_per_grid_ts, fn)
+    whole = (video_seconds or video_seconds_default()) == "whole" and fam.video_seconds
+    second_per_grid_ts = _checked_seconds(second_per_grid_ts, fn, whole)
     spec_cls = _require("MRopeSpec")
     spec = spec_cls.from_hf_config(cfg, text_after_vision=text_after_vision or _text_after_vision_default())
     pos, text_pos, _ = spec.position_ids(ids, cu_seqlens, image_grid_thw=image_grid_thw,
