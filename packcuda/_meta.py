@@ -30,6 +30,8 @@ def _is_bool_tensor(v) -> bool:
 def check_int(op: str, name: str, value, *, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
     """`value` as a Python int, refusing what is not an integer (bool, float, 0-d float tensor) with a TypeError
     and what lies outside [lo, hi] (default: int64) with a ValueError, both naming ``packcuda.<op>`` and `name`."""
+    if type(value) is int and (INT64_MIN if lo is None else lo) <= value <= (INT64_MAX if hi is None else hi):
+        return value  # the common case, without the ABC checks below (these sit on per-call host paths)
     if isinstance(value, (bool, float)) or _is_bool_tensor(value) or not (
         isinstance(value, numbers.Integral) or hasattr(value, "__index__")
     ):
@@ -49,6 +51,8 @@ def check_float(op: str, name: str, value, *, lo: Optional[float] = None, hi: Op
                 lo_open: bool = False) -> float:
     """`value` as a finite Python float in [lo, hi] (or (lo, hi] with lo_open); bools and non-numbers are a
     TypeError, NaN/inf and out-of-range values a ValueError, naming ``packcuda.<op>`` and `name`."""
+    if type(value) is float and math.isfinite(value) and lo is None and hi is None:
+        return value  # the common case, without the ABC checks below
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"packcuda.{op}: {name} must be a real number, got {value!r} ({type(value).__name__})")
     v = float(value)

@@ -278,7 +278,10 @@ def _resolve(name, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_sect
         if len(mrope_section) != 3:
             raise ValueError(f"packcuda.{name}: mrope_section must have 3 entries (t, h, w), got "
                              f"{list(mrope_section)}")
-        section = [check_int(name, f"mrope_section[{i}]", v, lo=0) for i, v in enumerate(mrope_section)]
+        if all(type(v) is int and 0 <= v < 2**63 for v in mrope_section):  # the common case, checked
+            section = list(mrope_section)
+        else:
+            section = [check_int(name, f"mrope_section[{i}]", v, lo=0) for i, v in enumerate(mrope_section)]
     return positions, inv, rd, section, bool(mrope_interleaved), _STYLES[rotary_style], scale
 
 
