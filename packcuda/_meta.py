@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import struct
 from typing import Optional, Sequence, Union
 
 import torch
@@ -98,9 +99,27 @@ def _who(op: Optional[str]) -> str:
     return f"packcuda.{op}" if op else "packcuda"
 
 
+def plain_ints(values) -> Optional[torch.Tensor]:
+    """The fast path of host metadata: a CPU int64 tensor of a non-empty list/tuple of plain Python ints
+    within int64, or None (then :func:`host_tensor`'s general path decides). struct packs the list in C,
+    several times faster than torch.tensor for a thousand entries; only plain ints take this path (struct
+    would also take bools and other __index__ objects)."""
+    if type(values) not in (list, tuple) or not values or {*map(type, values)} != {int} or (
+            torch.compiler.is_compiling()):
+        return None
+    try:
+        buf = bytearray(struct.pack(f"{len(values)}q", *values))
+    except (struct.error, OverflowError):
+        return None
+    return torch.frombuffer(buf, dtype=torch.int64)
+
+
 def host_tensor(values: IntsLike, name: str = "cu_seqlens", *, op: Optional[str] = None) -> torch.Tensor:
     """CPU int64 1-D tensor of host metadata (no device involved). Refuses what is not a 1-D sequence of
     integers (None, floats, bools, nested lists, 2-D tensors or arrays) and values outside int64."""
+    fast = plain_ints(values)
+    if fast is not None:
+        return fast
     who = _who(op)
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":

@@ -55,17 +55,6 @@ _EMPTY_GRID = torch.empty(0, 3, dtype=torch.int64)
 _EMPTY_SECS = torch.empty(0, dtype=torch.float32)
 
 
-def _ints_fast(values) -> Optional[torch.Tensor]:
-    """CPU int64 [n] of a non-empty list/tuple of plain ints, or None when the general path must decide."""
-    if (type(values) not in (list, tuple) or not values or set(map(type, values)) != {int}
-            or torch.compiler.is_compiling()):
-        return None
-    try:
-        return torch.frombuffer(array("q", values), dtype=torch.int64)
-    except OverflowError:
-        return None
-
-
 _FN = "mrope_position_ids"
 
 
@@ -73,8 +62,7 @@ def _cu(cu_seqlens) -> torch.Tensor:
     if isinstance(cu_seqlens, torch.Tensor):
         if not cu_seqlens.is_cpu or (cu_seqlens.dim() == 1 and cu_seqlens.dtype in (torch.int32, torch.int64)):
             return cu_seqlens  # the op checks it (device tensors: dtype/shape/device; host: every value)
-    fast = _ints_fast(cu_seqlens)
-    return fast if fast is not None else op_metadata(cu_seqlens, "cu_seqlens", op=_FN)
+    return op_metadata(cu_seqlens, "cu_seqlens", op=_FN)  # lists of plain ints take host_tensor's fast path
 
 
 def _grid(g: GridLike, name: str, op: str = _FN) -> torch.Tensor:

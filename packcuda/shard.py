@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 from typing import List, Optional, Union
 
 import torch
@@ -343,9 +342,7 @@ def shard_plan(
         device = _CPU if device is None else resolve_device(op, "device", device)
     if is_device_tensor(cu_seqlens):
         cu_seqlens = cu_seqlens.cpu()  # the one documented sync of device metadata
-    cu = _host_ints(cu_seqlens) if type(cu_seqlens) in (list, tuple) else None
-    if cu is None:
-        cu = host_tensor(cu_seqlens, "cu_seqlens", op=op)
+    cu = host_tensor(cu_seqlens, "cu_seqlens", op=op)
     align = (2 * cp_size if code == 0 else 1) if align is None else check_int(op, "align", align)
     bucket = None if bucket is None else check_int(op, "bucket", bucket)
     built = _shard_plan_op(cu, cp_size, cp_rank, code, align, bucket, device)
@@ -354,7 +351,6 @@ def shard_plan(
 
 
 _CPU = torch.device("cpu")
-_INT_ONLY = {int}
 
 
 def _fill_value(op: str, name: str, value, dtype: torch.dtype):
@@ -384,14 +380,3 @@ def _fill_value(op: str, name: str, value, dtype: torch.dtype):
 _shard_plan_op = ops.shard_plan.default
 
 
-def _host_ints(values) -> Optional[torch.Tensor]:
-    """CPU int64 tensor of a non-empty list/tuple of Python ints, or None (then the general path checks it).
-    struct packs the list in C, several times faster than array/torch.tensor for a thousand entries. Only
-    plain ints take this path (struct would also take bools and other __index__ objects)."""
-    if not values or {*map(type, values)} != _INT_ONLY:
-        return None
-    try:
-        buf = bytearray(struct.pack(f"{len(values)}q", *values))
-    except (struct.error, TypeError, OverflowError):
-        return None
-    return torch.frombuffer(buf, dtype=torch.int64)

@@ -70,10 +70,6 @@ void check_same_device(const char* op, const char* name, const Tensor& t, const 
   PC_ARG(same, op, name, " is on ", device_str(t), " but ", ref_name, " is on ", device_str(ref));
 }
 
-void check_contiguous(const char* op, const char* name, const Tensor& t) {
-  PC_ARG(t.is_contiguous(), op, name, " must be contiguous");
-}
-
 Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stable::Device& device, bool pinned) {
   const int64_t nd = static_cast<int64_t>(sizes.size());
   std::vector<int64_t> strides(nd);
@@ -181,12 +177,6 @@ std::vector<int64_t> shape_of(const Tensor& t) {
   std::vector<int64_t> s(t.dim());
   for (int64_t i = 0; i < t.dim(); ++i) s[i] = t.size(i);
   return s;
-}
-
-int64_t row_bytes_of(const Tensor& t) {
-  int64_t n = element_size(t.scalar_type());
-  for (int64_t i = 1; i < t.dim(); ++i) n *= t.size(i);
-  return n;
 }
 
 bool int_dtype_range(ST t, int64_t& lo, int64_t& hi) {

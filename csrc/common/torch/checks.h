@@ -36,7 +36,6 @@ void check_dtype(const char* op, const char* name, const Tensor& t, std::initial
 void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim);
 void check_same_device(const char* op, const char* name, const Tensor& t, const char* ref_name,
                        const Tensor& ref);
-void check_contiguous(const char* op, const char* name, const Tensor& t);
 int64_t element_size(ST t);
 
 // Segment boundaries (cu_seqlens) given either on the host (CPU tensor) or on the data's device.
@@ -89,7 +88,6 @@ struct CudaScope {
 // Row ops move any dtype of 1, 2, 4 or 8 bytes.
 void check_row_dtype(const char* op, const char* name, const Tensor& t);
 std::vector<int64_t> shape_of(const Tensor& t);
-int64_t row_bytes_of(const Tensor& t);  // bytes of one slice along dim 0 (t contiguous)
 // One element of dtype t holding `value`, as raw bits. A value the dtype cannot hold is refused (naming op and
 // name): bool takes 0 or 1; integer dtypes take integral values in their range; floating dtypes take NaN, +-inf
 // and any finite value that stays finite in the dtype (it is rounded to the nearest representable value).
