@@ -91,6 +91,14 @@ def resolve_device(op: str, name: str, device) -> Optional[torch.device]:
     return d
 
 
+def config_field(obj, name: str, default=None):
+    """A field of a model config given as an object or as a dict (transformers' nested text/vision configs
+    come either way)."""
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
 def is_device_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type != "cpu"
 

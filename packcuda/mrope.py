@@ -11,6 +11,7 @@ import torch
 
 from . import _lib
 from ._meta import IntsLike, check_float, check_int, is_device_tensor, op_metadata
+from ._meta import config_field as _get
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -235,12 +236,6 @@ def mrope_position_ids(
             ops.mrope_position_ids(input_ids.cpu(), cu_host, *args)  # raises the message naming the block
             raise ValueError(f"packcuda.mrope_position_ids: invalid run structure near token {key >> 24}")
     return pos, text_pos, deltas
-
-
-def _get(obj, name, default=None):
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
 
 
 _SPEC = "MRopeSpec"

@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 import packcuda
+from packcuda._meta import config_field as _get
 from packcuda._meta import host_list
 
 __all__ = [
@@ -137,12 +138,6 @@ def _check_version(allow_unverified_version: bool) -> str:
 def _config_of(model_or_config):
     cfg = getattr(model_or_config, "config", None)
     return cfg if cfg is not None else model_or_config
-
-
-def _get(obj, name, default=None):
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
 
 
 def _family_of(model_or_config, fn: str = "integrations.transformers", name: str = "model") -> _Family:
