@@ -9,12 +9,10 @@ PC_HD int64_t position_in_segment(const int64_t* cu, int64_t nseg, int64_t t) {
   return t - cu[find_segment(cu, nseg, t)];
 }
 
-// Source row of the next-token label of token t (of `total`), or -1 when t is the last token of its segment.
-// Never outside [0, total) and never reads past cu[nseg], also for device boundaries that disagree with total
-// (those are not checked on the host).
-PC_HD int64_t next_token_source(const int64_t* cu, int64_t nseg, int64_t total, int64_t t) {
+// Source row of the next-token label of token t, or -1 when t is the last token of its segment.
+PC_HD int64_t next_token_source(const int64_t* cu, int64_t nseg, int64_t t) {
   const int64_t s = find_segment(cu, nseg, t);
-  return (s < nseg && t + 1 < cu[s + 1] && t + 1 < total) ? t + 1 : -1;
+  return (t + 1 < cu[s + 1]) ? t + 1 : -1;
 }
 
 // Flat index in a right-padded [nseg, seqlen] batch of packed token t.

@@ -51,7 +51,7 @@ template <typename T>
 static void next_token_labels_impl(T* out, const T* ids, const int64_t* cu, int64_t nseg, int64_t total,
                                    int64_t ignore_index) {
   for (int64_t t = 0; t < total; ++t) {
-    const int64_t src = next_token_source(cu, nseg, total, t);
+    const int64_t src = next_token_source(cu, nseg, t);
     out[t] = src >= 0 ? ids[src] : static_cast<T>(ignore_index);
   }
 }

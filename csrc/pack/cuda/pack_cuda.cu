@@ -112,7 +112,7 @@ template <typename T>
 __global__ void next_token_labels_kernel(T* out, const T* ids, const int64_t* cu, int64_t nseg, int64_t total,
                                          int64_t ignore_index) {
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t src = next_token_source(cu, nseg, total, t);
+    const int64_t src = next_token_source(cu, nseg, t);
     out[t] = src >= 0 ? ids[src] : static_cast<T>(ignore_index);
   }
 }
