@@ -1,6 +1,7 @@
 """Packing: remove/restore padding, per-sequence positions, next-token labels, row gathers."""
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional, Sequence, Tuple, Union
 
@@ -56,25 +57,43 @@ def _check_dim(op: str, name: str, t: torch.Tensor, dim) -> int:
     return dim % nd
 
 
-def _check_index(op: str, index, src: torch.Tensor) -> torch.Tensor:
-    index = _check_tensor(op, "index", index)
+def _index_rules(op: str, index: torch.Tensor, src: torch.Tensor, name: str = "index", src_name: str = "src"):
+    """A row index is int64, 1-D and on its data's device (the facade and the fake kernels share this)."""
     if index.dtype != torch.int64:
-        raise ValueError(f"packcuda.{op}: index must have dtype int64, got {index.dtype}")
+        raise ValueError(f"packcuda.{op}: {name} must have dtype int64, got {index.dtype}")
     if index.dim() != 1:
-        raise ValueError(f"packcuda.{op}: index must be 1-D, got shape {list(index.shape)}")
-    _same_device(op, "index", index, "src", src)
+        raise ValueError(f"packcuda.{op}: {name} must be 1-D, got shape {list(index.shape)}")
+    _same_device(op, name, index, src_name, src)
+
+
+def _check_index(op: str, index, src: torch.Tensor, name: str = "index", src_name: str = "src") -> torch.Tensor:
+    index = _check_tensor(op, name, index)
+    _index_rules(op, index, src, name, src_name)
     return index
 
 
-def _fill_arg(op: str, fill) -> Union[int, float]:
-    """A fill value as a Python int (integers travel as integers: exact for int64) or float."""
+def _fill_arg(op: str, fill, name: str = "fill", dtype: Optional[torch.dtype] = None) -> Union[int, float]:
+    """A fill value as a Python int (integers travel as integers: exact for int64) or float. With `dtype`, the
+    value must also be one that dtype holds (bool: 0/1; integer dtypes: an integral value in range; floating
+    dtypes: any real), refused here naming `op`; without it the op itself refuses what src's dtype cannot hold."""
     if isinstance(fill, bool):
-        return int(fill)
-    if isinstance(fill, numbers.Integral):
-        return check_int(op, "fill", fill)
-    if isinstance(fill, numbers.Real):
-        return float(fill)
-    raise TypeError(f"packcuda.{op}: fill must be a real number, got {fill!r} ({type(fill).__name__})")
+        fill = int(fill)
+    elif isinstance(fill, numbers.Integral):
+        fill = check_int(op, name, fill)
+    elif isinstance(fill, numbers.Real):
+        fill = float(fill)
+    else:
+        raise TypeError(f"packcuda.{op}: {name} must be a real number, got {fill!r} ({type(fill).__name__})")
+    if dtype is None or dtype.is_floating_point or dtype.is_complex:
+        return float(fill) if dtype is not None else fill
+    if isinstance(fill, float):
+        if not math.isfinite(fill) or not fill.is_integer():
+            raise ValueError(f"packcuda.{op}: {name}={fill!r} is not an integer value, but the tensor is {dtype}")
+        fill = int(fill)
+    lo, hi = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    if not lo <= fill <= hi:
+        raise ValueError(f"packcuda.{op}: {name}={fill!r} does not fit the tensor's dtype {dtype} (range [{lo}, {hi}])")
+    return fill
 
 
 def _split_fill(fill: Union[int, float]) -> Tuple[float, Optional[int]]:
@@ -93,19 +112,14 @@ def _resized(src, dim, n):
 
 def _fake_rows(op, src, index, dim):
     d = _check_dim(op, "src", src, dim)
-    if index.dtype != torch.int64 or index.dim() != 1:
-        raise ValueError(f"packcuda.{op}: index must be a 1-D int64 tensor, got {index.dtype} of shape "
-                         f"{list(index.shape)}")
-    _same_device(op, "index", index, "src", src)
+    _index_rules(op, index, src)
     return d
 
 
 def _fake_target(op, cu_seqlens, device):
     if device is None:
         return cu_seqlens.device
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
+    d = resolve_device(op, "device", device)
     if cu_seqlens.device.type != "cpu" and cu_seqlens.device != d:
         raise ValueError(f"packcuda.{op}: cu_seqlens is on {cu_seqlens.device} but the output device is {d}")
     return d
@@ -310,11 +324,7 @@ def pad(x_packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seqlen: 
     x_packed = _check_tensor(op, "x_packed", x_packed)
     if x_packed.dim() < 1:
         raise ValueError(f"packcuda.pad: x_packed must be [T, ...], got shape {list(x_packed.shape)}")
-    indices = _check_tensor(op, "indices", indices)
-    if indices.dtype != torch.int64 or indices.dim() != 1:
-        raise ValueError(f"packcuda.pad: indices must be a 1-D int64 tensor, got {indices.dtype} of shape "
-                         f"{list(indices.shape)}")
-    _same_device(op, "indices", indices, "x_packed", x_packed)
+    indices = _check_index(op, indices, x_packed, "indices", "x_packed")
     if indices.shape[0] != x_packed.shape[0]:
         raise ValueError(f"packcuda.pad: indices has {indices.shape[0]} entries but x_packed has "
                          f"{x_packed.shape[0]} rows")

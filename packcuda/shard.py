@@ -17,15 +17,13 @@ from 0) so that the padded total is a multiple of ``bucket``; it is present only
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import List, Optional, Union
 
 import torch
 
 from . import _lib
 from ._meta import IntsLike, check_int, host_tensor, is_device_tensor, resolve_device
-from .pack import _gather
+from .pack import _fill_arg, _gather
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -194,7 +192,7 @@ class ShardPlan:
         flattened index). Pad slots get ``fill``. Differentiable: the backward scatters gradients back to the
         original rows (deterministic). No sync."""
         d = self._rows("shard", x, dim, self.total, "x")
-        return _gather(x, self.index, _fill_value("ShardPlan.shard", "fill", fill, x.dtype), d)
+        return _gather(x, self.index, _fill_arg("ShardPlan.shard", fill, "fill", x.dtype), d)
 
     def shard_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of position ids laid out on the original stream along their last dim: ``[T]``,
@@ -231,7 +229,7 @@ class ShardPlan:
         self._rows("labels", input_ids, 0, self.total, "input_ids")
         ignore_index = check_int("ShardPlan.labels", "ignore_index", ignore_index)
         return _gather(input_ids, self.label_index,
-                       _fill_value("ShardPlan.labels", "ignore_index", ignore_index, input_ids.dtype), 0)
+                       _fill_arg("ShardPlan.labels", ignore_index, "ignore_index", input_ids.dtype), 0)
 
     def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
         """``[T, ...]`` in original order from all ranks' local outputs ``gathered`` ``[cp, T_local, ...]`` (or
@@ -351,30 +349,6 @@ def shard_plan(
 
 
 _CPU = torch.device("cpu")
-
-
-def _fill_value(op: str, name: str, value, dtype: torch.dtype):
-    """A fill value for pad slots of a ``dtype`` tensor: a float for floating dtypes (any real number, NaN and
-    infinities included), an int for integer dtypes (an integral value the dtype holds, carried as an integer
-    so int64 stays exact; bool: 0 or 1). Anything else is refused, naming ``packcuda.<op>`` and `name`, before
-    any op runs."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        if not isinstance(value, bool):
-            raise TypeError(f"packcuda.{op}: {name} must be a real number, got {value!r} ({type(value).__name__})")
-    if dtype.is_floating_point or dtype.is_complex:
-        return float(value)
-    if isinstance(value, numbers.Integral):
-        iv = int(value)
-    else:
-        v = float(value)
-        if not math.isfinite(v) or not v.is_integer():
-            raise ValueError(f"packcuda.{op}: {name}={value!r} is not an integer value, but the tensor is {dtype}")
-        iv = int(v)
-    lo, hi = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
-    if not lo <= iv <= hi:
-        raise ValueError(f"packcuda.{op}: {name}={value!r} does not fit the tensor's dtype {dtype} "
-                         f"(range [{lo}, {hi}])")
-    return iv
 
 
 _shard_plan_op = ops.shard_plan.default
