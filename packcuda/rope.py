@@ -124,6 +124,13 @@ class _ApplyRopeInplace(torch.autograd.Function):
         return dq, dk, None, None, None, None, None, None, None
 
 
+def _save_rotated(ctx, x, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling):
+    """One tensor rotated in place: marked dirty, with what :func:`_rotate_back` needs."""
+    ctx.mark_dirty(x)
+    ctx.save_for_backward(positions, inv_freq)
+    ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling)
+
+
 def _rotate_back(ctx, g):
     """Gradient of one tensor rotated in place: g rotated by the negated angle."""
     positions, inv_freq = ctx.saved_tensors
@@ -143,9 +150,7 @@ class _ApplyRopeInplaceViewQ(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling):
         ops.apply_rope_(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, False)
-        ctx.mark_dirty(q)
-        ctx.save_for_backward(positions, inv_freq)
-        ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling)
+        _save_rotated(ctx, q, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling)
         return q
 
     @staticmethod
@@ -159,9 +164,7 @@ class _MarkRotated(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling):
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(positions, inv_freq)
-        ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling)
+        _save_rotated(ctx, x, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling)
         return x
 
     @staticmethod
