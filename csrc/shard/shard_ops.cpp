@@ -40,9 +40,7 @@ void check_total_local(const char* op, int64_t total_local) {
 // The device the outputs go to (`device`, else the metadata's): packcuda has kernels for cpu and cuda only.
 Device checked_target(const char* op, const Tensor& meta, const std::optional<Device>& device) {
   const Device target = target_device(meta, device);
-  const auto type = target.type();
-  PC_ARG(type == torch::headeronly::DeviceType::CPU || type == torch::headeronly::DeviceType::CUDA, op,
-         "device must be cpu or cuda (packcuda has no kernels for device type ", static_cast<int>(type), ")");
+  check_device_kind(op, "device", target);
   return target;
 }
 
