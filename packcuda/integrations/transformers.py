@@ -196,8 +196,8 @@ def _flat_ids(input_ids: torch.Tensor, fn: str) -> torch.Tensor:
 
 
 def _checked_seconds(second_per_grid_ts, fn: str, whole: bool):
-    """second_per_grid_ts checked as the op does (finite, >= 0; refused naming `fn`), truncated to whole seconds
-    under the "whole" video_seconds rule."""
+    """second_per_grid_ts as the host float32 tensor the op takes, checked as the op does (finite, >= 0; refused
+    naming `fn`), truncated to whole seconds under the "whole" video_seconds rule."""
     if second_per_grid_ts is None:
         return None
     from packcuda.mrope import _seconds
@@ -207,7 +207,7 @@ def _checked_seconds(second_per_grid_ts, fn: str, whole: bool):
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"packcuda.{fn}: second_per_grid_ts[{i}] must be finite and >= 0, got {float(secs[i])}")
-    return secs.trunc() if whole else second_per_grid_ts
+    return secs.trunc() if whole else secs
 
 
 def packed_position_ids(input_ids: torch.Tensor, cu_seqlens, config, *, image_grid_thw=None, video_grid_thw=None,
