@@ -32,3 +32,42 @@ inline int grid_for(int64_t n, int threads, int max_blocks_per_sm = 8) {
 }
 
 }  // namespace packcuda::cuda
+
+namespace packcuda::cuda {
+
+// Asynchronous 16-byte global -> shared copies (cp.async, sm_80+; a plain copy on older devices). Copies
+// issued by a thread between two commits form one group; wait<N>() returns once at most N of the thread's
+// groups are still in flight. Other threads' copies are visible after a __syncthreads() that follows the wait.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *static_cast<int4*>(smem) = *static_cast<const int4*>(gmem);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Multiprocessors of the current device (cached per device index).
+inline int sm_count() {
+  static int cache[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cache[dev] == 0) {
+    int v = 132;
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    cache[dev] = v;
+  }
+  return cache[dev];
+}
+
+}  // namespace packcuda::cuda

@@ -42,7 +42,7 @@ void causal_conv1d_fwd_cuda(const ConvArgs& a, void* y, cudaStream_t stream);
 // segments); dweight / dbias (dbias optional) come from per-tile fp32 partial sums reduced in a fixed order:
 // deterministic, no atomics. `work` holds conv_bwd_work_elems(...) accumulators (fp32, fp64 for F64).
 int64_t conv_bwd_tiles_cpu(int64_t T);
-int64_t conv_bwd_tiles_cuda(int64_t T, int64_t C);
+int64_t conv_bwd_tiles_cuda(const ConvArgs& a);  // depends on T, C, K, dtype and the device
 inline int64_t conv_bwd_work_elems(int64_t tiles, int64_t C, int K) { return tiles * C * (K + 1); }
 void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias,
                            void* dprefix, void* work, int64_t tiles);

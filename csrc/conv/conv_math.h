@@ -148,11 +148,20 @@ struct ConvShape {
   int act;       // 0 identity, 1 silu
 };
 
+// Where the tile functions read rows of x and dy: at(u, c) is the address of element (u, c). Dense rows are
+// the tensor itself (row stride ld); the CUDA kernels pass a shared-memory copy of the rows a tile needs (the
+// same math then reads the staged copy).
+template <typename S> struct DenseRows {
+  const S* p;
+  int64_t ld;
+  PC_HD const S* at(int64_t u, int64_t c) const { return p + u * ld + c; }
+};
+
 // Input value seen by a token of segment s (starting at `start`) at stream position u (u may be < start).
-template <typename S, typename A>
-PC_HD A conv_input(const S* x, const S* prefix, const ConvShape& sh, int64_t s, int64_t start, int64_t u,
+template <typename S, typename A, typename Rows>
+PC_HD A conv_input(const Rows& x, const S* prefix, const ConvShape& sh, int64_t s, int64_t start, int64_t u,
                    int64_t c) {
-  if (u >= start) return val(x[u * sh.C + c]);
+  if (u >= start) return val(*x.at(u, c));
   if (prefix == nullptr) return A(0);
   const int64_t j = (sh.K - 1) + (u - start);  // 0 <= j < K-1
   return val(prefix[(s * (sh.K - 1) + j) * sh.C + c]);
@@ -202,8 +211,8 @@ PC_UNROLL
 
 // Forward over tokens [t0, t1) of channels c .. c+V-1 (each channel gets exactly the scalar math; the V
 // channels only share the loads/stores of a row and the segment walk).
-template <typename S, int KM, int V = 1, int NB = kBatch>
-PC_HD void conv_fwd_tile(const S* x, const S* w, const S* b, const S* prefix, const int64_t* cu,
+template <typename S, int KM, int V = 1, int NB = kBatch, typename Rows>
+PC_HD void conv_fwd_tile(const Rows& x, const S* w, const S* b, const S* prefix, const int64_t* cu,
                          const ConvShape& sh, S* y, int64_t c, int64_t t0, int64_t t1) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
   using A = typename Acc<S>::type;
@@ -228,7 +237,7 @@ PC_UNROLL
   for (int64_t tb = t0; tb < t1; tb += NB) {
     Vec<S, V> xs[NB];
 PC_UNROLL
-    for (int i = 0; i < NB; ++i) xs[i] = tb + i < t1 ? load_vec<V>(x + (tb + i) * sh.C + c) : zero_vec<V, S>();
+    for (int i = 0; i < NB; ++i) xs[i] = tb + i < t1 ? load_vec<V>(x.at(tb + i, c)) : zero_vec<V, S>();
 PC_UNROLL
     for (int i = 0; i < NB; ++i) {
       const int64_t t = tb + i;
@@ -264,8 +273,8 @@ PC_UNROLL
 }
 
 // Pre-activation z at token t of segment s, computed from scratch (tile edges of the backward).
-template <typename S, int KM, typename A>
-PC_HD A conv_z_at(const S* x, const S* prefix, const A* wk, A bias, const ConvShape& sh, int64_t s,
+template <typename S, int KM, typename A, typename Rows>
+PC_HD A conv_z_at(const Rows& x, const S* prefix, const A* wk, A bias, const ConvShape& sh, int64_t s,
                   int64_t start, int64_t t, int64_t c) {
   const int off = KM - sh.K;
   A z = bias;
@@ -277,28 +286,24 @@ PC_UNROLL
 
 // Backward over tokens [t0, t1) of channels c .. c+V-1, walking t downwards. Writes dx[t, c+v] for t in the
 // tile, dprefix[s, :, c+v] for every non-empty segment that starts in the tile (when dprefix is given), and
-// this tile's partial sums of dweight[c+v, :] and dbias[c+v] into part[v*(K+1) .. v*(K+1)+K].
+// adds this tile's sums of dweight[c+v, :] and dbias[c+v] to dw[v][m] (slot m = tap m - (KM - K)) and db[v].
 //   dx[u]         = sum_k w[k] * gz[u + K-1-k]      over taps inside u's segment
 //   dprefix[s, j] = sum_k w[k] * gz[start + j - k]  (prefix row j sits at u = start - (K-1) + j)
 //   dw[k]         = sum_t gz[t] * xin(t - (K-1) + k),  db = sum_t gz[t],  gz = dy * act'(z)
-template <typename S, int KM, int V = 1, int NB = kBatch>
-PC_HD void conv_bwd_tile(const S* dy, const S* x, const S* w, const S* b, const S* prefix, const int64_t* cu,
-                         const ConvShape& sh, S* dx, S* dprefix, typename Acc<S>::type* part, int64_t c,
-                         int64_t t0, int64_t t1) {
+template <typename S, int KM, int V = 1, int NB = kBatch, typename DyRows, typename XRows>
+PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const S* w, const S* b, const S* prefix,
+                         const int64_t* cu, const ConvShape& sh, S* dx, S* dprefix, int64_t c, int64_t t0,
+                         int64_t t1, typename Acc<S>::type (&dw)[V][KM], typename Acc<S>::type (&db)[V]) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
   using A = typename Acc<S>::type;
   const int K = sh.K;
   const int off = KM - K;
-  A wk[V][KM], dw[V][KM], bias[V], db[V];
+  A wk[V][KM], bias[V];
 PC_UNROLL
   for (int v = 0; v < V; ++v) {
 PC_UNROLL
-    for (int m = 0; m < KM; ++m) {
-      wk[v][m] = m >= off ? val(w[(c + v) * K + (m - off)]) : A(0);
-      dw[v][m] = A(0);
-    }
+    for (int m = 0; m < KM; ++m) wk[v][m] = m >= off ? val(w[(c + v) * K + (m - off)]) : A(0);
     bias[v] = b ? val(b[c + v]) : A(0);
-    db[v] = A(0);
   }
   if (t1 > t0) {
     int64_t t = t1 - 1;
@@ -314,7 +319,7 @@ PC_UNROLL
         g[v][d] = A(0);
         if (d < K && t + d < end) {
           const A z = conv_z_at<S, KM, A>(x, prefix, wk[v], bias[v], sh, s, start, t + d, c + v);
-          g[v][d] = val(dy[(t + d) * sh.C + c + v]) * activate_grad(z, sh.act);
+          g[v][d] = val(*dy.at(t + d, c + v)) * activate_grad(z, sh.act);
         }
       }
 PC_UNROLL
@@ -326,8 +331,8 @@ PC_UNROLL
 PC_UNROLL
       for (int i = 0; i < NB; ++i) {
         const int64_t tt = tb - i;
-        dys[i] = tt >= t0 ? load_vec<V>(dy + tt * sh.C + c) : zero_vec<V, S>();
-        xr[i] = (tt >= t0 && tt - K >= 0) ? load_vec<V>(x + (tt - K) * sh.C + c) : zero_vec<V, S>();
+        dys[i] = tt >= t0 ? load_vec<V>(dy.at(tt, c)) : zero_vec<V, S>();
+        xr[i] = (tt >= t0 && tt - K >= 0) ? load_vec<V>(x.at(tt - K, c)) : zero_vec<V, S>();
       }
 PC_UNROLL
       for (int i = 0; i < NB; ++i) {
@@ -399,6 +404,21 @@ PC_UNROLL
       }
     }
   }
+}
+
+// Zeroed accumulators for conv_bwd_tile, and their store as one tile's partials part[v*(K+1) .. v*(K+1)+K]
+// (dweight taps 0..K-1, then dbias) of channels c .. c+V-1.
+template <typename A, int V, int KM> PC_HD void conv_zero_partials(A (&dw)[V][KM], A (&db)[V]) {
+PC_UNROLL
+  for (int v = 0; v < V; ++v) {
+PC_UNROLL
+    for (int m = 0; m < KM; ++m) dw[v][m] = A(0);
+    db[v] = A(0);
+  }
+}
+template <typename A, int V, int KM>
+PC_HD void conv_store_partials(const A (&dw)[V][KM], const A (&db)[V], int K, A* part) {
+  const int off = KM - K;
 PC_UNROLL
   for (int v = 0; v < V; ++v) {
 PC_UNROLL

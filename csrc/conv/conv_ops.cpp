@@ -141,7 +141,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor dy, Tensor x
   if (x.is_cuda()) {
     PC_CUDA_ONLY({
       CudaScope cs(x);
-      const int64_t tiles = conv::conv_bwd_tiles_cuda(a.T, a.C);
+      const int64_t tiles = conv::conv_bwd_tiles_cuda(a);
       Tensor work = new_like(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
       conv::causal_conv1d_bwd_cuda(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
                                    db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,

@@ -30,7 +30,7 @@ void causal_conv1d_fwd_cpu(const ConvArgs& a, void* y) {
       for (int64_t t0 = 0; t0 < a.T; t0 += kCpuTile) {
         const int64_t t1 = t0 + kCpuTile < a.T ? t0 + kCpuTile : a.T;
         for (int64_t c = 0; c < a.C; ++c)
-          conv_fwd_tile<S, KM>(static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
+          conv_fwd_tile<S, KM>(DenseRows<S>{static_cast<const S*>(a.x), a.C}, static_cast<const S*>(a.weight),
                                static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh,
                                static_cast<S*>(y), c, t0, t1);
       }
@@ -53,11 +53,15 @@ void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dw
       constexpr int KM = decltype(km)::value;
       for (int64_t i = 0; i < tl.count && a.T > 0; ++i) {
         const int64_t t0 = i * tl.len, t1 = t0 + tl.len < a.T ? t0 + tl.len : a.T;
-        for (int64_t c = 0; c < a.C; ++c)
-          conv_bwd_tile<S, KM>(static_cast<const S*>(dy), static_cast<const S*>(a.x),
-                               static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
-                               static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(dx),
-                               static_cast<S*>(dprefix), part + (i * a.C + c) * (a.K + 1), c, t0, t1);
+        for (int64_t c = 0; c < a.C; ++c) {
+          A dw[1][KM], db[1];
+          conv_zero_partials(dw, db);
+          conv_bwd_tile<S, KM>(DenseRows<S>{static_cast<const S*>(dy), a.C},
+                               DenseRows<S>{static_cast<const S*>(a.x), a.C}, static_cast<const S*>(a.weight),
+                               static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh,
+                               static_cast<S*>(dx), static_cast<S*>(dprefix), c, t0, t1, dw, db);
+          conv_store_partials(dw, db, a.K, part + (i * a.C + c) * (a.K + 1));
+        }
       }
     });
     const int64_t n = a.T > 0 ? tl.count : 0;

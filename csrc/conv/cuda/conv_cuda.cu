@@ -1,8 +1,14 @@
-// CUDA kernels of the causal conv1d and the exchange's gather-sum: one thread per (group of V consecutive
-// channels, token tile), running the shared per-tile math of conv_math.h. Each token row is one 16-byte
-// access per thread (V = 16 / element size) and consecutive threads take consecutive channel groups, so every
-// row is read and written with coalesced vector accesses; each x row is loaded once per tile (the K-1
-// previous rows live in registers). Odd C or unaligned tensors fall back to V = 1 (same math).
+// CUDA kernels of the causal conv1d and the exchange's gather-sum.
+//
+// The conv kernels work on block tiles: a block owns a slab of channels (512 bytes of every row: 256 bf16/fp16,
+// 128 fp32, 64 fp64 channels) over a span of tokens, and walks the span in sub-tiles of TT tokens. Each sub-tile's
+// rows (plus the K-1 halo rows before it; the backward also the K-1 rows after it) are staged in shared memory
+// with 16-byte cp.async copies, double buffered so the next sub-tile loads while this one computes. The math is
+// the shared per-tile code of conv_math.h reading the staged rows: a thread takes P channels (4 or 8 bytes) of
+// a run of consecutive tokens. The backward keeps each thread's dweight/dbias sums in registers over the whole
+// span, reduces them across the block's token groups in a fixed order, and writes one partial per (span,
+// channel); conv_reduce_kernel sums the spans in order (deterministic, no atomics). Odd C or unaligned rows take
+// the same kernels with element-wise staging and P = 1.
 #include <cstdint>
 #include <type_traits>
 
@@ -18,72 +24,179 @@ using detail::dispatch_dtype;
 using detail::dispatch_k;
 using detail::shape_of;
 
-constexpr int kThreads = 128;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowBytes = 512;  // one staged slab row: 32 lanes x 16 bytes
+constexpr int kFwdTile = 64;    // tokens per sub-tile
+constexpr int kBwdTile = 32;
 
+// Slab geometry of storage type S on the vector path (kVec) or the element-wise path.
+template <typename S, bool kVec> struct Slab {
+  static constexpr int kWidth = kRowBytes / static_cast<int>(sizeof(S));  // channels
+  static constexpr int kChunk = 16 / static_cast<int>(sizeof(S));         // elements per 16-byte copy
+  static constexpr int P = kVec && sizeof(S) == 2 ? 2 : 1;                 // channels per thread in the math
+  static constexpr int kAcross = kWidth / (32 * P);                        // warps across the slab
+  static constexpr int kGroups = kWarps / kAcross;                         // token groups (one run each)
+  static_assert(kAcross >= 1 && kWarps % kAcross == 0, "slab layout");
+};
 
-// Channels per thread on the vector path: one 16-byte access per token row (8 bf16/f16, 4 fp32, 2 fp64),
-// halved (8-byte accesses) where the per-channel register arrays would otherwise spill (checked with
-// -Xptxas -v: the backward keeps four KM-sized arrays per channel; 16-bit types at K > 4 or in the backward).
-template <typename S, int KM, bool kBwd>
-constexpr int vec_width() {
-  constexpr int full = static_cast<int>(16 / sizeof(S));
-  const bool halve = (kBwd && KM > 4) || (full == 8 && (kBwd || KM > 4));
-  return halve ? full / 2 : full;
+// Staged rows per sub-tile and dynamic shared bytes (two buffers) of window size KM.
+template <int KM> struct Stage {
+  static constexpr int kFwdRows = kFwdTile + KM - 1;         // x rows [tb - (KM-1), tb + TT)
+  static constexpr int kBwdXRows = kBwdTile + 2 * KM - 1;    // x rows [tb - KM, tb + TT + KM - 1)
+  static constexpr int kBwdDyRows = kBwdTile + KM - 1;       // dy rows [tb, tb + TT + KM - 1)
+  static constexpr int kFwdBytes = 2 * kFwdRows * kRowBytes;
+  static constexpr int kBwdBytes = 2 * (kBwdXRows + kBwdDyRows) * kRowBytes;
+};
+
+// Staged rows u0 .. of one slab (row stride kWidth), read through the conv_math.h row interface.
+template <typename S, bool kVec> struct TileRows {
+  const S* base;
+  int64_t u0, c0;
+  __device__ __forceinline__ const S* at(int64_t u, int64_t c) const {
+    return base + static_cast<int>(u - u0) * Slab<S, kVec>::kWidth + static_cast<int>(c - c0);
+  }
+};
+
+// Stage rows [r0, r0 + nrows) x channels [c0, c0 + kWidth) of src [T, C] into dst; rows outside [0, T) and
+// channels past C are left as they are (the math never reads them).
+template <typename S, bool kVec>
+__device__ __forceinline__ void stage_rows(S* dst, const S* src, const ConvShape& sh, int64_t r0, int nrows,
+                                           int64_t c0) {
+  using L = Slab<S, kVec>;
+  if constexpr (kVec) {  // C % kChunk == 0 and 16-byte aligned rows: every chunk is wholly inside or outside
+    const int n = nrows * 32;
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+      const int r = i >> 5, ch = (i & 31) * L::kChunk;
+      const int64_t u = r0 + r, c = c0 + ch;
+      if (u >= 0 && u < sh.T && c < sh.C) cuda::cp_async16(dst + r * L::kWidth + ch, src + u * sh.C + c);
+    }
+  } else {
+    const int n = nrows * L::kWidth;
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+      const int r = i / L::kWidth, ch = i - r * L::kWidth;
+      const int64_t u = r0 + r, c = c0 + ch;
+      if (u >= 0 && u < sh.T && c < sh.C) dst[r * L::kWidth + ch] = src[u * sh.C + c];
+    }
+  }
 }
-// Tokens per batch of loads: the vector path already moves 16 bytes per row and load, so the backward (two
-// loads per row, many live registers) batches fewer rows.
-template <int V, bool kBwd>
-constexpr int kBatchRows = V == 1 ? kBatch : 4;
 
-bool aligned(const void* p, int bytes) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-// Tiles along T: enough that the vector path (8 channels per thread) puts about 2048 threads per SM to work,
-// each tile at least 64 tokens tall so that the K-1 warm-up rows stay small and the [tiles, C, K+1] partial
-// buffer of the backward stays a few percent of one [T, C] pass. The count depends on (T, C) only, so the
-// torch layer can size the partial buffer before the path is chosen; the scalar fallback (8x more threads)
-// then has more than enough parallelism.
-int64_t want_tiles(int64_t T, int64_t C) {
-  static int sms = [] {
-    int dev = 0, v = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    return v;
-  }();
-  const int64_t row_threads = ceil_div(ceil_div(C, 8), kThreads) * kThreads;
-  int64_t want = ceil_div(static_cast<int64_t>(sms) * 2048, row_threads);
-  const int64_t max_by_len = ceil_div(T, 64);
-  if (want > max_by_len) want = max_by_len;
-  if (want > 65535) want = 65535;
+// Token spans: every block of a slab column takes span_len consecutive tokens (a multiple of the sub-tile), and
+// there are as many spans as fill one wave of resident blocks (at least one per slab).
+struct Spans {
+  int64_t count, len;
+};
+Spans make_spans(int64_t T, int64_t slabs, int blocks_per_sm, int tile) {
+  const int64_t slots = static_cast<int64_t>(cuda::sm_count()) * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+  int64_t want = slots / slabs;
   if (want < 1) want = 1;
-  return want;
+  if (want > 65535) want = 65535;
+  const int64_t len = round_up(ceil_div(T > 0 ? T : 1, want), tile);
+  return Spans{T > 0 ? ceil_div(T, len) : 0, len};
 }
 
-// Thread (blockIdx.x * kThreads + threadIdx.x) takes channels [V * that, V * that + V); C % V == 0.
-template <typename S, int KM, int V>
+// Resident blocks per SM of a kernel with `smem` dynamic shared bytes (after allowing that much).
+template <typename Kernel> int blocks_per_sm(Kernel k, int smem) {
+  PC_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int n = 0;
+  PC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, kThreads, smem));
+  return n;
+}
+
+template <typename S, int KM, bool kVec>
 __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w,
                                                            const S* __restrict__ b, const S* __restrict__ prefix,
                                                            const int64_t* __restrict__ cu, ConvShape sh, S* y,
-                                                           Tiles tl) {
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
-  if (c >= sh.C) return;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * tl.len;
-  const int64_t t1 = t0 + tl.len < sh.T ? t0 + tl.len : sh.T;
-  conv_fwd_tile<S, KM, V, kBatchRows<V, false>>(x, w, b, prefix, cu, sh, y, c, t0, t1);
+                                                           int64_t span_len) {
+  using L = Slab<S, kVec>;
+  constexpr int ROWS = Stage<KM>::kFwdRows, R = kFwdTile / L::kGroups;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  S* const buf = reinterpret_cast<S*>(smem_raw);
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * L::kWidth;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.y) * span_len;
+  const int64_t s1 = s0 + span_len < sh.T ? s0 + span_len : sh.T;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = warp / L::kAcross;
+  const int64_t c = c0 + ((warp % L::kAcross) * 32 + lane) * L::P;
+  const int nsub = static_cast<int>(ceil_div(s1 - s0, kFwdTile));
+  stage_rows<S, kVec>(buf, x, sh, s0 - (KM - 1), ROWS, c0);
+  cuda::cp_async_commit();
+  for (int j = 0; j < nsub; ++j) {
+    const int64_t tb = s0 + static_cast<int64_t>(j) * kFwdTile;
+    if (j + 1 < nsub) stage_rows<S, kVec>(buf + ((j + 1) & 1) * ROWS * L::kWidth, x, sh, tb + kFwdTile - (KM - 1),
+                                          ROWS, c0);
+    cuda::cp_async_commit();
+    cuda::cp_async_wait<1>();
+    __syncthreads();
+    const int64_t t0 = tb + static_cast<int64_t>(g) * R;
+    const int64_t t1 = t0 + R < s1 ? t0 + R : s1;
+    if (c < sh.C && t0 < t1)
+      conv_fwd_tile<S, KM, L::P>(TileRows<S, kVec>{buf + (j & 1) * ROWS * L::kWidth, tb - (KM - 1), c0}, w, b,
+                                 prefix, cu, sh, y, c, t0, t1);
+    __syncthreads();
+  }
 }
 
-template <typename S, int KM, int V>
+template <typename S, int KM, bool kVec>
 __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x,
                                                            const S* __restrict__ w, const S* __restrict__ b,
                                                            const S* __restrict__ prefix,
                                                            const int64_t* __restrict__ cu, ConvShape sh, S* dx,
-                                                           S* dprefix, typename Acc<S>::type* part, Tiles tl) {
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
-  if (c >= sh.C) return;
-  const int64_t i = blockIdx.y;
-  const int64_t t0 = i * tl.len;
-  const int64_t t1 = t0 + tl.len < sh.T ? t0 + tl.len : sh.T;
-  conv_bwd_tile<S, KM, V, kBatchRows<V, true>>(dy, x, w, b, prefix, cu, sh, dx, dprefix,
-                                                 part + (i * sh.C + c) * (sh.K + 1), c, t0, t1);
+                                                           S* dprefix, typename Acc<S>::type* part,
+                                                           int64_t span_len) {
+  using L = Slab<S, kVec>;
+  using A = typename Acc<S>::type;
+  constexpr int XR = Stage<KM>::kBwdXRows, DR = Stage<KM>::kBwdDyRows, STAGE = (XR + DR) * L::kWidth;
+  constexpr int R = kBwdTile / L::kGroups;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  S* const buf = reinterpret_cast<S*>(smem_raw);
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * L::kWidth;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.y) * span_len;
+  const int64_t s1 = s0 + span_len < sh.T ? s0 + span_len : sh.T;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = warp / L::kAcross;
+  const int64_t c = c0 + ((warp % L::kAcross) * 32 + lane) * L::P;
+  const int nsub = static_cast<int>(ceil_div(s1 - s0, kBwdTile));
+  auto stage = [&](int j) {
+    S* xb = buf + (j & 1) * STAGE;
+    const int64_t tb = s0 + static_cast<int64_t>(j) * kBwdTile;
+    stage_rows<S, kVec>(xb, x, sh, tb - KM, XR, c0);
+    stage_rows<S, kVec>(xb + XR * L::kWidth, dy, sh, tb, DR, c0);
+  };
+  A dw[L::P][KM], db[L::P];
+  conv_zero_partials(dw, db);
+  stage(0);
+  cuda::cp_async_commit();
+  for (int j = 0; j < nsub; ++j) {
+    const int64_t tb = s0 + static_cast<int64_t>(j) * kBwdTile;
+    if (j + 1 < nsub) stage(j + 1);
+    cuda::cp_async_commit();
+    cuda::cp_async_wait<1>();
+    __syncthreads();
+    const int64_t t0 = tb + static_cast<int64_t>(g) * R;
+    const int64_t t1 = t0 + R < s1 ? t0 + R : s1;
+    if (c < sh.C && t0 < t1) {
+      const S* xb = buf + (j & 1) * STAGE;
+      conv_bwd_tile<S, KM, L::P>(TileRows<S, kVec>{xb + XR * L::kWidth, tb, c0}, TileRows<S, kVec>{xb, tb - KM, c0},
+                                 w, b, prefix, cu, sh, dx, dprefix, c, t0, t1, dw, db);
+    }
+    __syncthreads();
+  }
+  cuda::cp_async_wait<0>();
+  __syncthreads();
+  // The block's token groups hold sums of the same channels: add them in group order, one partial per channel.
+  static_assert(L::kGroups * L::kWidth * (KM + 1) * sizeof(A) <= Stage<KM>::kBwdBytes, "the sums fit the staging memory");
+  A* red = reinterpret_cast<A*>(smem_raw);  // [kGroups][kWidth][K + 1]
+  const int KP = sh.K + 1;
+  if (c < sh.C) conv_store_partials(dw, db, sh.K, red + (g * L::kWidth + static_cast<int>(c - c0)) * KP);
+  __syncthreads();
+  A* out = part + (static_cast<int64_t>(blockIdx.y) * sh.C + c0) * KP;
+  for (int e = threadIdx.x; e < L::kWidth * KP; e += kThreads) {
+    if (c0 + e / KP >= sh.C) break;
+    A acc = red[e];
+    for (int q = 1; q < L::kGroups; ++q) acc += red[q * L::kWidth * KP + e];
+    out[e] = acc;
+  }
 }
+
 
 // One thread per element e of [C, K+1]: adjacent threads read adjacent partials of a tile (coalesced).
 template <typename S>
@@ -104,31 +217,56 @@ __global__ void gather_sum_kernel(S* out, int64_t n_out, const S* a, int64_t na,
   }
 }
 
+
+bool aligned(const void* p, int bytes) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// The vector path needs whole 16-byte chunks in every row and 16-byte aligned tensors.
+template <typename S> bool vector_ok(int64_t C, std::initializer_list<const void*> ptrs) {
+  if (C % Slab<S, true>::kChunk != 0) return false;
+  for (const void* p : ptrs)
+    if (!aligned(p, 16)) return false;
+  return true;
+}
+
+template <typename S, int KM> Spans bwd_spans(int64_t T, int64_t C) {
+  static const int occ = blocks_per_sm(conv_bwd_kernel<S, KM, true>, Stage<KM>::kBwdBytes);
+  return make_spans(T, ceil_div(C, Slab<S, true>::kWidth), occ, kBwdTile);
+}
+
+template <typename F> void dispatch_conv(const ConvArgs& a, F&& f) {
+  dispatch_dtype(a.dtype, [&](auto tag) {
+    dispatch_k(a.K, [&](auto km) { f(tag, km); });
+  });
+}
+
 }  // namespace
 
-int64_t conv_bwd_tiles_cuda(int64_t T, int64_t C) { return make_tiles(T, want_tiles(T, C)).count; }
+int64_t conv_bwd_tiles_cuda(const ConvArgs& a) {
+  int64_t n = 0;
+  dispatch_conv(a, [&](auto tag, auto km) { n = bwd_spans<decltype(tag), decltype(km)::value>(a.T, a.C).count; });
+  return n;
+}
 
 void causal_conv1d_fwd_cuda(const ConvArgs& a, void* y, cudaStream_t stream) {
   if (a.T == 0 || a.C == 0) return;
   const ConvShape sh = shape_of(a);
-  const Tiles tl = make_tiles(a.T, want_tiles(a.T, a.C));
-  dispatch_dtype(a.dtype, [&](auto tag) {
+  dispatch_conv(a, [&](auto tag, auto km) {
     using S = decltype(tag);
-    dispatch_k(a.K, [&](auto km) {
-      constexpr int KM = decltype(km)::value;
-      constexpr int V = vec_width<S, KM, false>();
-      const bool vec = a.C % V == 0 && aligned(a.x, V * sizeof(S)) && aligned(y, V * sizeof(S));
-      auto launch = [&](auto vw) {
-        constexpr int W = decltype(vw)::value;
-        const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(a.C, W), kThreads)),
-                        static_cast<unsigned>(tl.count));
-        conv_fwd_kernel<S, KM, W><<<grid, kThreads, 0, stream>>>(
-            static_cast<const S*>(a.x), static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
-            static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(y), tl);
-      };
-      if (vec) launch(std::integral_constant<int, V>{});
-      else launch(std::integral_constant<int, 1>{});
-    });
+    constexpr int KM = decltype(km)::value;
+    auto launch = [&](auto vec) {
+      constexpr bool kVec = decltype(vec)::value;
+      auto kernel = conv_fwd_kernel<S, KM, kVec>;
+      static const int occ = blocks_per_sm(kernel, Stage<KM>::kFwdBytes);
+      PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Stage<KM>::kFwdBytes));
+      const int64_t slabs = ceil_div(a.C, Slab<S, kVec>::kWidth);
+      const Spans sp = make_spans(a.T, slabs, occ, kFwdTile);
+      const dim3 grid(static_cast<unsigned>(slabs), static_cast<unsigned>(sp.count));
+      kernel<<<grid, kThreads, Stage<KM>::kFwdBytes, stream>>>(
+          static_cast<const S*>(a.x), static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
+          static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(y), sp.len);
+    };
+    if (vector_ok<S>(a.C, {a.x, y})) launch(std::true_type{});
+    else launch(std::false_type{});
   });
   PC_CUDA_LAUNCH_CHECK();
 }
@@ -136,37 +274,34 @@ void causal_conv1d_fwd_cuda(const ConvArgs& a, void* y, cudaStream_t stream) {
 void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias,
                             void* dprefix, void* work, int64_t tiles, cudaStream_t stream) {
   const ConvShape sh = shape_of(a);
-  const Tiles tl = make_tiles(a.T, tiles);
-  if (a.T > 0 && tl.count != tiles) throw std::invalid_argument("packcuda conv: inconsistent tile count");
   if (dprefix && a.nseg * (a.K - 1) * a.C > 0)
     PC_CUDA_CHECK(cudaMemsetAsync(dprefix, 0, a.nseg * (a.K - 1) * a.C * dtype_size(a.dtype), stream));
   if (a.C == 0) return;
-  dispatch_dtype(a.dtype, [&](auto tag) {
+  dispatch_conv(a, [&](auto tag, auto km) {
     using S = decltype(tag);
     using A = typename Acc<S>::type;
+    constexpr int KM = decltype(km)::value;
+    const Spans sp = bwd_spans<S, KM>(a.T, a.C);
+    if (sp.count != tiles) throw std::invalid_argument("packcuda conv: inconsistent tile count");
     if (a.T > 0) {
-      dispatch_k(a.K, [&](auto km) {
-        constexpr int KM = decltype(km)::value;
-        constexpr int V = vec_width<S, KM, true>();
-        const int bytes = V * sizeof(S);
-        const bool vec = a.C % V == 0 && aligned(a.x, bytes) && aligned(dy, bytes) && aligned(dx, bytes);
-        auto launch = [&](auto vw) {
-          constexpr int W = decltype(vw)::value;
-          const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(a.C, W), kThreads)),
-                          static_cast<unsigned>(tl.count));
-          conv_bwd_kernel<S, KM, W><<<grid, kThreads, 0, stream>>>(
-              static_cast<const S*>(dy), static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
-              static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(dx),
-              static_cast<S*>(dprefix), static_cast<A*>(work), tl);
-        };
-        if (vec) launch(std::integral_constant<int, V>{});
-        else launch(std::integral_constant<int, 1>{});
-      });
+      auto launch = [&](auto vec) {
+        constexpr bool kVec = decltype(vec)::value;
+        auto kernel = conv_bwd_kernel<S, KM, kVec>;
+        PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Stage<KM>::kBwdBytes));
+        // Both paths use the vector path's spans (the partial buffer was sized for them); the element-wise
+        // path's slabs are as wide, so the grid is the same.
+        const dim3 grid(static_cast<unsigned>(ceil_div(a.C, Slab<S, kVec>::kWidth)), static_cast<unsigned>(sp.count));
+        kernel<<<grid, kThreads, Stage<KM>::kBwdBytes, stream>>>(
+            static_cast<const S*>(dy), static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
+            static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(dx),
+            static_cast<S*>(dprefix), static_cast<A*>(work), sp.len);
+      };
+      if (vector_ok<S>(a.C, {a.x, dy, dx})) launch(std::true_type{});
+      else launch(std::false_type{});
       PC_CUDA_LAUNCH_CHECK();
     }
     conv_reduce_kernel<S><<<static_cast<unsigned>(ceil_div(a.C * (a.K + 1), 256)), 256, 0, stream>>>(
-        static_cast<const A*>(work), a.T > 0 ? tl.count : 0, sh, static_cast<S*>(dweight),
-        static_cast<S*>(dbias));
+        static_cast<const A*>(work), sp.count, sh, static_cast<S*>(dweight), static_cast<S*>(dbias));
     PC_CUDA_LAUNCH_CHECK();
   });
 }
