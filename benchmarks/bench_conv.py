@@ -50,60 +50,101 @@ def _fla_varlen_conv():
         return None
 
 
+def _configs(quick, dev):
+    """(T, C, K, with_prefix) grid; the first entry is the headline shape."""
+    if quick or dev.type == "cpu":
+        return [(2048, 64, 4, False), (2048, 64, 4, True)]
+    only = os.environ.get("PACKCUDA_BENCH_CONV_ONLY")  # "T,C,K,prefix" (one shape, for profiling)
+    if only:
+        T, C, K, p = (int(v) for v in only.split(","))
+        return [(T, C, K, bool(p))]
+    grid = [(32768, 8192, 4, False), (32768, 8192, 4, True)]
+    for T in (8192, 32768, 131072):
+        for C in (2048, 8192):
+            for K in (2, 3, 4):
+                for p in (False, True):
+                    if (T, C, K, p) not in grid:
+                        grid.append((T, C, K, p))
+    return grid
+
+
 def run_conv(quick=False, device=None) -> list[dict]:
+    """Forward, backward and forward+backward of ``causal_conv1d`` (silu, bias, bf16 on CUDA, 64 sequences), each
+    also as a multiple of ``copy_`` of x measured in the same run (one read + one write of T*C elements; the
+    floors are 1x forward, 1.5x backward, 2.5x forward+backward). Baselines: FLA's varlen conv (forward and
+    forward+backward, as a layer calls it: ``x[None]``, int32 ``cu_seqlens``), and on the headline shape the
+    per-sequence ``F.conv1d`` reference eager and under ``torch.compile``."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    T, C, K, nseq = (2048, 64, 4, 16) if quick or dev.type == "cpu" else (32768, 8192, 4, 64)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    rng = random.Random(0)
-    cu = cu_from_lengths(_lengths(nseq, T, rng))
     t = Timer(dev, warmup=2 if quick else 5, reps=5 if quick else 30)
-    x = torch.randn(T, C, device=dev, dtype=dtype, requires_grad=True)
-    w = torch.randn(C, K, device=dev, dtype=dtype, requires_grad=True)
-    b = torch.randn(C, device=dev, dtype=dtype, requires_grad=True)
-    dy = torch.randn(T, C, device=dev, dtype=dtype)
+    fla_conv = _fla_varlen_conv() if dev.type == "cuda" else None
+    rows, notes = [], []
+    if fla_conv is None:
+        notes.append("FLA (flash-linear-attention) is not importable here: its varlen conv rows are skipped.")
+    nseq = 16 if quick or dev.type == "cpu" else 64
+    for n_cfg, (T, C, K, with_prefix) in enumerate(_configs(quick, dev)):
+        rng = random.Random(0)
+        cu = cu_from_lengths(_lengths(nseq, T, rng))
+        cu_dev = torch.tensor(cu, dtype=torch.int64)  # host metadata, as the facade passes it
+        x = torch.randn(T, C, device=dev, dtype=dtype)
+        w = torch.randn(C, K, device=dev, dtype=dtype) * 0.5
+        b = torch.randn(C, device=dev, dtype=dtype)
+        dy = torch.randn(T, C, device=dev, dtype=dtype)
+        p = torch.randn(nseq, K - 1, C, device=dev, dtype=dtype) if with_prefix else None
+        shape = f"T={T} C={C} K={K} {str(dtype)[6:]} seqs={nseq}" + (" prefix" if with_prefix else "")
+        dst = torch.empty_like(x)
+        copy_ms = t.median_ms(lambda: dst.copy_(x))
+        fwd = t.median_ms(lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu"))
+        bwd = t.median_ms(lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_dev, p, 1))
+        leaves = [v.detach().requires_grad_() for v in (x, w, b) + ((p,) if with_prefix else ())]
 
-    def fwd_bwd(f):
-        def go():
-            y = f()
-            torch.autograd.grad(y, (x, w, b), dy)
-        return go
+        def fwd_bwd(f):
+            def go():
+                torch.autograd.grad(f(), leaves, dy)
+            return go
 
-    ours = t.median_ms(fwd_bwd(lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, activation="silu")))
-    ours_f = t.median_ms(lambda: packcuda.causal_conv1d(x.detach(), w.detach(), b.detach(), cu_seqlens=cu,
-                                                        activation="silu"))
-    rows = []
-    nbytes = T * C * x.element_size()
-    # fwd reads x, writes y; bwd reads x, dy, writes dx: 5 passes over [T, C]
-    xd, dst = x.detach(), torch.empty_like(x.detach())
-    floor = t.median_ms(lambda: dst.copy_(xd)) * 2.5 if dev.type == "cuda" else float("nan")
-    rows.append(dict(op="causal_conv1d fwd", shape=f"T={T} C={C} K={K} {str(dtype)[6:]} seqs={nseq}",
-                     packcuda_ms=ours_f, baseline="-", baseline_ms=float("nan"), speedup=float("nan")))
-    ref = t.median_ms(fwd_bwd(lambda: torch.nn.functional.silu(_reference_conv(x, w, b, cu))), reps=3 if quick else 10)
-    rows.append(dict(op="causal_conv1d fwd+bwd", shape=f"T={T} C={C} K={K}", packcuda_ms=ours,
-                     baseline="F.conv1d per sequence (eager)", baseline_ms=ref, speedup=ref / ours))
-    if not quick:
-        try:
-            cref = torch.compile(lambda: torch.nn.functional.silu(_reference_conv(x, w, b, cu)))
-            ms = t.median_ms(fwd_bwd(cref), reps=10)
-            rows.append(dict(op="causal_conv1d fwd+bwd", shape=f"T={T} C={C} K={K}", packcuda_ms=ours,
-                             baseline="torch.compile(F.conv1d per sequence)", baseline_ms=ms, speedup=ms / ours))
-        except Exception as e:  # pragma: no cover
-            print(f"torch.compile baseline skipped: {type(e).__name__}: {e}")
-    fla_conv = _fla_varlen_conv()
-    notes = []
-    if fla_conv is not None and dev.type == "cuda":
-        try:
-            cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
-            ms = t.median_ms(fwd_bwd(lambda: fla_conv(x[None], w, b, activation="silu", cu_seqlens=cu_t)[0][0]))
-            rows.append(dict(op="causal_conv1d fwd+bwd", shape=f"T={T} C={C} K={K}", packcuda_ms=ours,
-                             baseline="FLA causal_conv1d (varlen)", baseline_ms=ms, speedup=ms / ours))
-        except Exception as e:  # pragma: no cover
-            notes.append(f"FLA varlen conv failed: {type(e).__name__}: {e}")
-    else:
-        notes.append("FLA (flash-linear-attention) is not importable here: its varlen conv comparison is skipped.")
-    if dev.type == "cuda":
-        rows.append(dict(op="copy floor (5 passes of [T, C])", shape=f"{5 * nbytes / 2**20:.0f} MiB",
-                         packcuda_ms=ours, baseline="tensor.copy_", baseline_ms=floor, speedup=floor / ours))
+        ours = fwd_bwd(lambda: packcuda.causal_conv1d(leaves[0], leaves[1], leaves[2], cu_seqlens=cu,
+                                                      prefix=leaves[3] if with_prefix else None, activation="silu"))
+        both = t.median_ms(ours)
+        for op, ms, floor in (("fwd", fwd, 1.0), ("bwd", bwd, 1.5), ("fwd+bwd", both, 2.5)):
+            rows.append(dict(op=f"causal_conv1d {op}", shape=shape, packcuda_ms=ms, copy_ms=copy_ms,
+                             x_copy=ms / copy_ms, floor_x_copy=floor, baseline="-", baseline_ms=float("nan"),
+                             speedup=float("nan")))
+        if fla_conv is not None and not with_prefix:
+            try:
+                cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+                f = lambda: fla_conv(leaves[0][None], leaves[1], leaves[2], activation="silu", cu_seqlens=cu_t)[0][0]
+                ms_f = t.median_ms(lambda: fla_conv(x[None], w, b, activation="silu", cu_seqlens=cu_t))
+                ms_b = t.median_ms(fwd_bwd(f))
+                rows.append(dict(op="causal_conv1d fwd", shape=shape, packcuda_ms=fwd, copy_ms=copy_ms,
+                                 x_copy=fwd / copy_ms, baseline="FLA causal_conv1d (varlen)", baseline_ms=ms_f,
+                                 speedup=ms_f / fwd))
+                rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
+                                 x_copy=both / copy_ms, baseline="FLA causal_conv1d (varlen)", baseline_ms=ms_b,
+                                 speedup=ms_b / both))
+            except Exception as e:  # pragma: no cover
+                notes.append(f"FLA varlen conv failed: {type(e).__name__}: {e}")
+        if n_cfg == 0:  # the per-sequence reference (one F.conv1d per sequence): eager and compiled
+            ref = fwd_bwd(lambda: torch.nn.functional.silu(_reference_conv(leaves[0], leaves[1], leaves[2], cu)))
+            ms = t.median_ms(ref, reps=3 if quick else 10)
+            rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
+                             x_copy=both / copy_ms, baseline="F.conv1d per sequence (eager)", baseline_ms=ms,
+                             speedup=ms / both))
+            if not quick:
+                try:
+                    cref = torch.compile(
+                        lambda: torch.nn.functional.silu(_reference_conv(leaves[0], leaves[1], leaves[2], cu)))
+                    ms = t.median_ms(fwd_bwd(cref), reps=10)
+                    rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
+                                     x_copy=both / copy_ms, baseline="torch.compile(F.conv1d per sequence)",
+                                     baseline_ms=ms, speedup=ms / both))
+                except Exception as e:  # pragma: no cover
+                    notes.append(f"torch.compile baseline skipped: {type(e).__name__}: {e}")
+        del x, dy, dst, leaves
+    notes.append("x_copy: time / copy_ of x in the same run (floor: fwd 1, bwd 1.5, fwd+bwd 2.5). bwd is the raw "
+                 "backward op (dx, dweight, dbias and, with a prefix, its gradient) as autograd calls it. "
+                 "FLA rows: no prefix (its varlen conv takes no per-sequence prefix rows). Qwen3.5's layer shape "
+                 "(transformers' Qwen3_5TextConfig: 2*16*128 key + 32*128 value channels = 8192, K=4) is the C=8192 K=4 row.")
     return rows, notes
 
 

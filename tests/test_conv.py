@@ -99,6 +99,25 @@ def test_causal_conv1d_unaligned_storage(device, dtype):
             _close(a, r, dtype, "grad")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("C", [8, 264, 257])
+def test_causal_conv1d_block_tiles(device, dtype, C):
+    # The CUDA kernels stage slabs of channels (512 bytes of a row) over spans of token sub-tiles: C = 264 ends in
+    # a partial slab, 257 takes the element-wise path, and C = 8 over a long stream gives every block several
+    # sub-tiles. Segments start and end on and off the sub-tile edges (multiples of 32 and 64), some are empty,
+    # one token long or shorter than K - 1.
+    g = _seed("block", dtype, C)
+    T = (40000 if C == 8 else 3000) if device == "cuda" else 900  # the CPU kernel has no such tiles
+    lens, left = [64, 32, 0, 1], T - 97
+    while left > 0:  # long segments (up to 600 tokens) alternating with short ones (0..4 tokens)
+        hi = 600 if len(lens) % 2 else 5
+        n = min(left, int(torch.randint(0, hi, (1,), generator=g)))
+        lens.append(n)
+        left -= n
+    for K in (2, 4):
+        _run_vs_reference(device, dtype, lens, K, C, "silu", K == 4, True, g)
+
+
 def test_causal_conv1d_no_cu_seqlens_equals_conv1d(device):
     g = _seed("plain")
     x = torch.randn(257, 16, generator=g).to(device)
