@@ -72,9 +72,14 @@ template <> struct From<double> {
 };
 template <> struct From<bf16_t> {
   static PC_HD bf16_t cvt(float f) {  // round to nearest even, NaN stays NaN
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    __nv_bfloat16_raw r = __nv_bfloat16(__float2bfloat16_rn(f));  // one instruction, the same rounding
+    return bf16_t{r.x};
+#else
     const uint32_t u = f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{static_cast<uint16_t>((u >> 16) | 0x40)};
     return bf16_t{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+#endif
   }
 };
 template <> struct From<f16_t> {
@@ -119,7 +124,7 @@ PC_HD float val(f16_t v) { return to_f(v); }
 
 PC_HD float sigmoid(float z) {
 #if defined(__CUDA_ARCH__)
-  return 1.f / (1.f + __expf(-z));
+  return __fdividef(1.f, 1.f + __expf(-z));  // 1 / inf = 0 for very negative z
 #else
   return 1.f / (1.f + std::exp(-z));
 #endif
@@ -188,18 +193,49 @@ constexpr int kBatch = 8;
 template <typename S, int V> struct alignas(sizeof(S) * V) Vec {
   S v[V];
 };
+// One machine word of the Vec's size, so that a device access is a single (vector) load or store: a
+// struct-of-structs copy would be split into one access per element.
+template <int N> struct Word;
+template <> struct Word<2> { using type = unsigned short; };
+template <> struct Word<4> { using type = unsigned int; };
+#if defined(__CUDACC__)
+template <> struct Word<8> { using type = uint2; };
+template <> struct Word<16> { using type = uint4; };
+#endif
 template <int V, typename S> PC_HD Vec<S, V> load_vec(const S* p) {
+  Vec<S, V> r;
   if constexpr (V == 1) {
-    Vec<S, 1> r;
     r.v[0] = p[0];
-    return r;
   } else {
-    return *reinterpret_cast<const Vec<S, V>*>(p);
+#if defined(__CUDA_ARCH__)
+    union {
+      typename Word<sizeof(Vec<S, V>)>::type w;
+      Vec<S, V> v;
+    } u;
+    u.w = *reinterpret_cast<const decltype(u.w)*>(p);
+    r = u.v;
+#else
+    r = *reinterpret_cast<const Vec<S, V>*>(p);
+#endif
   }
+  return r;
 }
+// store_vec writes global memory only (the outputs).
 template <int V, typename S> PC_HD void store_vec(S* p, const Vec<S, V>& r) {
-  if constexpr (V == 1) p[0] = r.v[0];
-  else *reinterpret_cast<Vec<S, V>*>(p) = r;
+  if constexpr (V == 1) {
+    p[0] = r.v[0];
+  } else {
+#if defined(__CUDA_ARCH__)
+    union {
+      typename Word<sizeof(Vec<S, V>)>::type w;
+      Vec<S, V> v;
+    } u;
+    u.v = r;
+    __stwb(reinterpret_cast<decltype(u.w)*>(p), u.w);  // global memory: one vector store
+#else
+    *reinterpret_cast<Vec<S, V>*>(p) = r;
+#endif
+  }
 }
 template <int V, typename S> PC_HD Vec<S, V> zero_vec() {
   using A = typename Acc<S>::type;
@@ -211,12 +247,13 @@ PC_UNROLL
 
 // Forward over tokens [t0, t1) of channels c .. c+V-1 (each channel gets exactly the scalar math; the V
 // channels only share the loads/stores of a row and the segment walk).
-template <typename S, int KM, int V = 1, int NB = kBatch, typename Rows>
+template <typename S, int KM, int V = 1, int NB = kBatch, int ACT = -1, bool kExact = false, typename Rows>
 PC_HD void conv_fwd_tile(const Rows& x, const S* w, const S* b, const S* prefix, const int64_t* cu,
                          const ConvShape& sh, S* y, int64_t c, int64_t t0, int64_t t1) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
   using A = typename Acc<S>::type;
-  const int off = KM - sh.K;
+  const int off = KM - (kExact ? KM : sh.K);
+  const int act = ACT >= 0 ? ACT : sh.act;
   A wk[V][KM];
   A bias[V];
 PC_UNROLL
@@ -265,7 +302,7 @@ PC_UNROLL
 PC_UNROLL
         for (int m = 0; m < KM - 2; ++m) win[v][m] = win[v][m + 1];
         win[v][KM - 2] = xt;
-        out.v[v] = from_acc<S>(activate(z, sh.act));
+        out.v[v] = from_acc<S>(activate(z, act));
       }
       store_vec<V>(y + t * sh.C + c, out);
     }
@@ -273,10 +310,10 @@ PC_UNROLL
 }
 
 // Pre-activation z at token t of segment s, computed from scratch (tile edges of the backward).
-template <typename S, int KM, typename A, typename Rows>
+template <typename S, int KM, typename A, bool kExact = false, typename Rows>
 PC_HD A conv_z_at(const Rows& x, const S* prefix, const A* wk, A bias, const ConvShape& sh, int64_t s,
                   int64_t start, int64_t t, int64_t c) {
-  const int off = KM - sh.K;
+  const int off = KM - (kExact ? KM : sh.K);
   A z = bias;
 PC_UNROLL
   for (int m = 0; m < KM; ++m)
@@ -290,14 +327,16 @@ PC_UNROLL
 //   dx[u]         = sum_k w[k] * gz[u + K-1-k]      over taps inside u's segment
 //   dprefix[s, j] = sum_k w[k] * gz[start + j - k]  (prefix row j sits at u = start - (K-1) + j)
 //   dw[k]         = sum_t gz[t] * xin(t - (K-1) + k),  db = sum_t gz[t],  gz = dy * act'(z)
-template <typename S, int KM, int V = 1, int NB = kBatch, typename DyRows, typename XRows>
+template <typename S, int KM, int V = 1, int NB = kBatch, int ACT = -1, bool kExact = false, typename DyRows,
+          typename XRows>
 PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const S* w, const S* b, const S* prefix,
                          const int64_t* cu, const ConvShape& sh, S* dx, S* dprefix, int64_t c, int64_t t0,
                          int64_t t1, typename Acc<S>::type (&dw)[V][KM], typename Acc<S>::type (&db)[V]) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
   using A = typename Acc<S>::type;
-  const int K = sh.K;
+  const int K = kExact ? KM : sh.K;
   const int off = KM - K;
+  const int act = ACT >= 0 ? ACT : sh.act;
   A wk[V][KM], bias[V];
 PC_UNROLL
   for (int v = 0; v < V; ++v) {
@@ -318,8 +357,8 @@ PC_UNROLL
       for (int d = 1; d < KM; ++d) {
         g[v][d] = A(0);
         if (d < K && t + d < end) {
-          const A z = conv_z_at<S, KM, A>(x, prefix, wk[v], bias[v], sh, s, start, t + d, c + v);
-          g[v][d] = val(*dy.at(t + d, c + v)) * activate_grad(z, sh.act);
+          const A z = conv_z_at<S, KM, A, kExact>(x, prefix, wk[v], bias[v], sh, s, start, t + d, c + v);
+          g[v][d] = val(*dy.at(t + d, c + v)) * activate_grad(z, act);
         }
       }
 PC_UNROLL
@@ -344,7 +383,7 @@ PC_UNROLL
 PC_UNROLL
           for (int m = 0; m < KM; ++m)
             if (m >= off) z += wk[v][m] * xw[v][m];
-          const A gz = val(dys[i].v[v]) * activate_grad(z, sh.act);
+          const A gz = val(dys[i].v[v]) * activate_grad(z, act);
           g[v][0] = gz;
           A gx = A(0);
 PC_UNROLL

@@ -27,34 +27,46 @@ using detail::shape_of;
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowBytes = 512;  // one staged slab row: 32 lanes x 16 bytes
-constexpr int kFwdTile = 64;    // tokens per sub-tile
-constexpr int kBwdTile = 32;
 
-// Slab geometry of storage type S on the vector path (kVec) or the element-wise path.
-template <typename S, bool kVec> struct Slab {
+// Slab geometry of storage type S with P channels per thread in the math (P = 1 on the element-wise path).
+template <typename S, int P_> struct Slab {
+  static constexpr int P = P_;
   static constexpr int kWidth = kRowBytes / static_cast<int>(sizeof(S));  // channels
   static constexpr int kChunk = 16 / static_cast<int>(sizeof(S));         // elements per 16-byte copy
-  static constexpr int P = kVec && sizeof(S) == 2 ? 2 : 1;                 // channels per thread in the math
   static constexpr int kAcross = kWidth / (32 * P);                        // warps across the slab
   static constexpr int kGroups = kWarps / kAcross;                         // token groups (one run each)
   static_assert(kAcross >= 1 && kWarps % kAcross == 0, "slab layout");
 };
 
+// The shapes in use (measured on an H200, see benchmarks/RESULTS.md): forward sub-tiles of 64 tokens with 8
+// bytes of a row per thread, backward sub-tiles of 32 tokens with 4 bytes per thread (its window and gradient
+// arrays are twice the forward's registers).
+template <typename S, bool kVec> struct FwdCfg {
+  static constexpr int P = !kVec ? 1 : (sizeof(S) == 8 ? 1 : 8 / static_cast<int>(sizeof(S)));
+  static constexpr int TT = 64;
+  static constexpr int NB = 4;  // rows per batch of shared-memory loads
+};
+template <typename S, bool kVec> struct BwdCfg {
+  static constexpr int P = !kVec ? 1 : (sizeof(S) == 2 ? 2 : 1);
+  static constexpr int TT = 32;
+  static constexpr int NB = 4;
+};
+
 // Staged rows per sub-tile and dynamic shared bytes (two buffers) of window size KM.
-template <int KM> struct Stage {
-  static constexpr int kFwdRows = kFwdTile + KM - 1;         // x rows [tb - (KM-1), tb + TT)
-  static constexpr int kBwdXRows = kBwdTile + 2 * KM - 1;    // x rows [tb - KM, tb + TT + KM - 1)
-  static constexpr int kBwdDyRows = kBwdTile + KM - 1;       // dy rows [tb, tb + TT + KM - 1)
+template <int KM, int TT> struct Stage {
+  static constexpr int kFwdRows = TT + KM - 1;         // x rows [tb - (KM-1), tb + TT)
+  static constexpr int kBwdXRows = TT + 2 * KM - 1;    // x rows [tb - KM, tb + TT + KM - 1)
+  static constexpr int kBwdDyRows = TT + KM - 1;       // dy rows [tb, tb + TT + KM - 1)
   static constexpr int kFwdBytes = 2 * kFwdRows * kRowBytes;
   static constexpr int kBwdBytes = 2 * (kBwdXRows + kBwdDyRows) * kRowBytes;
 };
 
 // Staged rows u0 .. of one slab (row stride kWidth), read through the conv_math.h row interface.
-template <typename S, bool kVec> struct TileRows {
+template <typename S> struct TileRows {
   const S* base;
   int64_t u0, c0;
   __device__ __forceinline__ const S* at(int64_t u, int64_t c) const {
-    return base + static_cast<int>(u - u0) * Slab<S, kVec>::kWidth + static_cast<int>(c - c0);
+    return base + static_cast<int>(u - u0) * (kRowBytes / static_cast<int>(sizeof(S))) + static_cast<int>(c - c0);
   }
 };
 
@@ -63,7 +75,7 @@ template <typename S, bool kVec> struct TileRows {
 template <typename S, bool kVec>
 __device__ __forceinline__ void stage_rows(S* dst, const S* src, const ConvShape& sh, int64_t r0, int nrows,
                                            int64_t c0) {
-  using L = Slab<S, kVec>;
+  using L = Slab<S, 1>;
   if constexpr (kVec) {  // C % kChunk == 0 and 16-byte aligned rows: every chunk is wholly inside or outside
     const int n = nrows * 32;
     for (int i = threadIdx.x; i < n; i += kThreads) {
@@ -103,13 +115,14 @@ template <typename Kernel> int blocks_per_sm(Kernel k, int smem) {
   return n;
 }
 
-template <typename S, int KM, bool kVec>
+template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = FwdCfg<S, kVec>::P,
+          int TT = FwdCfg<S, kVec>::TT, int NB = FwdCfg<S, kVec>::NB>
 __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w,
                                                            const S* __restrict__ b, const S* __restrict__ prefix,
                                                            const int64_t* __restrict__ cu, ConvShape sh, S* y,
                                                            int64_t span_len) {
-  using L = Slab<S, kVec>;
-  constexpr int ROWS = Stage<KM>::kFwdRows, R = kFwdTile / L::kGroups;
+  using L = Slab<S, P>;
+  constexpr int ROWS = Stage<KM, TT>::kFwdRows, R = TT / L::kGroups;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   S* const buf = reinterpret_cast<S*>(smem_raw);
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * L::kWidth;
@@ -117,12 +130,12 @@ __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict_
   const int64_t s1 = s0 + span_len < sh.T ? s0 + span_len : sh.T;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = warp / L::kAcross;
   const int64_t c = c0 + ((warp % L::kAcross) * 32 + lane) * L::P;
-  const int nsub = static_cast<int>(ceil_div(s1 - s0, kFwdTile));
+  const int nsub = static_cast<int>(ceil_div(s1 - s0, TT));
   stage_rows<S, kVec>(buf, x, sh, s0 - (KM - 1), ROWS, c0);
   cuda::cp_async_commit();
   for (int j = 0; j < nsub; ++j) {
-    const int64_t tb = s0 + static_cast<int64_t>(j) * kFwdTile;
-    if (j + 1 < nsub) stage_rows<S, kVec>(buf + ((j + 1) & 1) * ROWS * L::kWidth, x, sh, tb + kFwdTile - (KM - 1),
+    const int64_t tb = s0 + static_cast<int64_t>(j) * TT;
+    if (j + 1 < nsub) stage_rows<S, kVec>(buf + ((j + 1) & 1) * ROWS * L::kWidth, x, sh, tb + TT - (KM - 1),
                                           ROWS, c0);
     cuda::cp_async_commit();
     cuda::cp_async_wait<1>();
@@ -130,23 +143,24 @@ __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict_
     const int64_t t0 = tb + static_cast<int64_t>(g) * R;
     const int64_t t1 = t0 + R < s1 ? t0 + R : s1;
     if (c < sh.C && t0 < t1)
-      conv_fwd_tile<S, KM, L::P>(TileRows<S, kVec>{buf + (j & 1) * ROWS * L::kWidth, tb - (KM - 1), c0}, w, b,
+      conv_fwd_tile<S, KM, P, NB, ACT, kExact>(TileRows<S>{buf + (j & 1) * ROWS * L::kWidth, tb - (KM - 1), c0}, w, b,
                                  prefix, cu, sh, y, c, t0, t1);
     __syncthreads();
   }
 }
 
-template <typename S, int KM, bool kVec>
+template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = BwdCfg<S, kVec>::P,
+          int TT = BwdCfg<S, kVec>::TT, int NB = BwdCfg<S, kVec>::NB>
 __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x,
                                                            const S* __restrict__ w, const S* __restrict__ b,
                                                            const S* __restrict__ prefix,
                                                            const int64_t* __restrict__ cu, ConvShape sh, S* dx,
                                                            S* dprefix, typename Acc<S>::type* part,
                                                            int64_t span_len) {
-  using L = Slab<S, kVec>;
+  using L = Slab<S, P>;
   using A = typename Acc<S>::type;
-  constexpr int XR = Stage<KM>::kBwdXRows, DR = Stage<KM>::kBwdDyRows, STAGE = (XR + DR) * L::kWidth;
-  constexpr int R = kBwdTile / L::kGroups;
+  constexpr int XR = Stage<KM, TT>::kBwdXRows, DR = Stage<KM, TT>::kBwdDyRows, STAGE = (XR + DR) * L::kWidth;
+  constexpr int R = TT / L::kGroups;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   S* const buf = reinterpret_cast<S*>(smem_raw);
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * L::kWidth;
@@ -154,10 +168,10 @@ __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict_
   const int64_t s1 = s0 + span_len < sh.T ? s0 + span_len : sh.T;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = warp / L::kAcross;
   const int64_t c = c0 + ((warp % L::kAcross) * 32 + lane) * L::P;
-  const int nsub = static_cast<int>(ceil_div(s1 - s0, kBwdTile));
+  const int nsub = static_cast<int>(ceil_div(s1 - s0, TT));
   auto stage = [&](int j) {
     S* xb = buf + (j & 1) * STAGE;
-    const int64_t tb = s0 + static_cast<int64_t>(j) * kBwdTile;
+    const int64_t tb = s0 + static_cast<int64_t>(j) * TT;
     stage_rows<S, kVec>(xb, x, sh, tb - KM, XR, c0);
     stage_rows<S, kVec>(xb + XR * L::kWidth, dy, sh, tb, DR, c0);
   };
@@ -166,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict_
   stage(0);
   cuda::cp_async_commit();
   for (int j = 0; j < nsub; ++j) {
-    const int64_t tb = s0 + static_cast<int64_t>(j) * kBwdTile;
+    const int64_t tb = s0 + static_cast<int64_t>(j) * TT;
     if (j + 1 < nsub) stage(j + 1);
     cuda::cp_async_commit();
     cuda::cp_async_wait<1>();
@@ -175,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict_
     const int64_t t1 = t0 + R < s1 ? t0 + R : s1;
     if (c < sh.C && t0 < t1) {
       const S* xb = buf + (j & 1) * STAGE;
-      conv_bwd_tile<S, KM, L::P>(TileRows<S, kVec>{xb + XR * L::kWidth, tb, c0}, TileRows<S, kVec>{xb, tb - KM, c0},
+      conv_bwd_tile<S, KM, P, NB, ACT, kExact>(TileRows<S>{xb + XR * L::kWidth, tb, c0}, TileRows<S>{xb, tb - KM, c0},
                                  w, b, prefix, cu, sh, dx, dprefix, c, t0, t1, dw, db);
     }
     __syncthreads();
@@ -183,7 +197,8 @@ __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict_
   cuda::cp_async_wait<0>();
   __syncthreads();
   // The block's token groups hold sums of the same channels: add them in group order, one partial per channel.
-  static_assert(L::kGroups * L::kWidth * (KM + 1) * sizeof(A) <= Stage<KM>::kBwdBytes, "the sums fit the staging memory");
+  static_assert(L::kGroups * L::kWidth * (KM + 1) * sizeof(A) <= Stage<KM, TT>::kBwdBytes,
+                "the sums fit the staging memory");
   A* red = reinterpret_cast<A*>(smem_raw);  // [kGroups][kWidth][K + 1]
   const int KP = sh.K + 1;
   if (c < sh.C) conv_store_partials(dw, db, sh.K, red + (g * L::kWidth + static_cast<int>(c - c0)) * KP);
@@ -222,15 +237,10 @@ bool aligned(const void* p, int bytes) { return p == nullptr || reinterpret_cast
 
 // The vector path needs whole 16-byte chunks in every row and 16-byte aligned tensors.
 template <typename S> bool vector_ok(int64_t C, std::initializer_list<const void*> ptrs) {
-  if (C % Slab<S, true>::kChunk != 0) return false;
+  if (C % Slab<S, 1>::kChunk != 0) return false;
   for (const void* p : ptrs)
     if (!aligned(p, 16)) return false;
   return true;
-}
-
-template <typename S, int KM> Spans bwd_spans(int64_t T, int64_t C) {
-  static const int occ = blocks_per_sm(conv_bwd_kernel<S, KM, true>, Stage<KM>::kBwdBytes);
-  return make_spans(T, ceil_div(C, Slab<S, true>::kWidth), occ, kBwdTile);
 }
 
 template <typename F> void dispatch_conv(const ConvArgs& a, F&& f) {
@@ -239,41 +249,83 @@ template <typename F> void dispatch_conv(const ConvArgs& a, F&& f) {
   });
 }
 
+// The vector path compiles the activation and, where the window size is the kernel size (K = 2, 3, 4, 8), K
+// itself into the kernel; the element-wise path reads both at run time.
+template <int KM, typename F> void dispatch_vec_math(const ConvArgs& a, F&& f) {
+  auto with_act = [&](auto exact) {
+    if (a.activation == 1) f(std::integral_constant<int, 1>{}, exact);
+    else f(std::integral_constant<int, 0>{}, exact);
+  };
+  if constexpr (KM == 2 || KM == kMaxK) {
+    if (a.K != KM) return with_act(std::false_type{});
+  }
+  with_act(std::true_type{});
+}
+
+template <typename S, int KM, bool kVec, int ACT, bool kExact, int P, int TT, int NB = FwdCfg<S, kVec>::NB>
+void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
+  constexpr int smem = Stage<KM, TT>::kFwdBytes;
+  auto kernel = conv_fwd_kernel<S, KM, kVec, ACT, kExact, P, TT, NB>;
+  static const int occ = blocks_per_sm(kernel, smem);
+  PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int64_t slabs = ceil_div(a.C, Slab<S, P>::kWidth);
+  const Spans sp = make_spans(a.T, slabs, occ, TT);
+  const dim3 grid(static_cast<unsigned>(slabs), static_cast<unsigned>(sp.count));
+  kernel<<<grid, kThreads, smem, stream>>>(static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
+                                          static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu,
+                                          shape_of(a), static_cast<S*>(y), sp.len);
+}
+
+// The backward's spans (and so its partial count) follow the vector path's occupancy; the element-wise path
+// has slabs and sub-tiles of the same size and reuses them.
+template <typename S, int KM, int P, int TT, int NB = BwdCfg<S, true>::NB> Spans bwd_spans(int64_t T, int64_t C) {
+  static const int occ = blocks_per_sm(conv_bwd_kernel<S, KM, true, 1, KM != 2 && KM != kMaxK, P, TT, NB>,
+                                       Stage<KM, TT>::kBwdBytes);
+  return make_spans(T, ceil_div(C, Slab<S, P>::kWidth), occ, TT);
+}
+
+template <typename S, int KM, bool kVec, int ACT, bool kExact, int P, int TT, int NB = BwdCfg<S, kVec>::NB>
+void launch_bwd(const ConvArgs& a, const void* dy, void* dx, void* dprefix, void* work, const Spans& sp,
+                cudaStream_t stream) {
+  using A = typename Acc<S>::type;
+  constexpr int smem = Stage<KM, TT>::kBwdBytes;
+  auto kernel = conv_bwd_kernel<S, KM, kVec, ACT, kExact, P, TT, NB>;
+  PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(static_cast<unsigned>(ceil_div(a.C, Slab<S, P>::kWidth)), static_cast<unsigned>(sp.count));
+  kernel<<<grid, kThreads, smem, stream>>>(static_cast<const S*>(dy), static_cast<const S*>(a.x),
+                                          static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
+                                          static_cast<const S*>(a.prefix), a.cu, shape_of(a), static_cast<S*>(dx),
+                                          static_cast<S*>(dprefix), static_cast<A*>(work), sp.len);
+}
+
 }  // namespace
 
 int64_t conv_bwd_tiles_cuda(const ConvArgs& a) {
   int64_t n = 0;
-  dispatch_conv(a, [&](auto tag, auto km) { n = bwd_spans<decltype(tag), decltype(km)::value>(a.T, a.C).count; });
+  dispatch_conv(a, [&](auto tag, auto km) {
+    using S = decltype(tag);
+    n = bwd_spans<S, decltype(km)::value, BwdCfg<S, true>::P, BwdCfg<S, true>::TT>(a.T, a.C).count;
+  });
   return n;
 }
 
 void causal_conv1d_fwd_cuda(const ConvArgs& a, void* y, cudaStream_t stream) {
   if (a.T == 0 || a.C == 0) return;
-  const ConvShape sh = shape_of(a);
   dispatch_conv(a, [&](auto tag, auto km) {
     using S = decltype(tag);
     constexpr int KM = decltype(km)::value;
-    auto launch = [&](auto vec) {
-      constexpr bool kVec = decltype(vec)::value;
-      auto kernel = conv_fwd_kernel<S, KM, kVec>;
-      static const int occ = blocks_per_sm(kernel, Stage<KM>::kFwdBytes);
-      PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Stage<KM>::kFwdBytes));
-      const int64_t slabs = ceil_div(a.C, Slab<S, kVec>::kWidth);
-      const Spans sp = make_spans(a.T, slabs, occ, kFwdTile);
-      const dim3 grid(static_cast<unsigned>(slabs), static_cast<unsigned>(sp.count));
-      kernel<<<grid, kThreads, Stage<KM>::kFwdBytes, stream>>>(
-          static_cast<const S*>(a.x), static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
-          static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(y), sp.len);
-    };
-    if (vector_ok<S>(a.C, {a.x, y})) launch(std::true_type{});
-    else launch(std::false_type{});
+    using V = FwdCfg<S, true>;
+    if (vector_ok<S>(a.C, {a.x, y}))
+      dispatch_vec_math<KM>(a, [&](auto act, auto exact) {
+        launch_fwd<S, KM, true, decltype(act)::value, decltype(exact)::value, V::P, V::TT>(a, y, stream);
+      });
+    else launch_fwd<S, KM, false, -1, false, 1, FwdCfg<S, false>::TT>(a, y, stream);
   });
   PC_CUDA_LAUNCH_CHECK();
 }
 
 void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias,
                             void* dprefix, void* work, int64_t tiles, cudaStream_t stream) {
-  const ConvShape sh = shape_of(a);
   if (dprefix && a.nseg * (a.K - 1) * a.C > 0)
     PC_CUDA_CHECK(cudaMemsetAsync(dprefix, 0, a.nseg * (a.K - 1) * a.C * dtype_size(a.dtype), stream));
   if (a.C == 0) return;
@@ -281,25 +333,20 @@ void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* d
     using S = decltype(tag);
     using A = typename Acc<S>::type;
     constexpr int KM = decltype(km)::value;
-    const Spans sp = bwd_spans<S, KM>(a.T, a.C);
+    using V = BwdCfg<S, true>;
+    static_assert(BwdCfg<S, false>::TT == V::TT, "both paths share the spans");
+    const Spans sp = bwd_spans<S, KM, V::P, V::TT>(a.T, a.C);
     if (sp.count != tiles) throw std::invalid_argument("packcuda conv: inconsistent tile count");
     if (a.T > 0) {
-      auto launch = [&](auto vec) {
-        constexpr bool kVec = decltype(vec)::value;
-        auto kernel = conv_bwd_kernel<S, KM, kVec>;
-        PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Stage<KM>::kBwdBytes));
-        // Both paths use the vector path's spans (the partial buffer was sized for them); the element-wise
-        // path's slabs are as wide, so the grid is the same.
-        const dim3 grid(static_cast<unsigned>(ceil_div(a.C, Slab<S, kVec>::kWidth)), static_cast<unsigned>(sp.count));
-        kernel<<<grid, kThreads, Stage<KM>::kBwdBytes, stream>>>(
-            static_cast<const S*>(dy), static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
-            static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(dx),
-            static_cast<S*>(dprefix), static_cast<A*>(work), sp.len);
-      };
-      if (vector_ok<S>(a.C, {a.x, dy, dx})) launch(std::true_type{});
-      else launch(std::false_type{});
+      if (vector_ok<S>(a.C, {a.x, dy, dx}))
+        dispatch_vec_math<KM>(a, [&](auto act, auto exact) {
+          launch_bwd<S, KM, true, decltype(act)::value, decltype(exact)::value, V::P, V::TT>(a, dy, dx, dprefix,
+                                                                                             work, sp, stream);
+        });
+      else launch_bwd<S, KM, false, -1, false, 1, V::TT>(a, dy, dx, dprefix, work, sp, stream);
       PC_CUDA_LAUNCH_CHECK();
     }
+    const ConvShape sh = shape_of(a);
     conv_reduce_kernel<S><<<static_cast<unsigned>(ceil_div(a.C * (a.K + 1), 256)), 256, 0, stream>>>(
         static_cast<const A*>(work), sp.count, sh, static_cast<S*>(dweight), static_cast<S*>(dbias));
     PC_CUDA_LAUNCH_CHECK();
