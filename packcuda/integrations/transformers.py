@@ -1018,11 +1018,11 @@ class LinearAttentionPatch(_Patch):
         fn = "LinearAttentionPatch.set_plan"
         if not isinstance(self, LinearAttentionPatch):
             raise TypeError(f"packcuda.{fn}: self must be a LinearAttentionPatch, got {type(self).__name__}")
+        if not self.active:
+            raise ValueError(f"packcuda.{fn}: plan cannot be set: the patch was removed")
         if self._state.plan is None:
             raise ValueError(f"packcuda.{fn}: plan cannot be set on a patch made without one (packed rows, no CP); "
                              "patch with plan= and group=")
-        if not self.active:
-            raise ValueError(f"packcuda.{fn}: plan cannot be set: the patch was removed")
         _check_cp_plan(fn, plan, self._state.group)
         self._state.plan = plan
         self._state.cache.clear()
