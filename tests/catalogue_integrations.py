@@ -42,6 +42,29 @@ def _model():
     return T.Qwen2VLForConditionalGeneration(c).eval()
 
 
+def _qwen3_5(layer_types=("full_attention", "linear_attention")):
+    """A tiny Qwen3.5 text model (a fresh one: cases may leave it patched)."""
+    import transformers as T
+
+    c = T.Qwen3_5TextConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=len(layer_types),
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=8, layer_types=list(layer_types),
+                            linear_conv_kernel_dim=2, linear_key_head_dim=4, linear_value_head_dim=4,
+                            linear_num_key_heads=2, linear_num_value_heads=2,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 0],
+                                             "mrope_interleaved": True})
+    return T.Qwen3_5ForCausalLM(c)
+
+
+def _la(model=None, **kw):
+    return call(hf().patch_qwen3_5_linear_attention, _qwen3_5() if model is None else model, **kw)
+
+
+def _set_plan_on_removed():
+    h = hf().patch_qwen3_5_linear_attention(_qwen3_5())
+    h.unpatch()
+    return call(h.set_plan, _plan())
+
+
 def _pp(ids=None, cu=None, cfg=None, **kw):
     ids = _ids() if ids is None else ids
     kw.setdefault("image_grid_thw", [[1, 4, 4]])
@@ -63,6 +86,7 @@ PP = "transformers.packed_position_ids"
 HP = "transformers.hf_packed_position_ids"
 MM = "transformers.mm_token_type_ids"
 PATCH = "transformers.patch_qwen_vl_rope"
+LA = "transformers.patch_qwen3_5_linear_attention"
 CASES = [
     # packed_position_ids
     Case(PP, "grid_overflow", op="mrope_position_ids", arg="image_grid_thw",
@@ -136,6 +160,26 @@ CASES = [
     Case(PATCH, "model_unsupported", arg="model", make=lambda: call(hf().patch_qwen_vl_rope, torch.nn.Linear(2, 2))),
     Case(PATCH, "allow_unverified_str", arg="allow_unverified_version", exc=TypeError,
          make=lambda: call(hf().patch_qwen_vl_rope, _model(), allow_unverified_version="yes")),
+
+    # patch_qwen3_5_linear_attention (refused before anything is patched) and its handle
+    Case(LA, "model_not_a_module", arg="model", exc=TypeError, make=lambda: call(hf().patch_qwen3_5_linear_attention,
+                                                                                 "qwen3_5")),
+    Case(LA, "model_other_family", arg="model", make=lambda: _la(_model())),
+    Case(LA, "model_without_linear_attention", arg="model",
+         make=lambda: _la(_qwen3_5(("full_attention", "full_attention")))),
+    Case(LA, "allow_unverified_str", arg="allow_unverified_version", exc=TypeError,
+         make=lambda: _la(allow_unverified_version=1)),
+    Case(LA, "plan_without_group", arg="group", make=lambda: _la(plan=_plan())),
+    Case(LA, "group_without_plan", arg="plan", make=lambda: _la(group=object())),
+    Case(LA, "plan_list", arg="plan", exc=TypeError, make=lambda: _la(plan=[0, 8], group=object())),
+    Case(LA, "group_str", arg="group", exc=TypeError, make=lambda: _la(plan=_plan(), group="world")),
+    Case("LinearAttentionPatch.set_plan", "not_a_handle", op="LinearAttentionPatch.set_plan", arg="self", exc=TypeError,
+         make=lambda: call(hf().LinearAttentionPatch.set_plan, object(), _plan())),
+    Case("LinearAttentionPatch.set_plan", "handle_removed", op="LinearAttentionPatch.set_plan", arg="plan", make=_set_plan_on_removed),
+    Case("LinearAttentionPatch.set_plan", "handle_without_cp", op="LinearAttentionPatch.set_plan", arg="plan",
+         make=lambda: call(hf().patch_qwen3_5_linear_attention(_qwen3_5()).set_plan, _plan())),
+    Case("LinearAttentionPatch.unpatch", "not_a_handle", op="LinearAttentionPatch.unpatch", arg="self", exc=TypeError,
+         make=lambda: call(hf().LinearAttentionPatch.unpatch, "handle")),
 
     # unpatch / is_patched / the handle
     Case("transformers.unpatch_qwen_vl_rope", "handle_str", arg="handle", exc=TypeError,
