@@ -15,6 +15,10 @@ Two pieces, usable separately:
    backward). It checks the transformers version and the structure of the code it replaces and refuses
    (:class:`UnsupportedTransformersError`, :class:`UnsupportedModelError`) instead of silently patching nothing.
 
+3. :func:`patch_qwen3_5_linear_attention` — Qwen3.5's GatedDeltaNet layers on packed rows (the conv and the
+   gated delta rule stop at every sample boundary) and on context-parallel shards (conv halo rows through
+   :func:`packcuda.conv_prefix`, the recurrence through flash-linear-attention's CP context).
+
 The two lines a trainer changes::
 
     from packcuda.integrations.transformers import packed_position_ids, patch_qwen_vl_rope
