@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import packcuda
+import reference as ref
 from conftest import HAS_CUDA
 
 transformers = pytest.importorskip("transformers")
@@ -275,7 +276,7 @@ def _cp_worker(rank, world, init, results):
             for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # every token at its padded row
                 Xp[cup[i]:cup[i] + b - a] = X[a:b]
             real = plan.index >= 0
-            rows = _local_padded_rows(plan)
+            rows = ref.local_padded_rows(plan)
             Xr = Xp.clone().requires_grad_()
             mixed = layer.in_proj_qkv(Xr)
             w = layer.conv1d.weight.squeeze(1)
@@ -312,16 +313,6 @@ def _cp_worker(rank, world, init, results):
         results[rank] = n
     finally:
         dist.destroy_process_group()
-
-
-def _local_padded_rows(plan):
-    """Global padded row of every local slot of `plan` (from its pieces)."""
-    rows = []
-    P, off, seq, cup = plan.pieces_host, plan.piece_offset_host, plan.piece_seq_host, plan.cu_seqlens_padded_host
-    for k in range(len(P) - 1):
-        base = cup[seq[k]] + off[k]
-        rows.extend(range(base, base + P[k + 1] - P[k]))
-    return torch.tensor(rows, dtype=torch.int64)
 
 
 @cpu_only

@@ -768,6 +768,7 @@ _CU_KWARG = "packcuda_cu_seqlens"
 _GDN_ACTIVATIONS = ("silu", "swish")  # the same function; packcuda.causal_conv1d calls it "silu"
 
 
+@functools.lru_cache(maxsize=1)
 def _fla_chunk_rule():
     """flash-linear-attention's varlen ``chunk_gated_delta_rule``, or None when it is not importable."""
     try:
@@ -883,7 +884,6 @@ class _GdnState:
             raise ValueError(f"packcuda.patch_qwen3_5_linear_attention: position_ids of shape "
                              f"{tuple(position_ids.shape)} do not describe the [{B}, {S}] rows of the layer")
         start = pos.expand(B, S) == 0
-        start = start.clone()
         start[:, 0] = True
         idx = start.reshape(-1).nonzero().reshape(-1)
         cu = torch.cat([idx, idx.new_tensor([B * S])]).to(torch.int32)
@@ -981,7 +981,7 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     if state.plan is not None:
         core = state.cp_recurrence(q, k, v, g, beta, plan=state.plan, group=state.group, state=state.cache)
     else:
-        fla = _fla_chunk_rule()
+        fla = _fla_chunk_rule() if q.is_cuda else None  # FLA's kernels are GPU kernels
         if fla is not None:
             cu_dev = cu if isinstance(cu, torch.Tensor) and cu.device == q.device else None
             if cu_dev is None:
@@ -1109,10 +1109,11 @@ def patch_qwen3_5_linear_attention(model, *, plan=None, group=None,
             raise TypeError(f"packcuda.{fn}: group must be a torch.distributed.ProcessGroup, got "
                             f"{type(group).__name__}")
         _check_cp_plan(fn, plan, group)
-    fam = _family_of(model, fn)
-    if fam is not _QWEN3_5:
-        raise UnsupportedModelError(f"packcuda.{fn}: model has model_type {fam.model_type!r}; the linear-attention "
-                                    "patch supports qwen3_5 (Qwen3.5) models only")
+    mt = _get(_config_of(model), "model_type", None)
+    if _ALIASES.get(mt, mt) != "qwen3_5":
+        raise UnsupportedModelError(f"packcuda.{fn}: model has model_type {mt!r} ({type(model).__name__}); the "
+                                    "linear-attention patch supports Qwen3.5 models (qwen3_5, qwen3_5_text) only")
+    fam = _QWEN3_5
     _check_version(allow_unverified_version)
     mod = _import_family(fam)
     _gdn_checks(mod)
@@ -1136,7 +1137,7 @@ def patch_qwen3_5_linear_attention(model, *, plan=None, group=None,
         if isinstance(cp_rule, str):
             raise ValueError(f"packcuda.{fn}: plan (context parallelism) cannot be served: {cp_rule}")
         recurrence = "fla cp"
-    else:
+    else:  # FLA on CUDA tensors; CPU tensors always take the per-sample PyTorch rule
         recurrence = "fla varlen" if _fla_chunk_rule() is not None else "transformers per sample"
     state = _GdnState(mod, plan, group, cp_rule)
     handle = LinearAttentionPatch(model, state, recurrence)
