@@ -298,6 +298,8 @@ def _cp_worker(rank, world, init, results):
             want_dx, *want_grads = torch.autograd.grad(want, [Xg, *params], G)
             with hf.patch_qwen3_5_linear_attention(model, plan=plan, group=group) as h:
                 assert "CP" in repr(h) and h.plan is plan and h.group is group
+                h.set_plan(packcuda.shard_plan(cu, cp, rank, layout=layout, bucket=bucket))  # the next batch's
+                assert h.plan is not plan
                 x_local = plan.shard(X).requires_grad_()
                 got = layer(x_local[None])[0]
                 assert torch.allclose(got[real], want[plan.index[real]], atol=1e-6, rtol=1e-6), f"layer: {what}"
@@ -376,3 +378,21 @@ def test_gpu_bf16_packed_equals_samples_alone_fla(rotary):
     for n in want_grads:
         tol = 4 * err(base_grads[n], want_grads[n]) + 1e-2
         assert err(got_grads[n], want_grads[n]) <= tol, (n, err(got_grads[n], want_grads[n]), tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of packcuda")
+def test_gpu_conv_with_host_boundaries_does_not_sync():
+    """The patched layer's conv on host sample boundaries (a list, e.g. cu_seq_lens_q given on the host) makes
+    the host wait for nothing, forward and backward."""
+    from conftest import no_sync
+
+    model = _model(4, dtype=torch.bfloat16).cuda()
+    layer = model.model.layers[1].linear_attn
+    cu = [0, 300, 301, 1000, 4096]
+    x = torch.randn(4096, layer.conv_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    hf._gdn_conv(layer, x, cu).sum().backward()  # warm-up
+    with no_sync():
+        y = hf._gdn_conv(layer, x, cu)
+        y.backward(torch.ones_like(y))
+    torch.cuda.synchronize()
