@@ -865,6 +865,7 @@ class _GdnState:
         self.group = group
         self.cp_recurrence = cp_recurrence
         self.cache: dict = {}
+        self.repeat_heads = "query.repeat_interleave(" in _src(getattr(mod, _GDN_CLASS).forward)
         self._pos = None  # (weakref of the position ids, their version, number of rows, cu_seqlens)
 
     def boundaries(self, position_ids, B: int, S: int):
@@ -975,7 +976,9 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     v = v.reshape(1, T, -1, self.head_v_dim)
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias)
-    if self.num_v_heads != self.num_k_heads:  # grouped values: every q/k head serves consecutive value heads
+    if state.repeat_heads and self.num_v_heads != self.num_k_heads:
+        # grouped values (every q/k head serves consecutive value heads), expanded here where the installed
+        # transformers expands them before its rule (5.17); later releases hand the rule the q/k heads as they are
         rep = self.num_v_heads // self.num_k_heads
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     if state.plan is not None:
