@@ -31,7 +31,7 @@ class Case:
 
     target: what it covers — ``"packcuda.<fn>"`` for a public function, ``"ops.<op>"`` for a raw
         ``torch.ops.packcuda`` op, ``"<Class>.<method>"`` for a public method, ``"transformers.<fn>"`` for
-        ``packcuda.integrations.transformers``.
+        ``packcuda.integrations.transformers``, ``"megatron.<fn>"`` for ``packcuda.integrations.megatron``.
     name: a short id, unique per target.
     make: returns ``(fn, args, kwargs)``; the inputs are built fresh each run.
     exc: the exception type(s) expected.
@@ -162,6 +162,7 @@ def public_targets() -> list[str]:
     import inspect
 
     import packcuda
+    from packcuda.integrations import megatron as mg
     from packcuda.integrations import transformers as hf
 
     out = []
@@ -186,4 +187,5 @@ def public_targets() -> list[str]:
                     out.append(f"{n}.{m}")
         elif callable(obj):
             out.append(f"transformers.{n}")
+    out += [f"megatron.{n}" for n in mg.__all__ if callable(getattr(mg, n))]
     return sorted(out)

@@ -1,4 +1,5 @@
-"""Bad-input cases: packcuda.integrations.transformers (positions, the rotary patch and its handle)."""
+"""Bad-input cases: packcuda.integrations.transformers (positions, the rotary and linear-attention patches and
+their handles) and packcuda.integrations.megatron."""
 import functools
 
 import torch
@@ -42,6 +43,46 @@ def _model():
     return T.Qwen2VLForConditionalGeneration(c).eval()
 
 
+def _qwen3_5(layer_types=("full_attention", "linear_attention")):
+    """A tiny Qwen3.5 text model (a fresh one: cases may leave it patched)."""
+    import transformers as T
+
+    c = T.Qwen3_5TextConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=len(layer_types),
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=8, layer_types=list(layer_types),
+                            linear_conv_kernel_dim=2, linear_key_head_dim=4, linear_value_head_dim=4,
+                            linear_num_key_heads=2, linear_num_value_heads=2,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 0],
+                                             "mrope_interleaved": True})
+    return T.Qwen3_5ForCausalLM(c)
+
+
+def _la(model=None, **kw):
+    return call(hf().patch_qwen3_5_linear_attention, _qwen3_5() if model is None else model, **kw)
+
+
+def _set_plan_on_removed():
+    h = hf().patch_qwen3_5_linear_attention(_qwen3_5())
+    h.unpatch()
+    return call(h.set_plan, _plan())
+
+
+def _zz():
+    return packcuda.shard_plan([0, 5, 11], 2, 1)
+
+
+def _thd(batch=None, plan=None, **kw):
+    from packcuda.integrations import megatron as m
+
+    batch = {"tokens": torch.arange(11)[None]} if batch is None else batch
+    return call(m.thd_batch_on_this_cp_rank, batch, _zz() if plan is None else plan, **kw)
+
+
+def _psp(plan):
+    from packcuda.integrations import megatron as m
+
+    return call(m.packed_seq_params, plan)
+
+
 def _pp(ids=None, cu=None, cfg=None, **kw):
     ids = _ids() if ids is None else ids
     kw.setdefault("image_grid_thw", [[1, 4, 4]])
@@ -63,6 +104,8 @@ PP = "transformers.packed_position_ids"
 HP = "transformers.hf_packed_position_ids"
 MM = "transformers.mm_token_type_ids"
 PATCH = "transformers.patch_qwen_vl_rope"
+LA = "transformers.patch_qwen3_5_linear_attention"
+THD = "megatron.thd_batch_on_this_cp_rank"
 CASES = [
     # packed_position_ids
     Case(PP, "grid_overflow", op="mrope_position_ids", arg="image_grid_thw",
@@ -136,6 +179,59 @@ CASES = [
     Case(PATCH, "model_unsupported", arg="model", make=lambda: call(hf().patch_qwen_vl_rope, torch.nn.Linear(2, 2))),
     Case(PATCH, "allow_unverified_str", arg="allow_unverified_version", exc=TypeError,
          make=lambda: call(hf().patch_qwen_vl_rope, _model(), allow_unverified_version="yes")),
+
+    # patch_qwen3_5_linear_attention (refused before anything is patched) and its handle
+    Case(LA, "model_not_a_module", arg="model", exc=TypeError, make=lambda: call(hf().patch_qwen3_5_linear_attention,
+                                                                                 "qwen3_5")),
+    Case(LA, "model_other_family", arg="model", make=lambda: _la(_model())),
+    Case(LA, "model_without_linear_attention", arg="model",
+         make=lambda: _la(_qwen3_5(("full_attention", "full_attention")))),
+    Case(LA, "allow_unverified_str", arg="allow_unverified_version", exc=TypeError,
+         make=lambda: _la(allow_unverified_version=1)),
+    Case(LA, "plan_without_group", arg="group", make=lambda: _la(plan=_plan())),
+    Case(LA, "group_without_plan", arg="plan", make=lambda: _la(group=object())),
+    Case(LA, "plan_list", arg="plan", exc=TypeError, make=lambda: _la(plan=[0, 8], group=object())),
+    Case(LA, "group_str", arg="group", exc=TypeError, make=lambda: _la(plan=_plan(), group="world")),
+    Case("LinearAttentionPatch.set_plan", "not_a_handle", op="LinearAttentionPatch.set_plan", arg="self", exc=TypeError,
+         make=lambda: call(hf().LinearAttentionPatch.set_plan, object(), _plan())),
+    Case("LinearAttentionPatch.set_plan", "handle_removed", op="LinearAttentionPatch.set_plan", arg="plan", make=_set_plan_on_removed),
+    Case("LinearAttentionPatch.set_plan", "handle_without_cp", op="LinearAttentionPatch.set_plan", arg="plan",
+         make=lambda: call(hf().patch_qwen3_5_linear_attention(_qwen3_5()).set_plan, _plan())),
+    Case("LinearAttentionPatch.unpatch", "not_a_handle", op="LinearAttentionPatch.unpatch", arg="self", exc=TypeError,
+         make=lambda: call(hf().LinearAttentionPatch.unpatch, "handle")),
+
+    # packcuda.integrations.megatron (refused before megatron-core is imported)
+    Case("megatron.packed_seq_params", "plan_list", op="megatron.packed_seq_params", arg="plan", exc=TypeError,
+         make=lambda: _psp([0, 5, 11])),
+    Case("megatron.packed_seq_params", "plan_contiguous", op="megatron.packed_seq_params", arg="plan",
+         make=lambda: _psp(packcuda.shard_plan([0, 6], 2, 0, layout="contiguous"))),
+    Case(THD, "plan_none", op=THD, arg="plan", exc=TypeError, make=lambda: call(_thd()[0], _thd()[1][0], None)),
+    Case(THD, "plan_contiguous", op=THD, arg="plan",
+         make=lambda: _thd(plan=packcuda.shard_plan([0, 5, 11], 2, 1, layout="contiguous"))),
+    Case(THD, "batch_list", op=THD, arg="batch", exc=TypeError, make=lambda: _thd([torch.arange(11)[None]])),
+    Case(THD, "batch_unknown_key", op=THD, arg="batch", make=lambda: _thd({"tokens": torch.arange(11)[None],
+                                                                           "images": torch.zeros(1, 11)})),
+    Case(THD, "tokens_missing", op=THD, arg="tokens", make=lambda: _thd({"labels": torch.arange(11)[None]})),
+    Case(THD, "tokens_float", op=THD, arg="tokens", exc=TypeError, make=lambda: _thd({"tokens": torch.zeros(1, 11)})),
+    Case(THD, "tokens_short", op=THD, arg="tokens", make=lambda: _thd({"tokens": torch.arange(10)[None]})),
+    Case(THD, "tokens_batch_2", op=THD, arg="tokens", make=lambda: _thd({"tokens": torch.arange(22).view(2, 11)})),
+    Case(THD, "tokens_list", op=THD, arg="tokens", exc=TypeError, make=lambda: _thd({"tokens": list(range(11))})),
+    Case(THD, "labels_short", op=THD, arg="labels", make=lambda: _thd({"tokens": torch.arange(11)[None],
+                                                                       "labels": torch.arange(9)[None]})),
+    Case(THD, "loss_mask_2d", op=THD, arg="loss_mask", make=lambda: _thd({"tokens": torch.arange(11)[None],
+                                                                          "loss_mask": torch.ones(11, 1)})),
+    Case(THD, "position_ids_two_rows", op=THD, arg="position_ids",
+         make=lambda: _thd({"tokens": torch.arange(11)[None], "position_ids": torch.zeros(2, 11, dtype=torch.long)})),
+    Case(THD, "position_ids_list", op=THD, arg="position_ids", exc=TypeError,
+         make=lambda: _thd({"tokens": torch.arange(11)[None], "position_ids": [list(range(11))]})),
+    Case(THD, "position_ids_float", op="ShardPlan.shard_positions", arg="position_ids", exc=TypeError,
+         make=lambda: _thd({"tokens": torch.arange(11)[None], "position_ids": torch.zeros(1, 11)})),
+    Case(THD, "attention_mask_given", op=THD, arg="attention_mask",
+         make=lambda: _thd({"tokens": torch.arange(11)[None], "attention_mask": torch.ones(1, 11)})),
+    Case(THD, "pad_token_id_float", op=THD, arg="pad_token_id", exc=TypeError, make=lambda: _thd(pad_token_id=0.0)),
+    Case(THD, "ignore_index_bool", op=THD, arg="ignore_index", exc=TypeError, make=lambda: _thd(ignore_index=True)),
+    Case(THD, "pad_token_id_not_int64", op="ShardPlan.shard", arg="fill",
+         make=lambda: _thd({"tokens": torch.arange(11, dtype=torch.int32)[None]}, pad_token_id=2**40)),
 
     # unpatch / is_patched / the handle
     Case("transformers.unpatch_qwen_vl_rope", "handle_str", arg="handle", exc=TypeError,

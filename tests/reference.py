@@ -110,6 +110,16 @@ def thd_partitioned_indices(cu_padded, total_padded, cp, rank):
     return out
 
 
+def local_padded_rows(plan):
+    """Global padded row of every local slot of `plan` (from its pieces)."""
+    rows = []
+    P, off, seq, cup = plan.pieces_host, plan.piece_offset_host, plan.piece_seq_host, plan.cu_seqlens_padded_host
+    for k in range(len(P) - 1):
+        base = cup[seq[k]] + off[k]
+        rows.extend(range(base, base + P[k + 1] - P[k]))
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 def shard_rows(x, index, fill=0):
     """x[index] along dim 0 with `fill` where index < 0."""
     return gather_rows(x, torch.tensor(index, dtype=torch.int64), fill)

@@ -300,16 +300,6 @@ def _unsharded_case(plan, seed, C, K, act):
     return (X, w, b, G, yr, *torch.autograd.grad(yr, (Xr, wr, br), G))
 
 
-def _local_padded_rows(plan):
-    """Global padded row of every local slot of `plan` (from its pieces)."""
-    rows = []
-    P, off, seq, cup = plan.pieces_host, plan.piece_offset_host, plan.piece_seq_host, plan.cu_seqlens_padded_host
-    for k in range(len(P) - 1):
-        base = cup[seq[k]] + off[k]
-        rows.extend(range(base, base + P[k + 1] - P[k]))
-    return torch.tensor(rows, dtype=torch.int64)
-
-
 def _exchange_cases():
     import random
 
@@ -348,7 +338,7 @@ def _dist_worker(rank, world, init, results):
             plan = packcuda.shard_plan(cu, cp, rank, layout=layout, bucket=bucket)
             C = 3
             X, w, b, G, yr, dXr, dwr, dbr = _unsharded_case(plan, ci, C, K, act)
-            rows = _local_padded_rows(plan)
+            rows = ref.local_padded_rows(plan)
             xl = X[rows].clone().requires_grad_()
             wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
             prefix = packcuda.conv_prefix(xl, plan, K, group)
@@ -486,7 +476,7 @@ def _simulate_schedules(cp, layout, K, lens, bucket=None, C=2, seed=0):
     assert packcuda.conv_prefix_schedule(plans[0], K) is scheds[0]  # cached on the plan
     W = K - 1
     X = torch.randn(plans[0].total_padded, C, generator=g, dtype=torch.float64)
-    rows = [_local_padded_rows(p) for p in plans]
+    rows = [ref.local_padded_rows(p) for p in plans]
     xs = [X[r] for r in rows]
     # plain definition: global padded row of every prefix slot (-1: zero row)
     src_rows = []
@@ -659,7 +649,7 @@ def _nccl_worker(rank, world, init, results):
                 continue
             plan = packcuda.shard_plan(_cu(lens), cp, rank, layout=layout, bucket=bucket, device=dev)
             X, w, b, G, yr, dXr, dwr, dbr = _unsharded_case(plan, ci, 5, K, act)
-            rows = _local_padded_rows(plan)
+            rows = ref.local_padded_rows(plan)
             for backend in ("nccl", "torch"):
                 xl = X[rows].to(dev).requires_grad_()
                 wl, bl = w.to(dev).requires_grad_(), b.to(dev).requires_grad_()
