@@ -41,19 +41,19 @@ def _apply_rope_inplace_fake(q, k, positions, inv_freq, rotary_dim, mrope_sectio
     return None
 
 
-@torch.library.register_fake("packcuda::qk_norm_rope")
+@torch.library.register_fake("packcuda::apply_qk_norm_rope")
 def _qk_norm_rope_fake(q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim, mrope_section,
                        mrope_interleaved=False, gptj=False, attention_scaling=1.0):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@torch.library.register_fake("packcuda::qk_norm_rope_")
+@torch.library.register_fake("packcuda::apply_qk_norm_rope_")
 def _qk_norm_rope_inplace_fake(q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim, mrope_section,
                                mrope_interleaved=False, gptj=False, attention_scaling=1.0):
     return None
 
 
-@torch.library.register_fake("packcuda::qk_norm_rope_backward")
+@torch.library.register_fake("packcuda::apply_qk_norm_rope_backward")
 def _qk_norm_rope_backward_fake(grad_q, grad_k, q, k, positions, inv_freq, q_weight, k_weight, eps, norm,
                                 rotary_dim, mrope_section, mrope_interleaved=False, gptj=False,
                                 attention_scaling=1.0):
@@ -202,7 +202,7 @@ class _MarkRotated(torch.autograd.Function):
 # recomputes the row statistics, and returns dq, dk and the weight gradients (reduced in a fixed order).
 # ---------------------------------------------------------------------------------------------------
 def _qk_norm_backward(gq, gk, q, k, positions, inv_freq, wq, wk, cfg):
-    dq, dk, dwq, dwk = ops.qk_norm_rope_backward(_last_dim_contiguous(gq), _last_dim_contiguous(gk), q, k,
+    dq, dk, dwq, dwk = ops.apply_qk_norm_rope_backward(_last_dim_contiguous(gq), _last_dim_contiguous(gk), q, k,
                                                  positions, inv_freq, wq, wk, *cfg)
     return dq, dk, dwq.to(wq.dtype), dwk.to(wk.dtype)
 
@@ -218,7 +218,7 @@ def _qk_norm_autograd(ctx, gq, gk):
     return (dq, dk, None, None, dwq, dwk) + (None,) * 7
 
 
-torch.library.register_autograd("packcuda::qk_norm_rope", _qk_norm_autograd, setup_context=_qk_norm_setup)
+torch.library.register_autograd("packcuda::apply_qk_norm_rope", _qk_norm_autograd, setup_context=_qk_norm_setup)
 
 
 class _QkNormRope(torch.autograd.Function):
@@ -229,7 +229,7 @@ class _QkNormRope(torch.autograd.Function):
         ctx.save_for_backward(q, k, positions, inv_freq, wq, wk)
         ctx.cfg = cfg
         with torch._C._AutoDispatchBelowAutograd():
-            return ops.qk_norm_rope.default(q, k, positions, inv_freq, wq, wk, *cfg)
+            return ops.apply_qk_norm_rope.default(q, k, positions, inv_freq, wq, wk, *cfg)
 
     @staticmethod
     def backward(ctx, gq, gk):
@@ -238,11 +238,11 @@ class _QkNormRope(torch.autograd.Function):
 
 def _qk_norm_call(q, k, positions, inv_freq, wq, wk, cfg):
     if torch.compiler.is_compiling():
-        return ops.qk_norm_rope(q, k, positions, inv_freq, wq, wk, *cfg)
+        return ops.apply_qk_norm_rope(q, k, positions, inv_freq, wq, wk, *cfg)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, wq, wk)):
         return _QkNormRope.apply(q, k, positions, inv_freq, wq, wk, *cfg)
     with torch._C._AutoDispatchBelowAutograd():
-        return ops.qk_norm_rope.default(q, k, positions, inv_freq, wq, wk, *cfg)
+        return ops.apply_qk_norm_rope.default(q, k, positions, inv_freq, wq, wk, *cfg)
 
 
 def _norm_back_one(ctx, g):
@@ -261,7 +261,7 @@ class _QkNormRopeInplaceQ(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, xq, positions, inv_freq, wq, wk, *cfg):
-        ops.qk_norm_rope_(q, k, positions, inv_freq, wq, wk, *cfg)
+        ops.apply_qk_norm_rope_(q, k, positions, inv_freq, wq, wk, *cfg)
         ctx.mark_dirty(q)
         ctx.save_for_backward(xq, positions, inv_freq, wq)
         ctx.cfg = cfg
@@ -636,7 +636,7 @@ def apply_qk_norm_rope_(
         q = _QkNormRopeInplaceQ.apply(q, k, xq, pos, inv, q_weight, k_weight, *cfg)
         k = _MarkNormed.apply(k, xk, pos, inv, k_weight, *cfg)
         return q, k
-    ops.qk_norm_rope_(qf, kf, pos, inv, q_weight, k_weight, *cfg)
+    ops.apply_qk_norm_rope_(qf, kf, pos, inv, q_weight, k_weight, *cfg)
     return q, k
 
 

@@ -328,6 +328,7 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
   const int64_t D = q.size(q.dim() - 1);
   PC_ARG(D <= rope::kMaxNormHeadDim, op, "head_dim must be <= ", rope::kMaxNormHeadDim, " for the fused norm, got ",
          D);
+  PC_ARG(!gptj || D % 2 == 0, op, "head_dim must be even with gptj pairs, got ", D);
   PC_ARG(norm == rope::kNormRms || norm == rope::kNormRmsOffset, op, "norm must be 0 (rms) or 1 (rms_offset), got ",
          norm);
   PC_ARG(std::isfinite(eps) && eps >= 0, op, "eps must be finite and >= 0, got ", eps);
@@ -370,7 +371,7 @@ std::tuple<Tensor, Tensor> qk_norm_rope(Tensor q, Tensor k, Tensor positions, Te
                                         Tensor k_weight, double eps, int64_t norm, int64_t rotary_dim,
                                         std::vector<int64_t> mrope_section, bool mrope_interleaved, bool gptj,
                                         double attention_scaling) {
-  const char* op = "qk_norm_rope";
+  const char* op = "apply_qk_norm_rope";
   NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
                                  mrope_section, mrope_interleaved, gptj, attention_scaling);
   Tensor q_out = torch::stable::empty_like(q);
@@ -385,7 +386,7 @@ std::tuple<Tensor, Tensor> qk_norm_rope(Tensor q, Tensor k, Tensor positions, Te
 void qk_norm_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight, Tensor k_weight,
                    double eps, int64_t norm, int64_t rotary_dim, std::vector<int64_t> mrope_section,
                    bool mrope_interleaved, bool gptj, double attention_scaling) {
-  const char* op = "qk_norm_rope_";
+  const char* op = "apply_qk_norm_rope_";
   NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
                                  mrope_section, mrope_interleaved, gptj, attention_scaling);
   check_inplace_memory(op, q, k, positions, inv_freq, &q_weight, &k_weight);
@@ -401,7 +402,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(
     Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight,
     Tensor k_weight, double eps, int64_t norm, int64_t rotary_dim, std::vector<int64_t> mrope_section,
     bool mrope_interleaved, bool gptj, double attention_scaling) {
-  const char* op = "qk_norm_rope_backward";
+  const char* op = "apply_qk_norm_rope_backward";
   NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
                                  mrope_section, mrope_interleaved, gptj, attention_scaling);
   const std::pair<const char*, const Tensor*> grads[] = {{"grad_q", &grad_q}, {"grad_k", &grad_k}};
@@ -456,15 +457,15 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
       "int[] mrope_section, bool mrope_interleaved=False, bool gptj=False, float attention_scaling=1., "
       "bool inverse=False) -> ()");
   m.def(
-      "qk_norm_rope(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight, Tensor k_weight, "
+      "apply_qk_norm_rope(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight, Tensor k_weight, "
       "float eps, int norm, int rotary_dim, int[] mrope_section, bool mrope_interleaved=False, bool gptj=False, "
       "float attention_scaling=1.) -> (Tensor, Tensor)");
   m.def(
-      "qk_norm_rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, Tensor q_weight, "
+      "apply_qk_norm_rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, Tensor q_weight, "
       "Tensor k_weight, float eps, int norm, int rotary_dim, int[] mrope_section, bool mrope_interleaved=False, "
       "bool gptj=False, float attention_scaling=1.) -> ()");
   m.def(
-      "qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor positions, Tensor inv_freq, "
+      "apply_qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor positions, Tensor inv_freq, "
       "Tensor q_weight, Tensor k_weight, float eps, int norm, int rotary_dim, int[] mrope_section, "
       "bool mrope_interleaved=False, bool gptj=False, float attention_scaling=1.) -> (Tensor, Tensor, Tensor, Tensor)");
 }
@@ -472,9 +473,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 #define PC_ROPE_APPLY_IMPLS(m)                                  \
   m.impl("apply_rope", TORCH_BOX(&packcuda::th::apply_rope));   \
   m.impl("apply_rope_", TORCH_BOX(&packcuda::th::apply_rope_));   \
-  m.impl("qk_norm_rope", TORCH_BOX(&packcuda::th::qk_norm_rope)); \
-  m.impl("qk_norm_rope_", TORCH_BOX(&packcuda::th::qk_norm_rope_)); \
-  m.impl("qk_norm_rope_backward", TORCH_BOX(&packcuda::th::qk_norm_rope_backward));
+  m.impl("apply_qk_norm_rope", TORCH_BOX(&packcuda::th::qk_norm_rope)); \
+  m.impl("apply_qk_norm_rope_", TORCH_BOX(&packcuda::th::qk_norm_rope_)); \
+  m.impl("apply_qk_norm_rope_backward", TORCH_BOX(&packcuda::th::qk_norm_rope_backward));
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_ROPE_APPLY_IMPLS(m) }
 #ifdef USE_CUDA
