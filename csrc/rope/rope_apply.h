@@ -54,9 +54,8 @@ void rope_apply_cuda(const RopeArgs& a, cudaStream_t stream);
 // reduced in a fixed order (no atomics): the result is bitwise reproducible for a given device and shape.
 struct NormArgs {
   RopeArgs r;
-  const void* w_q = nullptr;  // [D], contiguous; fp32 or the data dtype
+  const void* w_q = nullptr;  // [D], contiguous, in the compute type (fp32; fp64 for fp64 data)
   const void* w_k = nullptr;
-  bool w_f32 = true;
   double eps = 1e-6;
   int norm = 0;
   HeadsView g_q, g_k;           // backward only (in, in_s*)

@@ -342,11 +342,13 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
   }
   PC_ARG(k_weight.scalar_type() == q_weight.scalar_type(), op, "k_weight has dtype ",
          dtype_name(k_weight.scalar_type()), " but q_weight has dtype ", dtype_name(q_weight.scalar_type()));
-  np.w_q = dense(q_weight);
-  np.w_k = dense(k_weight);
+  // the kernels read the weights in the compute type (exact conversions: bf16 / fp16 / fp32 -> fp32 or fp64)
+  const ST acc = q.scalar_type() == ST::Double ? ST::Double : ST::Float;
+  const auto as_acc = [&](const Tensor& w) { return dense(w.scalar_type() == acc ? w : torch::stable::to(w, acc)); };
+  np.w_q = as_acc(q_weight);
+  np.w_k = as_acc(k_weight);
   np.n.w_q = np.w_q.const_data_ptr();
   np.n.w_k = np.w_k.const_data_ptr();
-  np.n.w_f32 = q_weight.scalar_type() == ST::Float;
   np.n.eps = eps;
   np.n.norm = static_cast<int>(norm);
   return np;

@@ -137,11 +137,8 @@ template <typename T>
 struct NormRow {
   using F = typename ComputeOf<T>::type;
   static F round(F v) { return T::load(T::store(v)); }
-  // weight channel c as F
-  static F weight(const NormArgs& a, const void* w, int64_t c) {
-    if (a.w_f32) return static_cast<F>(static_cast<const float*>(w)[c]);
-    return T::load(static_cast<const T*>(w)[c]);
-  }
+  // weight channel c (the weights are in the compute type)
+  static F weight(const NormArgs&, const void* w, int64_t c) { return static_cast<const F*>(w)[c]; }
 };
 
 // cos/sin of every slot of token t (inverse: the rotation by the negated angle).

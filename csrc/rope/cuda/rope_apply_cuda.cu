@@ -459,6 +459,7 @@ struct NParams {
   int G;      // lanes per row
   int hq, H;  // q heads, q + k heads
   int tok;    // tokens per tile
+  int cs_bytes;  // shared memory of the cos/sin table (16-byte multiple); the backward's wacc follows
   int64_t tiles;
 };
 
@@ -473,7 +474,7 @@ __device__ __forceinline__ F group_sum(F v, int G) {
 }
 
 template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, bool BWD>
-__global__ void __launch_bounds__(kNThreads) qk_norm_kernel(const NParams p) {
+__global__ void __launch_bounds__(kNThreads, (BWD ? 2 : 4) / (UPL == 1 ? 1 : 2)) qk_norm_kernel(const NParams p) {
   using V = Vec<T, VE, ALIGN>;
   using F = typename Cvt<T>::F;
   const NormArgs& a = p.a;
@@ -488,24 +489,22 @@ __global__ void __launch_bounds__(kNThreads) qk_norm_kernel(const NParams p) {
   const F eps = static_cast<F>(a.eps);
   const int kind = a.norm;
   auto round = [](F v) { return Cvt<T>::load(Cvt<T>::store(v)); };
-  auto gain = [&](const void* w, int c) {
-    const F wv = a.w_f32 ? static_cast<F>(__ldg(static_cast<const float*>(w) + c))
-                         : Cvt<T>::load(static_cast<const T*>(w)[c]);
-    return norm_gain(wv, kind);
-  };
+  auto gain = [&](const void* w, int c) { return norm_gain(__ldg(static_cast<const F*>(w) + c), kind); };
   // first channel of unit u, and whether it has a partner vector (neox rotary units)
   auto unit_lo = [&](int u) { return u < P ? u * VE : rd + (u - P) * VE; };
 
-  F acc[2][UPL][2][VE];  // backward: weight gradients of q (0) and k (1) for this lane's channels
+  // backward: this lane's weight gradients of the current phase (registers), flushed at the end of each phase
+  // into its group's slot of wacc [groups][q, k][D] (shared memory, after the cos/sin table)
+  F acc[UPL][2][VE];
+  F* wacc = reinterpret_cast<F*>(smem_raw + p.cs_bytes);
   if constexpr (BWD) {
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
+    for (int i = 0; i < UPL; ++i)
 #pragma unroll
-      for (int i = 0; i < UPL; ++i)
+      for (int s = 0; s < 2; ++s)
 #pragma unroll
-        for (int s = 0; s < 2; ++s)
-#pragma unroll
-          for (int m = 0; m < VE; ++m) acc[t][i][s][m] = F(0);
+        for (int m = 0; m < VE; ++m) acc[i][s][m] = F(0);
+    for (int c = threadIdx.x; c < gpb * 2 * D; c += kNThreads) wacc[c] = F(0);
   }
 
   for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
@@ -537,14 +536,17 @@ __global__ void __launch_bounds__(kNThreads) qk_norm_kernel(const NParams p) {
     }
     __syncthreads();
 
-    const int rows = ntok * H;
+    // q rows first, then k rows: the phase (and so the weight) is uniform over the block
+#pragma unroll 1
+    for (int ph = 0; ph < 2; ++ph) {
+    const bool is_q = ph == 0;
+    const int Hp = is_q ? hq : H - hq;
+    const int rows = ntok * Hp;
     for (int rb = 0; rb < rows; rb += gpb) {  // uniform trip count: every lane reaches the shuffles
       const int row = rb + grp;
       const bool active = row < rows;
-      const int tl = active ? row / H : 0;
-      const int h = active ? row - tl * H : 0;
-      const bool is_q = h < hq;
-      const int hh = is_q ? h : h - hq;
+      const int tl = active ? row / Hp : 0;
+      const int hh = active ? row - tl * Hp : 0;
       // (fields picked one by one: no dynamic reference into the kernel parameters)
       const T* xin = is_q ? static_cast<const T*>(r.q.in) + base[tl].x[0] + hh * r.q.in_sh
                           : static_cast<const T*>(r.k.in) + base[tl].x[1] + hh * r.k.in_sh;
@@ -592,21 +594,17 @@ __global__ void __launch_bounds__(kNThreads) qk_norm_kernel(const NParams p) {
           if (!(active && u < U)) continue;
           const bool rot = u < P;
           const int lo = unit_lo(u);
-          F nv[2][VE];
-#pragma unroll
-          for (int s = 0; s < 2; ++s)
-#pragma unroll
-            for (int m = 0; m < VE; ++m) {
-              const int c = s == 0 ? lo + m : lo + n + m;
-              nv[s][m] = (s == 0 || (!GPTJ && rot)) ? gain(w, c) * norm_xhat(x[i][s][m], rstd, kind, round) : F(0);
-            }
+          // normalized value of element (s, m) of the unit, computed where it is consumed
+          auto nval = [&](int s, int m) {
+            return gain(w, s == 0 ? lo + m : lo + n + m) * norm_xhat(x[i][s][m], rstd, kind, round);
+          };
           V y0, y1;
           if (rot && GPTJ) {
 #pragma unroll
             for (int m = 0; m < VE / 2; ++m) {
               const CosSin<F> cw = cst[lo / 2 + m];
               F o0, o1;
-              rotate_pair<F>(nv[0][2 * m], nv[0][2 * m + 1], cw.c, cw.s, &o0, &o1);
+              rotate_pair<F>(nval(0, 2 * m), nval(0, 2 * m + 1), cw.c, cw.s, &o0, &o1);
               y0.v[2 * m] = Cvt<T>::store(o0);
               y0.v[2 * m + 1] = Cvt<T>::store(o1);
             }
@@ -615,13 +613,13 @@ __global__ void __launch_bounds__(kNThreads) qk_norm_kernel(const NParams p) {
             for (int m = 0; m < VE; ++m) {
               const CosSin<F> cw = cst[lo + m];
               F o0, o1;
-              rotate_pair<F>(nv[0][m], nv[1][m], cw.c, cw.s, &o0, &o1);
+              rotate_pair<F>(nval(0, m), nval(1, m), cw.c, cw.s, &o0, &o1);
               y0.v[m] = Cvt<T>::store(o0);
               y1.v[m] = Cvt<T>::store(o1);
             }
           } else {
 #pragma unroll
-            for (int m = 0; m < VE; ++m) y0.v[m] = Cvt<T>::store(nv[0][m]);
+            for (int m = 0; m < VE; ++m) y0.v[m] = Cvt<T>::store(nval(0, m));
           }
           *reinterpret_cast<V*>(yout + lo) = y0;
           if (!GPTJ && rot) *reinterpret_cast<V*>(yout + lo + n) = y1;
@@ -661,9 +659,7 @@ __global__ void __launch_bounds__(kNThreads) qk_norm_kernel(const NParams p) {
               const bool live = ok && (s == 0 || (!GPTJ && rot));
               const int c = s == 0 ? lo + m : lo + n + m;
               const F xh = norm_xhat(x[i][s][m], rstd, kind, round);
-              const F dwv = live ? g[i][s][m] * xh : F(0);
-              if (is_q) acc[0][i][s][m] += dwv;
-              else acc[1][i][s][m] += dwv;
+              acc[i][s][m] += live ? g[i][s][m] * xh : F(0);
               g[i][s][m] = live ? g[i][s][m] * gain(w, c) : F(0);  // dxh
               dot += g[i][s][m] * (x[i][s][m] * rstd);
             }
@@ -687,34 +683,34 @@ __global__ void __launch_bounds__(kNThreads) qk_norm_kernel(const NParams p) {
         }
       }
     }
-  }
-
-  if constexpr (BWD) {
-    // this block's weight-gradient partial: groups of a warp (same channels) by butterfly, then the warps in
-    // order through shared memory (the cos/sin table is done with)
-    __syncthreads();
-    F* red = reinterpret_cast<F*>(smem_raw);  // [kNWarps][2][D]
-    const int warp = threadIdx.x / 32, wl = threadIdx.x % 32;
+    if constexpr (BWD) {
+      // this phase's weight gradients of the tile into the group's own slot (lanes own disjoint channels)
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int i = 0; i < UPL; ++i)
+      for (int i = 0; i < UPL; ++i) {
+        const int u = lane + i * G;
+        const bool pair = !GPTJ && u < P;
 #pragma unroll
         for (int s = 0; s < 2; ++s)
 #pragma unroll
           for (int m = 0; m < VE; ++m) {
-            F vsum = acc[t][i][s][m];
-            for (int off = G; off < 32; off <<= 1) vsum += __shfl_xor_sync(0xffffffffu, vsum, off);
-            const int u = lane + i * G;
-            const bool pair = !GPTJ && u < P;
-            if (wl < G && u < U && (s == 0 || pair))
-              red[(warp * 2 + t) * D + (s == 0 ? unit_lo(u) : unit_lo(u) + n) + m] = vsum;
+            if (u < U && (s == 0 || pair)) {
+              F& slot = wacc[(grp * 2 + ph) * D + (s == 0 ? unit_lo(u) : unit_lo(u) + n) + m];
+              slot += acc[i][s][m];
+            }
+            acc[i][s][m] = F(0);
           }
+      }
+    }
+    }  // phases
+  }
+
+  if constexpr (BWD) {
+    // this block's weight-gradient partial: the groups' slots summed in group order
     __syncthreads();
     F* part = static_cast<F*>(a.workspace) + static_cast<int64_t>(blockIdx.x) * 2 * D;
     for (int c = threadIdx.x; c < 2 * D; c += kNThreads) {
       F sum = F(0);
-      for (int wi = 0; wi < kNWarps; ++wi) sum += red[wi * 2 * D + c];
+      for (int gi = 0; gi < gpb; ++gi) sum += wacc[gi * 2 * D + c];
       part[c] = sum;
     }
   }
@@ -757,7 +753,8 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
   tok = std::max<int64_t>(1, std::min<int64_t>({tok, smem_tok, kNMaxTok}));
   p.tok = static_cast<int>(tok);
   p.tiles = (a.r.tokens + tok - 1) / tok;
-  const size_t cs_bytes = static_cast<size_t>(tok) * p.n * sizeof(CosSin<F>);
+  const size_t cs_bytes = (static_cast<size_t>(tok) * p.n * sizeof(CosSin<F>) + 15) / 16 * 16;
+  p.cs_bytes = static_cast<int>(cs_bytes);
   const int D = static_cast<int>(a.r.head_dim);
   if (!bwd) {
     auto kern = qk_norm_kernel<T, VE, ALIGN, UPL, GPTJ, false>;
@@ -767,8 +764,7 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
     PC_CUDA_LAUNCH_CHECK();
     return;
   }
-  const size_t red_bytes = static_cast<size_t>(kNWarps) * 2 * D * sizeof(F);
-  const size_t smem = std::max(cs_bytes, red_bytes);
+  const size_t smem = cs_bytes + static_cast<size_t>(gpb) * 2 * D * sizeof(F);
   auto kern = qk_norm_kernel<T, VE, ALIGN, UPL, GPTJ, true>;
   if (smem + sizeof(NBase) * kNMaxTok > 48 * 1024)
     PC_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -818,7 +814,9 @@ void dispatch(const NormArgs& a, bool bwd, cudaStream_t stream) {
   int P = 0;
   if (VE16 >= (GPTJ ? 2 : 1) && fits(VE16, 16)) {
     const int U = units(VE16, P);
-    return launch_upl<T, VE16, 16, GPTJ, 1, 4, 16>(a, U, P, bwd, stream);
+    // head_dim <= 512: at most 512 / VE16 units (64 for 2-byte types, 128 for fp32, 256 for fp64)
+    if constexpr (S == 8) return launch_upl<T, VE16, 16, GPTJ, 1, 4, 16>(a, U, P, bwd, stream);
+    else return launch_upl<T, VE16, 16, GPTJ, 1, 4>(a, U, P, bwd, stream);
   }
   constexpr int VE1 = GPTJ ? 2 : 1;  // element loads (a gptj pair is two elements; head_dim is even for gptj)
   const int U = units(VE1, P);
