@@ -726,3 +726,17 @@ def test_fuse_qk_norm_with_callers_cos_sin_still_normalizes():
     with hf.patch_qwen_vl_rope(model, fuse_qk_norm=True):
         got = attn(x, (cos, sin), None)[0]
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+def test_qwen3_text_rotary_patch_matches_unpatched():
+    """The plain-RoPE path of the patch (Qwen3 text models, [B, S] position_ids, broadcast over the batch)."""
+    model = _qwen3_text_model()
+    ids = torch.randint(0, 140, (2, 19), generator=torch.Generator().manual_seed(4))
+    for pos in (torch.arange(19)[None], torch.cat([torch.arange(7), torch.arange(12)])[None].expand(2, -1)):
+        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        with hf.patch_qwen_vl_rope(model) as h:
+            assert h.model_types == ("qwen3",) and hf.is_patched(model)
+            got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+    assert not hf.is_patched(model)
