@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 import packcuda
+from benchmarks.bench_rope_apply import _positions
 from benchmarks.harness import Timer, cli
 
 # name, Hq, Hk, D, rotary_dim, mrope_section, interleaved, theta, norm
@@ -60,17 +61,6 @@ def _liger(D, norm):
     return (lambda: LigerRMSNorm(D, eps=EPS, **kw)), liger_rotary_pos_emb
 
 
-def _positions(T, dev):
-    """Packed mRoPE positions: samples of 4096 tokens restarting at 0, an image block in each."""
-    pos = torch.arange(T, device=dev).remainder(4096).repeat(3, 1)
-    img = (pos[0] >= 512) & (pos[0] < 1536)
-    j = pos[0] - 512
-    pos[0] = torch.where(img, torch.full_like(j, 512), pos[0])
-    pos[1] = torch.where(img, 512 + j // 32, pos[1])
-    pos[2] = torch.where(img, 512 + j % 32, pos[2])
-    return pos
-
-
 def run(quick: bool = False, device=None) -> list[dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu = dev.type == "cpu"
@@ -93,7 +83,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
         wk = (w0 + 0.1 * torch.randn(D, device=dev, generator=g)).bfloat16()
         kw = dict(inv_freq=packcuda.default_inv_freq(theta, rd).to(dev), rotary_dim=rd, mrope_section=section,
                   mrope_interleaved=inter)
-        return q, k, wq, wk, _positions(T, dev), kw
+        return q, k, wq, wk, _positions(T, dev, g), kw
 
     def grad_leaves(*xs):
         return [x.detach().clone().requires_grad_() for x in xs]

@@ -406,6 +406,18 @@ def _resolve(name, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_sect
     return positions, inv, rd, section, bool(mrope_interleaved), _STYLES[rotary_style], scale
 
 
+def _check_differentiable_inplace(name, q, k, qf, kf, out_of_place):
+    """What autograd needs of q and k modified in place (qf / kf: their flattened forms)."""
+    if qf is not q or kf is not k:
+        raise ValueError(f"packcuda.{name}: differentiable in-place use needs q and k with at most 4 dims")
+    for arg, x in (("q", q), ("k", k)):
+        root = x._base if x._is_view() else x
+        if x.requires_grad and root.is_leaf:
+            what = "a view of a leaf" if x._is_view() else "a leaf"
+            raise ValueError(f"packcuda.{name}: {arg} is {what} tensor that requires grad; it cannot be modified "
+                             f"in place (use {out_of_place}, or a non-leaf tensor)")
+
+
 def _flatten_tokens(name, x, inplace):
     """q/k with more than one leading token dim beyond [B, S]: flatten them (a view for the in-place op)."""
     if x.dim() <= 4:
@@ -509,15 +521,7 @@ def apply_rope_(
     qf, kf = _flatten_tokens("apply_rope_", q, True), _flatten_tokens("apply_rope_", k, True)
     pos = _flatten_positions("apply_rope_", positions, section, q)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        if qf is not q or kf is not k:
-            raise ValueError("packcuda.apply_rope_: differentiable in-place rotation needs q and k with at most "
-                             "4 dims")
-        for arg, x in (("q", q), ("k", k)):
-            root = x._base if x._is_view() else x
-            if x.requires_grad and root.is_leaf:
-                what = "a view of a leaf" if x._is_view() else "a leaf"
-                raise ValueError(f"packcuda.apply_rope_: {arg} is {what} tensor that requires grad; it cannot be "
-                                 "rotated in place (use apply_rope, or rotate a non-leaf tensor)")
+        _check_differentiable_inplace("apply_rope_", q, k, qf, kf, "apply_rope")
         if q._is_view() or k._is_view():
             q = _ApplyRopeInplaceViewQ.apply(q, k, pos, inv, rd, section, inter, gptj, scale)
             k = _MarkRotated.apply(k, pos, inv, rd, section, inter, gptj, scale)
@@ -623,15 +627,7 @@ def apply_qk_norm_rope_(
                                           inv_freq, rotary_dim, mrope_section, mrope_interleaved, rotary_style,
                                           attention_scaling, True)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, q_weight, k_weight)):
-        if qf is not q or kf is not k:
-            raise ValueError(f"packcuda.{name}: differentiable in-place normalization needs q and k with at most "
-                             "4 dims")
-        for arg, x in (("q", q), ("k", k)):
-            root = x._base if x._is_view() else x
-            if x.requires_grad and root.is_leaf:
-                what = "a view of a leaf" if x._is_view() else "a leaf"
-                raise ValueError(f"packcuda.{name}: {arg} is {what} tensor that requires grad; it cannot be "
-                                 "modified in place (use apply_qk_norm_rope, or a non-leaf tensor)")
+        _check_differentiable_inplace(name, q, k, qf, kf, "apply_qk_norm_rope")
         xq, xk = q.detach().clone(), k.detach().clone()  # the inputs the backward reads
         q = _QkNormRopeInplaceQ.apply(q, k, xq, pos, inv, q_weight, k_weight, *cfg)
         k = _MarkNormed.apply(k, xk, pos, inv, k_weight, *cfg)

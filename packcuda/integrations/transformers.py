@@ -531,12 +531,8 @@ def _check_qk_norms(fam: _Family, mod, model, fn: str) -> list:
                    (getattr(norm_cls, "_norm", None) if is_cls else None, f"{cls_name}._norm",
                     ["torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)"])]
     for obj, name, need in checks:
-        src = _src(obj) if obj is not None else ""
-        missing = [n for n in need if n not in src]
-        if missing:
-            raise UnsupportedTransformersError(
-                f"packcuda.{fn}: {fam.model_type} in transformers {transformers_version()}: {name} is not the code "
-                f"fuse_qk_norm was written for (missing {missing}); refusing to patch")
+        _check_source(obj, name, need, f"packcuda.{fn} (fuse_qk_norm): {fam.model_type} in transformers "
+                                        f"{transformers_version()}")
     out = []
     attns = [m for m in model.modules() if type(m) is attn_cls]
     if not attns:
@@ -614,6 +610,15 @@ def _src(obj) -> str:
         return ""
 
 
+def _check_source(obj, name: str, needles, where: str) -> None:
+    """Refuses (UnsupportedTransformersError) when the source of obj lacks any of the needles."""
+    src = _src(obj) if obj is not None else ""
+    missing = [n for n in needles if n not in src]
+    if missing:
+        raise UnsupportedTransformersError(f"{where}: {name} is not the code this patch was written for (missing "
+                                           f"{missing}); refusing to patch")
+
+
 def _import_family(fam: _Family):
     import importlib
 
@@ -656,12 +661,7 @@ def _check_code(fam: _Family, mod) -> None:
     for obj, name, needles in expect:
         if getattr(obj, "__name__", "") == "_rotary_forward":
             continue  # already patched by us
-        src = _src(obj) if obj is not None else ""
-        missing = [n for n in needles if n not in src]
-        if missing:
-            raise UnsupportedTransformersError(
-                f"packcuda rotary patch: {fam.model_type} in transformers {v}: {name} is not the code this patch "
-                f"was written for (missing {missing}); refusing to patch")
+        _check_source(obj, name, needles, f"packcuda rotary patch: {fam.model_type} in transformers {v}")
     if getattr(original, "__module__", None) != mod.__name__:
         raise UnsupportedTransformersError(
             f"packcuda rotary patch: {fam.model_type}: {fam.module}.apply_rotary_pos_emb was replaced by "
