@@ -347,7 +347,7 @@ def test_cuda_matches_cpu(layout, norm, dtype, style):
     gq, gk = torch.randn_like(q.float()).to(dtype), torch.randn_like(k.float()).to(dtype)
 
     def run(dev):
-        leaves = [x.to(dev).requires_grad_() for x in (q, k, wq, wk)]
+        leaves = [x.detach().to(dev).requires_grad_() for x in (q, k, wq, wk)]
         out = packcuda.apply_qk_norm_rope(leaves[0], leaves[1], pos.to(dev), q_weight=leaves[2], k_weight=leaves[3],
                                           **kw)
         torch.autograd.backward(out, (gq.to(dev), gk.to(dev)))

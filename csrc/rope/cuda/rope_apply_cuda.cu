@@ -440,9 +440,11 @@ void dispatch(const RopeArgs& a, cudaStream_t stream) {
 // its partner n channels later), one rotary vector (gptj: pairs inside the vector) or one pass-through vector,
 // of VE elements each. The row's sum of squares is a butterfly over the group's lanes (every lane ends with
 // the same bits). Blocks take tiles of tokens; cos/sin of every (token, slot) of the tile are computed once
-// into shared memory. The backward reads x and the gradient once, writes dx once and keeps each lane's weight
-// gradients in registers: per block, warp butterflies and a fixed-order sum over the warps give one [2, D]
-// partial; a second kernel sums the partials in block order. No atomics, no allocation, no sync.
+// into shared memory; a tile's q rows are done first, then its k rows (the weight is uniform over the block).
+// The backward reads x and the gradient once, writes dx once and keeps each lane's weight gradients of the
+// current phase in registers, then adds them into its group's own slot in shared memory; the block sums the
+// groups' slots in group order into one [2, D] partial, and a second kernel sums the partials in block order.
+// Fixed orders throughout: no atomics; no allocation, no sync.
 // ===================================================================================================
 namespace norm {
 
