@@ -344,7 +344,13 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
          dtype_name(k_weight.scalar_type()), " but q_weight has dtype ", dtype_name(q_weight.scalar_type()));
   // the kernels read the weights in the compute type (exact conversions: bf16 / fp16 / fp32 -> fp32 or fp64)
   const ST acc = q.scalar_type() == ST::Double ? ST::Double : ST::Float;
-  const auto as_acc = [&](const Tensor& w) { return dense(w.scalar_type() == acc ? w : torch::stable::to(w, acc)); };
+  // (and 16-byte aligned: the CUDA kernel reads them with vector loads)
+  const auto as_acc = [&](const Tensor& w) {
+    Tensor d = dense(w.scalar_type() == acc ? w : torch::stable::to(w, acc));
+    if (reinterpret_cast<uintptr_t>(d.const_data_ptr()) % 16 != 0)
+      d = torch::stable::to(d, acc, std::nullopt, std::nullopt, std::nullopt, false, /*copy=*/true);
+    return d;
+  };
   np.w_q = as_acc(q_weight);
   np.w_k = as_acc(k_weight);
   np.n.w_q = np.w_q.const_data_ptr();

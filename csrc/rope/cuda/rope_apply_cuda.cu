@@ -476,9 +476,12 @@ __device__ __forceinline__ F group_sum(F v, int G) {
 }
 
 template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, bool BWD>
-__global__ void __launch_bounds__(kNThreads, (BWD ? 2 : 4) / (UPL == 1 ? 1 : 2)) qk_norm_kernel(const NParams p) {
+__global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 1 ? 3 : 2)) qk_norm_kernel(const NParams p) {
   using V = Vec<T, VE, ALIGN>;
   using F = typename Cvt<T>::F;
+  // the weights' vector of a unit: 16-byte loads on the vector path (the weights are 16-byte aligned, see the
+  // ops layer, and a unit's first channel is a multiple of VE), element loads otherwise
+  using WV = Vec<F, VE, (ALIGN == 16 ? 16 : alignof(F))>;
   const NormArgs& a = p.a;
   const RopeArgs& r = a.r;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -491,7 +494,6 @@ __global__ void __launch_bounds__(kNThreads, (BWD ? 2 : 4) / (UPL == 1 ? 1 : 2))
   const F eps = static_cast<F>(a.eps);
   const int kind = a.norm;
   auto round = [](F v) { return Cvt<T>::load(Cvt<T>::store(v)); };
-  auto gain = [&](const void* w, int c) { return norm_gain(__ldg(static_cast<const F*>(w) + c), kind); };
   // first channel of unit u, and whether it has a partner vector (neox rotary units)
   auto unit_lo = [&](int u) { return u < P ? u * VE : rd + (u - P) * VE; };
 
@@ -544,6 +546,7 @@ __global__ void __launch_bounds__(kNThreads, (BWD ? 2 : 4) / (UPL == 1 ? 1 : 2))
     const bool is_q = ph == 0;
     const int Hp = is_q ? hq : H - hq;
     const int rows = ntok * Hp;
+    const F* w = static_cast<const F*>(is_q ? a.w_q : a.w_k);
     for (int rb = 0; rb < rows; rb += gpb) {  // uniform trip count: every lane reaches the shuffles
       const int row = rb + grp;
       const bool active = row < rows;
@@ -558,7 +561,6 @@ __global__ void __launch_bounds__(kNThreads, (BWD ? 2 : 4) / (UPL == 1 ? 1 : 2))
       if constexpr (BWD)
         gin = is_q ? static_cast<const T*>(a.g_q.in) + base[tl].g[0] + hh * a.g_q.in_sh
                    : static_cast<const T*>(a.g_k.in) + base[tl].g[1] + hh * a.g_k.in_sh;
-      const void* w = is_q ? a.w_q : a.w_k;
       const CosSin<F>* cst = cs + tl * n;
 
       F x[UPL][2][VE], g[UPL][2][VE];
@@ -596,9 +598,13 @@ __global__ void __launch_bounds__(kNThreads, (BWD ? 2 : 4) / (UPL == 1 ? 1 : 2))
           if (!(active && u < U)) continue;
           const bool rot = u < P;
           const int lo = unit_lo(u);
+          // the unit's weights (cached reads of the [D] weights), after the reduction: fewer live registers
+          const WV w0 = *reinterpret_cast<const WV*>(w + lo);
+          WV w1;
+          if (!GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
           // normalized value of element (s, m) of the unit, computed where it is consumed
           auto nval = [&](int s, int m) {
-            return gain(w, s == 0 ? lo + m : lo + n + m) * norm_xhat(x[i][s][m], rstd, kind, round);
+            return norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s][m], rstd, kind, round);
           };
           V y0, y1;
           if (rot && GPTJ) {
@@ -635,6 +641,9 @@ __global__ void __launch_bounds__(kNThreads, (BWD ? 2 : 4) / (UPL == 1 ? 1 : 2))
           const bool ok = active && u < U;
           const bool rot = u < P;
           const int lo = unit_lo(u);
+          WV w0, w1;
+          if (ok) w0 = *reinterpret_cast<const WV*>(w + lo);
+          if (ok && !GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
           if (ok && rot && GPTJ) {
 #pragma unroll
             for (int m = 0; m < VE / 2; ++m) {
@@ -659,10 +668,9 @@ __global__ void __launch_bounds__(kNThreads, (BWD ? 2 : 4) / (UPL == 1 ? 1 : 2))
 #pragma unroll
             for (int m = 0; m < VE; ++m) {
               const bool live = ok && (s == 0 || (!GPTJ && rot));
-              const int c = s == 0 ? lo + m : lo + n + m;
               const F xh = norm_xhat(x[i][s][m], rstd, kind, round);
               acc[i][s][m] += live ? g[i][s][m] * xh : F(0);
-              g[i][s][m] = live ? g[i][s][m] * gain(w, c) : F(0);  // dxh
+              g[i][s][m] = live ? g[i][s][m] * norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) : F(0);  // dxh
               dot += g[i][s][m] * (x[i][s][m] * rstd);
             }
         }
