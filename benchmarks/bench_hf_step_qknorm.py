@@ -13,13 +13,11 @@ driving the positions; the vision tower is not run).
 """
 from __future__ import annotations
 
-import random
-
 import torch
 
 import packcuda
-from benchmarks.bench_hf_step import _packed_row
-from benchmarks.harness import Timer, cli
+from benchmarks.bench_hf_step import setup
+from benchmarks.harness import cli
 
 
 def _config(tiny: bool):
@@ -49,19 +47,8 @@ def run(quick: bool = False, device=None) -> list[dict]:
 
     from packcuda.integrations import transformers as hf
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cpu = dev.type == "cpu"
-    tiny = cpu or quick
-    T = 512 if cpu else (4096 if quick else 16384)
-    lo, hi = (32, 128) if cpu else (256, 2048)
-    dtype = torch.float32 if cpu else torch.bfloat16
-    timer = Timer(dev, warmup=1 if cpu else 3, reps=3 if cpu else 10)
-    cfg = _config(tiny)
-    torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(cfg).to(dev, dtype).train()
-    ids_h, cu, grids = _packed_row(cfg, T, random.Random(0), lo, hi)
-    ids = ids_h.to(dev)
-    labels = ids[None].clone()
+    dev, T, dtype, timer, cfg, model, ids, cu, grids, labels = setup(quick, device, _config,
+                                                                     Qwen3VLForConditionalGeneration)
     tc = cfg.text_config
     shape = (f"{tc.num_hidden_layers}L h{tc.hidden_size} ({tc.num_attention_heads},{tc.num_key_value_heads},"
              f"{tc.head_dim}) T={T} N={len(cu) - 1} {str(dtype).replace('torch.', '')}")
