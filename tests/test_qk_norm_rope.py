@@ -412,22 +412,33 @@ def test_cuda_no_sync_graph_capture_and_bitwise_deterministic():
     r3 = step(pos.cuda())
     assert all(torch.equal(a, b) for a, b in zip(r1, r3))
 
-    # CUDA-graph capture of forward + backward ops and of the in-place op
+    # CUDA-graph capture of the forward op, the backward op and the in-place op (device positions and frequencies)
     dpos = pos.cuda()
+    _, D, rd, section, inter, theta = LAYOUTS[2]
+    inv = packcuda.default_inv_freq(theta, rd).cuda()
+    bw = (1e-6, 1, rd, section, inter, False, 1.0)  # eps, norm (rms_offset), rotary_dim, section, interleaved, gptj, scaling
+    op = torch.ops.packcuda.apply_qk_norm_rope_backward
+
+    def captured():
+        fo = packcuda.apply_qk_norm_rope(q, k, dpos, q_weight=wq, k_weight=wk, **kw)
+        bo = op(gq, gk, q, k, dpos, inv, wq, wk, *bw)
+        packcuda.apply_qk_norm_rope_(qi, ki, dpos, q_weight=wq, k_weight=wk, **kw)
+        return fo, bo
+
+    qi, ki = q.clone(), k.clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        step(dpos)
-        qi = q.clone()
-        ki = k.clone()
+        captured()  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        rg = step(dpos)
-        packcuda.apply_qk_norm_rope_(qi, ki, dpos, q_weight=wq, k_weight=wk, **kw)
+        fo, bo = captured()
     qi.copy_(q)
     ki.copy_(k)
     graph.replay()
     torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(rg, r1))
+    assert torch.equal(fo[0], r1[0]) and torch.equal(fo[1], r1[1])
+    assert torch.equal(bo[0], r1[2]) and torch.equal(bo[1], r1[3])
+    assert torch.equal(bo[2].to(wq.dtype), r1[4]) and torch.equal(bo[3].to(wk.dtype), r1[5])
     assert torch.equal(qi, r1[0]) and torch.equal(ki, r1[1])
