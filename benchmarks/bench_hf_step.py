@@ -67,24 +67,30 @@ def _packed_row(cfg, T: int, rng: random.Random, lo: int, hi: int):
     return torch.tensor(ids, dtype=torch.int64), cu, torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
 
 
+def setup(quick, device, config, model_cls):
+    """The step benchmarks' common setup: device, row length, dtype, timer, config, model (train mode) and one
+    packed row (ids on the device, host cu_seqlens and grids, labels)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cpu = dev.type == "cpu"
+    T = 512 if cpu else (4096 if quick else 16384)
+    lo, hi = (32, 128) if cpu else (256, 2048)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    timer = Timer(dev, warmup=1 if cpu else 3, reps=3 if cpu else 10)
+    cfg = config(cpu or quick)
+    torch.manual_seed(0)
+    model = model_cls(cfg).to(dev, dtype).train()
+    ids_h, cu, grids = _packed_row(cfg, T, random.Random(0), lo, hi)
+    ids = ids_h.to(dev)
+    return dev, T, dtype, timer, cfg, model, ids, cu, grids, ids[None].clone()
+
+
 def run(quick: bool = False, device=None) -> list[dict]:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from packcuda.integrations import transformers as hf
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cpu = dev.type == "cpu"
-    tiny = cpu or quick
-    T = 512 if cpu else (4096 if quick else 16384)
-    lo, hi = (32, 128) if cpu else (256, 2048)
-    dtype = torch.float32 if cpu else torch.bfloat16
-    timer = Timer(dev, warmup=1 if cpu else 3, reps=3 if cpu else 10)
-    cfg = _config(tiny)
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(cfg).to(dev, dtype).train()
-    ids_h, cu, grids = _packed_row(cfg, T, random.Random(0), lo, hi)
-    ids = ids_h.to(dev)
-    labels = ids[None].clone()
+    dev, T, dtype, timer, cfg, model, ids, cu, grids, labels = setup(quick, device, _config,
+                                                                     Qwen2_5_VLForConditionalGeneration)
     tc = cfg.text_config
     D, Hq, Hk, L = tc.hidden_size // tc.num_attention_heads, tc.num_attention_heads, tc.num_key_value_heads, \
         tc.num_hidden_layers

@@ -14,7 +14,8 @@ _load()
 from .pack import gather_rows, next_token_labels, pad, position_ids, scatter_rows, unpad  # noqa: E402
 from .shard import ShardPlan, shard_plan  # noqa: E402
 from .mrope import MRopeSpec, mrope_position_ids  # noqa: E402
-from .rope import apply_rope, apply_rope_, default_inv_freq, rope_kwargs_from_config  # noqa: E402
+from .rope import (apply_qk_norm_rope, apply_qk_norm_rope_, apply_rope, apply_rope_, default_inv_freq,  # noqa: E402
+                   rope_kwargs_from_config)
 from .conv import ConvPrefixSchedule, causal_conv1d, conv_prefix, conv_prefix_schedule  # noqa: E402
 from .balance import balance_across_ranks, plan_micro_batches, sequence_workloads  # noqa: E402
 from . import integrations  # noqa: E402  (importing it never imports transformers)
@@ -28,7 +29,8 @@ __all__ = [
     # shard plans
     "ShardPlan", "shard_plan",
     # mRoPE positions and rotary application
-    "MRopeSpec", "mrope_position_ids", "apply_rope", "apply_rope_", "default_inv_freq", "rope_kwargs_from_config",
+    "MRopeSpec", "mrope_position_ids", "apply_rope", "apply_rope_", "apply_qk_norm_rope", "apply_qk_norm_rope_",
+    "default_inv_freq", "rope_kwargs_from_config",
     # conv-prefix exchange
     "causal_conv1d", "conv_prefix", "conv_prefix_schedule", "ConvPrefixSchedule",
     # micro-batch planning

@@ -14,12 +14,16 @@ from ._meta import check_float, check_int
 _lib.load()
 ops = torch.ops.packcuda
 
-__all__ = ["apply_rope", "apply_rope_", "default_inv_freq", "rope_kwargs_from_config"]
+__all__ = ["apply_rope", "apply_rope_", "apply_qk_norm_rope", "apply_qk_norm_rope_", "default_inv_freq",
+           "rope_kwargs_from_config"]
 
 _STYLES = {"neox": False, "gptj": True}
 
 # Largest rotary_dim the kernels accept (rope::kMaxRotaryDim in csrc/rope/rope_apply.h).
 _MAX_ROTARY_DIM = 8192
+
+# norm kinds of apply_qk_norm_rope (rope::kNormRms / kNormRmsOffset in csrc/rope/rope_math.h)
+_NORMS = {"rms": 0, "rms_offset": 1}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -35,6 +39,27 @@ def _apply_rope_fake(q, k, positions, inv_freq, rotary_dim, mrope_section, mrope
 def _apply_rope_inplace_fake(q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved=False,
                              gptj=False, attention_scaling=1.0, inverse=False):
     return None
+
+
+@torch.library.register_fake("packcuda::apply_qk_norm_rope")
+def _qk_norm_rope_fake(q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim, mrope_section,
+                       mrope_interleaved=False, gptj=False, attention_scaling=1.0):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("packcuda::apply_qk_norm_rope_")
+def _qk_norm_rope_inplace_fake(q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim, mrope_section,
+                               mrope_interleaved=False, gptj=False, attention_scaling=1.0):
+    return None
+
+
+@torch.library.register_fake("packcuda::apply_qk_norm_rope_backward")
+def _qk_norm_rope_backward_fake(grad_q, grad_k, q, k, positions, inv_freq, q_weight, k_weight, eps, norm,
+                                rotary_dim, mrope_section, mrope_interleaved=False, gptj=False,
+                                attention_scaling=1.0):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    D = q.shape[-1]
+    return torch.empty_like(q), torch.empty_like(k), q.new_empty(D, dtype=acc), q.new_empty(D, dtype=acc)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -173,6 +198,99 @@ class _MarkRotated(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------------
+# QK norm + rotation: autograd. The backward reads the forward's inputs (q, k) and the incoming gradients once,
+# recomputes the row statistics, and returns dq, dk and the weight gradients (reduced in a fixed order).
+# ---------------------------------------------------------------------------------------------------
+def _qk_norm_backward(gq, gk, q, k, positions, inv_freq, wq, wk, cfg):
+    dq, dk, dwq, dwk = ops.apply_qk_norm_rope_backward(_last_dim_contiguous(gq), _last_dim_contiguous(gk), q, k,
+                                                 positions, inv_freq, wq, wk, *cfg)
+    return dq, dk, dwq.to(wq.dtype), dwk.to(wk.dtype)
+
+
+def _qk_norm_setup(ctx, inputs, output):
+    q, k, positions, inv_freq, wq, wk = inputs[:6]
+    ctx.save_for_backward(q, k, positions, inv_freq, wq, wk)
+    ctx.cfg = tuple(inputs[6:])
+
+
+def _qk_norm_autograd(ctx, gq, gk):
+    dq, dk, dwq, dwk = _qk_norm_backward(gq, gk, *ctx.saved_tensors, ctx.cfg)
+    return (dq, dk, None, None, dwq, dwk) + (None,) * 7
+
+
+torch.library.register_autograd("packcuda::apply_qk_norm_rope", _qk_norm_autograd, setup_context=_qk_norm_setup)
+
+
+class _QkNormRope(torch.autograd.Function):
+    """Out-of-place norm + rotation (eager fast path of the registered op, same math and launches)."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, inv_freq, wq, wk, *cfg):
+        ctx.save_for_backward(q, k, positions, inv_freq, wq, wk)
+        ctx.cfg = cfg
+        with torch._C._AutoDispatchBelowAutograd():
+            return ops.apply_qk_norm_rope.default(q, k, positions, inv_freq, wq, wk, *cfg)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        return _qk_norm_autograd(ctx, gq, gk)
+
+
+def _qk_norm_call(q, k, positions, inv_freq, wq, wk, cfg):
+    if torch.compiler.is_compiling():
+        return ops.apply_qk_norm_rope(q, k, positions, inv_freq, wq, wk, *cfg)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, wq, wk)):
+        return _QkNormRope.apply(q, k, positions, inv_freq, wq, wk, *cfg)
+    with torch._C._AutoDispatchBelowAutograd():
+        return ops.apply_qk_norm_rope.default(q, k, positions, inv_freq, wq, wk, *cfg)
+
+
+def _norm_back_one(ctx, g):
+    """Gradients (dx, dw) of one tensor normalized and rotated in place, from its saved input."""
+    x, positions, inv_freq, w = ctx.saved_tensors
+    g = _last_dim_contiguous(g)
+    dx, _, dw, _ = _qk_norm_backward(g, g.narrow(-2, 0, 0), x, x.narrow(-2, 0, 0), positions, inv_freq, w, w,
+                                     ctx.cfg)
+    return dx, dw
+
+
+class _QkNormRopeInplaceQ(torch.autograd.Function):
+    """In-place norm + rotation of q and k in one op call (everything checked before anything is written);
+    returns q marked dirty (autograd lets a Function that modifies views return one tensor) and saves q's
+    input (``xq``, a copy taken before the call) for the backward. :class:`_MarkNormed` marks k."""
+
+    @staticmethod
+    def forward(ctx, q, k, xq, positions, inv_freq, wq, wk, *cfg):
+        ops.apply_qk_norm_rope_(q, k, positions, inv_freq, wq, wk, *cfg)
+        ctx.mark_dirty(q)
+        ctx.save_for_backward(xq, positions, inv_freq, wq)
+        ctx.cfg = cfg
+        return q
+
+    @staticmethod
+    def backward(ctx, g):
+        dx, dw = _norm_back_one(ctx, g)
+        return (dx, None, None, None, None, dw, None) + (None,) * len(ctx.cfg)
+
+
+class _MarkNormed(torch.autograd.Function):
+    """k of :class:`_QkNormRopeInplaceQ`: already normalized and rotated there; marked dirty here, its backward
+    uses the saved input of k."""
+
+    @staticmethod
+    def forward(ctx, k, xk, positions, inv_freq, wk, *cfg):
+        ctx.mark_dirty(k)
+        ctx.save_for_backward(xk, positions, inv_freq, wk)
+        ctx.cfg = cfg
+        return k
+
+    @staticmethod
+    def backward(ctx, g):
+        dx, dw = _norm_back_one(ctx, g)
+        return (dx, None, None, None, dw) + (None,) * len(ctx.cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
 _INV_FREQ_CACHE: dict = {}
@@ -288,6 +406,18 @@ def _resolve(name, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_sect
     return positions, inv, rd, section, bool(mrope_interleaved), _STYLES[rotary_style], scale
 
 
+def _check_differentiable_inplace(name, q, k, qf, kf, out_of_place):
+    """What autograd needs of q and k modified in place (qf / kf: their flattened forms)."""
+    if qf is not q or kf is not k:
+        raise ValueError(f"packcuda.{name}: differentiable in-place use needs q and k with at most 4 dims")
+    for arg, x in (("q", q), ("k", k)):
+        root = x._base if x._is_view() else x
+        if x.requires_grad and root.is_leaf:
+            what = "a view of a leaf" if x._is_view() else "a leaf"
+            raise ValueError(f"packcuda.{name}: {arg} is {what} tensor that requires grad; it cannot be modified "
+                             f"in place (use {out_of_place}, or a non-leaf tensor)")
+
+
 def _flatten_tokens(name, x, inplace):
     """q/k with more than one leading token dim beyond [B, S]: flatten them (a view for the in-place op)."""
     if x.dim() <= 4:
@@ -391,21 +521,118 @@ def apply_rope_(
     qf, kf = _flatten_tokens("apply_rope_", q, True), _flatten_tokens("apply_rope_", k, True)
     pos = _flatten_positions("apply_rope_", positions, section, q)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        if qf is not q or kf is not k:
-            raise ValueError("packcuda.apply_rope_: differentiable in-place rotation needs q and k with at most "
-                             "4 dims")
-        for arg, x in (("q", q), ("k", k)):
-            root = x._base if x._is_view() else x
-            if x.requires_grad and root.is_leaf:
-                what = "a view of a leaf" if x._is_view() else "a leaf"
-                raise ValueError(f"packcuda.apply_rope_: {arg} is {what} tensor that requires grad; it cannot be "
-                                 "rotated in place (use apply_rope, or rotate a non-leaf tensor)")
+        _check_differentiable_inplace("apply_rope_", q, k, qf, kf, "apply_rope")
         if q._is_view() or k._is_view():
             q = _ApplyRopeInplaceViewQ.apply(q, k, pos, inv, rd, section, inter, gptj, scale)
             k = _MarkRotated.apply(k, pos, inv, rd, section, inter, gptj, scale)
             return q, k
         return _ApplyRopeInplace.apply(q, k, pos, inv, rd, section, inter, gptj, scale)
     ops.apply_rope_(qf, kf, pos, inv, rd, section, inter, gptj, scale, False)
+    return q, k
+
+
+def _resolve_norm(name, q, k, q_weight, k_weight, eps, norm):
+    for arg, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"packcuda.{name}: {arg} must be a tensor [head_dim], got {type(w).__name__}")
+        if (w.device.type == "meta") != (q.device.type == "meta"):
+            raise ValueError(f"packcuda.{name}: {arg} is on {w.device} but q is on {q.device}")
+    if not isinstance(norm, str) or norm not in _NORMS:
+        raise ValueError(f"packcuda.{name}: norm must be 'rms' or 'rms_offset', got {norm!r}")
+    return check_float(name, "eps", eps, lo=0.0), _NORMS[norm]
+
+
+def _qk_norm_args(name, q, k, positions, q_weight, k_weight, eps, norm, rope_theta, inv_freq, rotary_dim,
+                  mrope_section, mrope_interleaved, rotary_style, attention_scaling, inplace):
+    positions, inv, rd, section, inter, gptj, scale = _resolve(
+        name, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved, rotary_style,
+        attention_scaling)
+    eps, kind = _resolve_norm(name, q, k, q_weight, k_weight, eps, norm)
+    qf, kf = _flatten_tokens(name, q, inplace), _flatten_tokens(name, k, inplace)
+    pos = _flatten_positions(name, positions, section, q)
+    return qf, kf, pos, inv, (eps, kind, rd, section, inter, gptj, scale)
+
+
+def apply_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float = 1e-6,
+    norm: str = "rms",
+    rope_theta: Optional[float] = None,
+    inv_freq: Optional[torch.Tensor] = None,
+    rotary_dim: Optional[int] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
+    rotary_style: str = "neox",
+    attention_scaling: float = 1.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of ``q`` and ``k`` followed by their rotary embedding, in one fused pass (out of place).
+
+    Everything about ``q``, ``k``, ``positions`` and the rotary keywords is as in :func:`apply_rope`.
+    ``q_weight`` / ``k_weight``: ``[head_dim]``, float32 or the dtype of q, on q's device (head_dim <= 512).
+    The norm covers the whole head (all ``head_dim`` channels); the rotation only the first ``rotary_dim``
+    channels, the others come out normalized.
+
+    - ``norm="rms"`` (transformers' Qwen3 / Qwen3-VL ``RMSNorm``): ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
+      — the normalized value is rounded to q's dtype before the weight, exactly as transformers does, then the
+      product with the weight and the rotation are computed in fp32 and rounded once.
+    - ``norm="rms_offset"`` (Qwen3.5's ``Qwen3_5RMSNorm``): ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32,
+      rotated in fp32, rounded once.
+
+    ``eps``: finite, >= 0. Differentiable in q, k, q_weight and k_weight; the backward reads q, k and the
+    gradients once and reduces the weight gradients in a fixed order (bitwise reproducible, no atomics). No sync
+    with device positions; CUDA-graph capturable. Returns ``(q_out, k_out)``.
+    """
+    name = "apply_qk_norm_rope"
+    qf, kf, pos, inv, cfg = _qk_norm_args(name, q, k, positions, q_weight, k_weight, eps, norm, rope_theta,
+                                          inv_freq, rotary_dim, mrope_section, mrope_interleaved, rotary_style,
+                                          attention_scaling, False)
+    qo, ko = _qk_norm_call(qf, kf, pos, inv, q_weight, k_weight, cfg)
+    if q.dim() > 4:
+        return qo.view(q.shape), ko.view(k.shape)
+    return qo, ko
+
+
+def apply_qk_norm_rope_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float = 1e-6,
+    norm: str = "rms",
+    rope_theta: Optional[float] = None,
+    inv_freq: Optional[torch.Tensor] = None,
+    rotary_dim: Optional[int] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
+    rotary_style: str = "neox",
+    attention_scaling: float = 1.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """In-place twin of :func:`apply_qk_norm_rope`: normalizes and rotates ``q`` and ``k`` where they are (every
+    channel of every head is written) and returns them. Works on strided views of one fused projection output
+    (e.g. Qwen3.5's q, interleaved with its gate); the memory rules are those of :func:`apply_rope_` (q and k
+    share no element, neither repeats one, the read-only tensors - positions, inv_freq, the weights - do not lie
+    in their memory), all checked before anything is written.
+
+    Differentiable with mark-dirty semantics (q and k must not be leaves, or views of leaves, that require grad).
+    When a gradient is needed, the inputs are saved (one copy of q and k) for the backward, which needs them."""
+    name = "apply_qk_norm_rope_"
+    qf, kf, pos, inv, cfg = _qk_norm_args(name, q, k, positions, q_weight, k_weight, eps, norm, rope_theta,
+                                          inv_freq, rotary_dim, mrope_section, mrope_interleaved, rotary_style,
+                                          attention_scaling, True)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, q_weight, k_weight)):
+        _check_differentiable_inplace(name, q, k, qf, kf, "apply_qk_norm_rope")
+        xq, xk = q.detach().clone(), k.detach().clone()  # the inputs the backward reads
+        q = _QkNormRopeInplaceQ.apply(q, k, xq, pos, inv, q_weight, k_weight, *cfg)
+        k = _MarkNormed.apply(k, xk, pos, inv, k_weight, *cfg)
+        return q, k
+    ops.apply_qk_norm_rope_(qf, kf, pos, inv, q_weight, k_weight, *cfg)
     return q, k
 
 

@@ -179,6 +179,12 @@ CASES = [
     Case(PATCH, "model_unsupported", arg="model", make=lambda: call(hf().patch_qwen_vl_rope, torch.nn.Linear(2, 2))),
     Case(PATCH, "allow_unverified_str", arg="allow_unverified_version", exc=TypeError,
          make=lambda: call(hf().patch_qwen_vl_rope, _model(), allow_unverified_version="yes")),
+    Case(PATCH, "fuse_qk_norm_str", arg="fuse_qk_norm", exc=TypeError,
+         make=lambda: call(hf().patch_qwen_vl_rope, _model(), fuse_qk_norm="yes")),
+    Case(PATCH, "fuse_qk_norm_without_model", arg="fuse_qk_norm",
+         make=lambda: call(hf().patch_qwen_vl_rope, fuse_qk_norm=True)),
+    Case(PATCH, "fuse_qk_norm_no_qk_norms", arg="fuse_qk_norm",  # Qwen2-VL attention has no q_norm / k_norm
+         make=lambda: call(hf().patch_qwen_vl_rope, _model(), fuse_qk_norm=True)),
 
     # patch_qwen3_5_linear_attention (refused before anything is patched) and its handle
     Case(LA, "model_not_a_module", arg="model", exc=TypeError, make=lambda: call(hf().patch_qwen3_5_linear_attention,

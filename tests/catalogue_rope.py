@@ -355,3 +355,135 @@ CASES = [
     Case("ops.apply_rope_", "section_sum", arg="mrope_section",
          make=lambda: _raw(ops.apply_rope_, positions=torch.zeros(3, T).long(), mrope_section=[1, 1, 1])),
 ]
+
+
+# ---- packcuda.apply_qk_norm_rope / apply_qk_norm_rope_ and their raw ops
+N = packcuda.apply_qk_norm_rope
+NI = packcuda.apply_qk_norm_rope_
+
+
+def w(d=D, dtype=torch.float32):
+    return torch.ones(d, dtype=dtype)
+
+
+def _n(fn, *args, **over):
+    q, k = qk()
+    a = dict(q_weight=w(), k_weight=w(), rope_theta=1e4)
+    a.update(over)
+    return call(fn, *(args or (q, k, pos())), **a)
+
+
+def _nraw(fn, **over):
+    q, k = qk()
+    a = dict(q=q, k=k, positions=pos(), inv_freq=inv(), q_weight=w(), k_weight=w(), eps=1e-6, norm=0,
+             rotary_dim=D, mrope_section=[], mrope_interleaved=False, gptj=False, attention_scaling=1.0)
+    a.update(over)
+    return call(fn, *a.values())
+
+
+def _nraw_bwd(**over):
+    q, k = qk()
+    a = dict(grad_q=torch.ones_like(q), grad_k=torch.ones_like(k), q=q, k=k, positions=pos(), inv_freq=inv(),
+             q_weight=w(), k_weight=w(), eps=1e-6, norm=0, rotary_dim=D, mrope_section=[], mrope_interleaved=False,
+             gptj=False, attention_scaling=1.0)
+    a.update(over)
+    return call(ops.apply_qk_norm_rope_backward, *a.values())
+
+
+def _ni_weight_alias_q():
+    q, k = qk()
+    return call(NI, q, k, pos(), q_weight=q[0, 0], k_weight=w(), rope_theta=1e4)
+
+
+def _ni_grad_views_weight_wrong():
+    buf = grad_views()
+    return call(NI, buf[:, 0:2], buf[:, 2:3], pos(), q_weight=w(8), k_weight=w(), rope_theta=1e4)
+
+
+CASES += [
+    _fp("q_weight_missing_tensor", N, lambda: _n(N, q_weight=[1.0] * D), exc=TypeError, arg="q_weight"),
+    _fp("k_weight_none", N, lambda: _n(N, k_weight=None), exc=TypeError, arg="k_weight"),
+    _fp("q_weight_shape", N, lambda: _n(N, q_weight=w(8)), arg="q_weight"),
+    _fp("k_weight_2d", N, lambda: _n(N, k_weight=w().view(2, 8)), arg="k_weight"),
+    _fp("q_weight_int", N, lambda: _n(N, q_weight=torch.ones(D, dtype=torch.int32)), arg="q_weight"),
+    _fp("q_weight_float64", N, lambda: _n(N, q_weight=w(dtype=torch.float64)), arg="q_weight"),
+    _fp("weights_dtype_mismatch", N, lambda: _n(N, *(x.bfloat16() for x in qk()), pos(), q_weight=w(),
+                                                k_weight=w(dtype=torch.bfloat16)), arg="k_weight"),
+    _fp("weight_meta", N, lambda: _n(N, q_weight=w().to("meta")), arg="q_weight"),
+    _fp("eps_nan", N, lambda: _n(N, eps=float("nan")), arg="eps"),
+    _fp("eps_inf", N, lambda: _n(N, eps=float("inf")), arg="eps"),
+    _fp("eps_negative", N, lambda: _n(N, eps=-1e-6), arg="eps"),
+    _fp("eps_str", N, lambda: _n(N, eps="1e-6"), exc=TypeError, arg="eps"),
+    _fp("eps_bool", N, lambda: _n(N, eps=True), exc=TypeError, arg="eps"),
+    _fp("norm_unknown", N, lambda: _n(N, norm="layer"), arg="norm"),
+    _fp("norm_int", N, lambda: _n(N, norm=0), arg="norm"),
+    _fp("head_dim_too_large", N, lambda: _n(N, *qk(d=520), pos(), q_weight=w(520), k_weight=w(520)),
+        arg="head_dim"),
+    _fp("gptj_odd_head_dim", N, lambda: _n(N, *qk(d=9), pos(), q_weight=w(9), k_weight=w(9), rotary_dim=8,
+                                           rotary_style="gptj"), arg="head_dim"),
+    _fp("q_int", N, lambda: _n(N, *[x.long() for x in qk()], pos()), arg="q"),
+    _fp("k_dtype_mismatch", N, lambda: _n(N, qk()[0], qk()[1].double(), pos()), arg="k"),
+    _fp("k_tokens", N, lambda: _n(N, qk()[0], qk(t=4)[1], pos()), arg="tokens"),
+    _fp("q_last_dim_strided", N, lambda: _n(N, qk(d=2 * D)[0][..., ::2], qk()[1], pos()), arg="q must be contiguous"),
+    _fp("positions_float", N, lambda: _n(N, *qk(), pos().float()), exc=TypeError, arg="positions"),
+    _fp("positions_tokens", N, lambda: _n(N, *qk(), pos(4)), arg="positions"),
+    _fp("rotary_dim_odd", N, lambda: _n(N, rotary_dim=7), arg="rotary_dim"),
+    _fp("section_sum", N, lambda: _n(N, *qk(), torch.zeros(3, T).long(), mrope_section=[2, 3, 2]),
+        arg="mrope_section"),
+    _fp("scaling_nan", N, lambda: _n(N, attention_scaling=float("nan")), arg="attention_scaling"),
+    _fp("style", N, lambda: _n(N, rotary_style="half"), arg="rotary_style"),
+    _fp("no_theta", N, lambda: _n(N, rope_theta=None), arg="rope_theta"),
+    _fp("weight_cuda_q_cpu", N, cuda=True, arg="q_weight", make=lambda: _n(N, q_weight=w().cuda())),
+    _fp("weight_cpu_q_cuda", N, cuda=True, arg="k_weight",
+        make=lambda: _n(N, *[x.cuda() for x in qk()], pos(), q_weight=w().cuda(), k_weight=w())),
+
+    _fp("q_weight_shape", NI, lambda: _n(NI, q_weight=w(8)), arg="q_weight"),
+    _fp("eps_nan", NI, lambda: _n(NI, eps=float("nan")), arg="eps"),
+    _fp("norm_unknown", NI, lambda: _n(NI, norm="rms_gated"), arg="norm"),
+    _fp("same_tensor", NI, lambda: (lambda q: _n(NI, q, q, pos()))(qk()[0]), arg="overlap"),
+    _fp("overlapping_views", NI, lambda: (lambda b: _n(NI, b[:, 0:2], b[:, 1:3], pos()))(fused()), arg="overlap"),
+    _fp("q_expanded", NI, lambda: _n(NI, torch.zeros(1, 2, D).expand(T, 2, D), qk()[1], pos()), arg="stride 0"),
+    _fp("q_weight_alias_q", NI, _ni_weight_alias_q, arg="q_weight"),
+    _fp("leaf_requires_grad", NI, lambda: _n(NI, *[x.requires_grad_() for x in qk()], pos()), arg="leaf"),
+    _fp("view_of_leaf_requires_grad", NI, lambda: (lambda x: _n(NI, x[:, 0:2], x[:, 2:3], pos()))(
+        torch.randn(T, 4, D, requires_grad=True)), arg="leaf"),
+    _fp("view_path_weight_shape", NI, _ni_grad_views_weight_wrong, arg="q_weight"),
+    _fp("view_path_overlap", NI, lambda: (lambda b: _n(NI, b[:, 0:2], b[:, 1:3], pos()))(grad_views()),
+        arg="overlap"),
+    _fp("positions_float_list", NI, lambda: _n(NI, *qk(), [0.5, 1, 2, 3, 4]), exc=TypeError, arg="positions"),
+    _fp("not_flattenable", NI, lambda: _n(NI, torch.zeros(2, 3, 4, 2, D).transpose(0, 1), torch.zeros(3, 2, 4, 1, D),
+                                          torch.arange(24)), arg="flattened"),
+
+    Case("ops.apply_qk_norm_rope", "q_2d", lambda: _nraw(ops.apply_qk_norm_rope, q=torch.zeros(T, D)), arg="q"),
+    Case("ops.apply_qk_norm_rope", "q_weight_shape", lambda: _nraw(ops.apply_qk_norm_rope, q_weight=w(8)), arg="q_weight"),
+    Case("ops.apply_qk_norm_rope", "k_weight_dtype", lambda: _nraw(ops.apply_qk_norm_rope, k_weight=torch.ones(D).long()),
+         arg="k_weight"),
+    Case("ops.apply_qk_norm_rope", "weights_mixed", lambda: _nraw(ops.apply_qk_norm_rope, q=qk()[0].double(), k=qk()[1].double(),
+                                                            k_weight=w(dtype=torch.float64)), arg="k_weight"),
+    Case("ops.apply_qk_norm_rope", "eps_nan", lambda: _nraw(ops.apply_qk_norm_rope, eps=float("nan")), arg="eps"),
+    Case("ops.apply_qk_norm_rope", "eps_negative", lambda: _nraw(ops.apply_qk_norm_rope, eps=-1.0), arg="eps"),
+    Case("ops.apply_qk_norm_rope", "norm_kind", lambda: _nraw(ops.apply_qk_norm_rope, norm=2), arg="norm"),
+    Case("ops.apply_qk_norm_rope", "head_dim_too_large", arg="head_dim",
+         make=lambda: _nraw(ops.apply_qk_norm_rope, q=qk(d=514)[0], k=qk(d=514)[1], q_weight=w(514), k_weight=w(514))),
+    Case("ops.apply_qk_norm_rope", "rotary_dim_odd", lambda: _nraw(ops.apply_qk_norm_rope, rotary_dim=7), arg="rotary_dim"),
+    Case("ops.apply_qk_norm_rope", "positions_tokens", lambda: _nraw(ops.apply_qk_norm_rope, positions=pos(4)), arg="positions"),
+    Case("ops.apply_qk_norm_rope", "weight_cuda_q_cpu", cuda=True, arg="q_weight",
+         make=lambda: _nraw(ops.apply_qk_norm_rope, q_weight=w().cuda())),
+    Case("ops.apply_qk_norm_rope_", "same_tensor", lambda: (lambda q: _nraw(ops.apply_qk_norm_rope_, q=q, k=q))(qk()[0]),
+         arg="overlap"),
+    Case("ops.apply_qk_norm_rope_", "k_weight_alias_k", arg="k_weight",
+         make=lambda: (lambda k: _nraw(ops.apply_qk_norm_rope_, k=k, k_weight=k[1, 0]))(qk()[1])),
+    Case("ops.apply_qk_norm_rope_", "q_weight_shape", lambda: _nraw(ops.apply_qk_norm_rope_, q_weight=w(4)), arg="q_weight"),
+    Case("ops.apply_qk_norm_rope_", "eps_inf", lambda: _nraw(ops.apply_qk_norm_rope_, eps=float("inf")), arg="eps"),
+    Case("ops.apply_qk_norm_rope_", "q_expanded", arg="stride 0",
+         make=lambda: _nraw(ops.apply_qk_norm_rope_, q=torch.zeros(T, 1, D).expand(T, 2, D))),
+    Case("ops.apply_qk_norm_rope_backward", "grad_q_shape", lambda: _nraw_bwd(grad_q=torch.ones(T, 1, D)), arg="grad_q"),
+    Case("ops.apply_qk_norm_rope_backward", "grad_k_dtype", lambda: _nraw_bwd(grad_k=torch.ones(T, 1, D).double()),
+         arg="grad_k"),
+    Case("ops.apply_qk_norm_rope_backward", "grad_q_last_dim_strided", arg="grad_q",
+         make=lambda: _nraw_bwd(grad_q=torch.ones(T, 2, 2 * D)[..., ::2])),
+    Case("ops.apply_qk_norm_rope_backward", "q_weight_shape", lambda: _nraw_bwd(q_weight=w(8)), arg="q_weight"),
+    Case("ops.apply_qk_norm_rope_backward", "eps_nan", lambda: _nraw_bwd(eps=float("nan")), arg="eps"),
+    Case("ops.apply_qk_norm_rope_backward", "grad_cuda_q_cpu", cuda=True, arg="grad_q",
+         make=lambda: _nraw_bwd(grad_q=torch.ones(T, 2, D).cuda())),
+]

@@ -633,3 +633,110 @@ def test_release_that_truncates_seconds_is_detected_and_matched(monkeypatch):
         monkeypatch.undo()
         hf.truncates_video_seconds.cache_clear()
     assert not hf.truncates_video_seconds() or HF_INT_SECONDS
+
+
+# ---------------------------------------------------------------------------------------------------
+# fuse_qk_norm: q_norm / k_norm + rotary through packcuda.apply_qk_norm_rope
+# ---------------------------------------------------------------------------------------------------
+def _qwen3_text_model(seed=0):
+    c = transformers.Qwen3Config(**_text(head_dim=64, rope_parameters=dict(rope_type="default", rope_theta=1e6)))
+    c._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return transformers.Qwen3ForCausalLM(c).eval()
+
+
+def _randomize_norms(model, offset):
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(offset + 0.3 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+@pytest.mark.parametrize("fam", ["qwen3_vl", "qwen3_5", "qwen3"])
+def test_fuse_qk_norm_matches_unpatched_logits_and_grads(fam):
+    if fam == "qwen3_5" and importlib.util.find_spec("fla") is not None:
+        pytest.skip("flash-linear-attention is installed (GPU kernels for the linear-attention layers)")
+    if fam == "qwen3":
+        model = _qwen3_text_model()
+        ids = torch.randint(0, 140, (1, 37), generator=torch.Generator().manual_seed(1))
+        pos = torch.cat([torch.arange(20), torch.arange(17)])[None]  # a packed row of two samples
+        run = lambda: model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]  # noqa: E731
+    else:
+        model = _model(fam)
+        _, packed = _batch(fam, seed=2)
+        pos = _hf_positions(model, fam, packed)
+        run = lambda: _packed_logits(model, fam, packed, pos)  # noqa: E731
+    _randomize_norms(model, 1.0 if fam != "qwen3_5" else 0.0)
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        logits = run()
+        w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
+        (logits * w).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_logits, want_grads = loss_and_grads()
+    calls = []
+    inner = hf._qk_norm_rope_impl
+    hf._qk_norm_rope_impl = lambda *a, **k: calls.append(k["norm"]) or inner(*a, **k)
+    try:
+        with hf.patch_qwen_vl_rope(model, fuse_qk_norm=True):
+            assert hf.is_patched(model)
+            got_logits, got_grads = loss_and_grads()
+    finally:
+        hf._qk_norm_rope_impl = inner
+    attn = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "q_norm")]
+    assert len(calls) == len(attn) and set(calls) == {"rms_offset" if fam == "qwen3_5" else "rms"}
+    assert not hf.is_patched(model) and not hf._NORM_STATES
+    assert all("forward" not in vars(m.q_norm) and "forward" not in vars(m.k_norm) for m in attn)  # restored
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=2e-5)
+    assert want_grads.keys() == got_grads.keys()
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+def test_fuse_qk_norm_refuses_unknown_norm_before_patching():
+    model = _model("qwen3_vl")
+    attn = next(m for m in model.modules() if type(m).__name__ == "Qwen3VLTextAttention")
+    orig = attn.k_norm
+    attn.k_norm = torch.nn.LayerNorm(orig.weight.shape[0])
+    with pytest.raises(hf.UnsupportedModelError, match="k_norm is a LayerNorm"):
+        hf.patch_qwen_vl_rope(model, fuse_qk_norm=True)
+    assert not hf.is_patched(model) and not hf.is_patched() and not hf._NORM_STATES
+    attn.k_norm = orig
+    with pytest.raises(hf.UnsupportedModelError, match="no per-head q_norm"):
+        hf.patch_qwen_vl_rope(_model("qwen2_vl"), fuse_qk_norm=True)
+    with pytest.raises(ValueError, match="needs a model"):
+        hf.patch_qwen_vl_rope(fuse_qk_norm=True)
+    assert not hf.is_patched()
+
+
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+def test_fuse_qk_norm_with_callers_cos_sin_still_normalizes():
+    """An attention called with cos/sin tables of the caller's own runs its deferred norms unfused."""
+    model = _qwen3_text_model()
+    _randomize_norms(model, 1.0)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 5, model.config.hidden_size)
+    cos, sin = model.model.rotary_emb(x, torch.arange(5)[None])
+    want = attn(x, (cos, sin), None)[0]
+    with hf.patch_qwen_vl_rope(model, fuse_qk_norm=True):
+        got = attn(x, (cos, sin), None)[0]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
+def test_qwen3_text_rotary_patch_matches_unpatched():
+    """The plain-RoPE path of the patch (Qwen3 text models, [B, S] position_ids, broadcast over the batch)."""
+    model = _qwen3_text_model()
+    ids = torch.randint(0, 140, (2, 19), generator=torch.Generator().manual_seed(4))
+    for pos in (torch.arange(19)[None], torch.cat([torch.arange(7), torch.arange(12)])[None].expand(2, -1)):
+        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        with hf.patch_qwen_vl_rope(model) as h:
+            assert h.model_types == ("qwen3",) and hf.is_patched(model)
+            got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+    assert not hf.is_patched(model)

@@ -46,4 +46,34 @@ constexpr int64_t kMaxRotaryDim = 8192;
 void rope_apply_cpu(const RopeArgs& a);
 void rope_apply_cuda(const RopeArgs& a, cudaStream_t stream);
 
+// Per-head QK norm fused with the rotation (rope_math.h: kNormRms / kNormRmsOffset). Forward: r.q / r.k map the
+// inputs x to the outputs y (in == out in place; copy_passthrough is ignored: the pass-through channels are
+// always written, normalized). Backward: r.q / r.k map the saved inputs x to the gradients dx (out), g_q / g_k
+// hold the incoming gradients (in only, same heads as x), and dw_q / dw_k receive the [D] weight gradients in the
+// compute type (fp32; fp64 for fp64 data),
+// reduced in a fixed order (no atomics): the result is bitwise reproducible for a given device and shape.
+struct NormArgs {
+  RopeArgs r;
+  const void* w_q = nullptr;  // [D], contiguous, in the compute type (fp32; fp64 for fp64 data)
+  const void* w_k = nullptr;
+  double eps = 1e-6;
+  int norm = 0;
+  HeadsView g_q, g_k;           // backward only (in, in_s*)
+  void* dw_q = nullptr;         // backward only: [D] in the compute type
+  void* dw_k = nullptr;
+  void* workspace = nullptr;    // CUDA backward: qk_norm_workspace_floats(D) elements of the compute type
+};
+
+// Largest head_dim of the fused norm + rotation (one row is held in registers by the CUDA kernel).
+constexpr int64_t kMaxNormHeadDim = 512;
+// Blocks of the CUDA backward (each writes one [2, D] partial of the weight gradients); fixed, so the
+// reduction order does not depend on the device.
+constexpr int64_t kNormBwdBlocks = 1024;
+inline int64_t qk_norm_workspace_floats(int64_t D) { return kNormBwdBlocks * 2 * D; }
+
+void qk_norm_rope_cpu(const NormArgs& a);
+void qk_norm_rope_backward_cpu(const NormArgs& a);
+void qk_norm_rope_cuda(const NormArgs& a, cudaStream_t stream);
+void qk_norm_rope_backward_cuda(const NormArgs& a, cudaStream_t stream);
+
 }  // namespace packcuda::rope

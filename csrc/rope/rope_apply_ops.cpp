@@ -245,7 +245,7 @@ bool qk_may_overlap(const Tensor& q, const Tensor& k) {
 
 // Everything the in-place op needs of memory, checked after prepare (dims, dtypes, devices) and before any write.
 void check_inplace_memory(const char* op, const Tensor& q, const Tensor& k, const Tensor& positions,
-                          const Tensor& inv_freq) {
+                          const Tensor& inv_freq, const Tensor* w_q = nullptr, const Tensor* w_k = nullptr) {
   check_no_self_overlap(op, "q", q);
   check_no_self_overlap(op, "k", k);
   const Extent eq = extent_of(op, "q", q), ek = extent_of(op, "k", k);
@@ -254,8 +254,10 @@ void check_inplace_memory(const char* op, const Tensor& q, const Tensor& k, cons
   };
   PC_ARG(!(same_device(q, k) && eq.overlaps(ek) && qk_may_overlap(q, k)), op,
          "q and k overlap in memory: the in-place rotation needs q and k to share no element");
-  const std::pair<const char*, const Tensor*> reads[] = {{"positions", &positions}, {"inv_freq", &inv_freq}};
+  const std::pair<const char*, const Tensor*> reads[] = {
+      {"positions", &positions}, {"inv_freq", &inv_freq}, {"q_weight", w_q}, {"k_weight", w_k}};
   for (const auto& [name, t] : reads) {
+    if (t == nullptr) continue;
     const Extent e = extent_of(op, name, *t);
     PC_ARG(!(same_device(*t, q) && e.overlaps(eq)), op, name, " shares memory with q, which the in-place "
            "rotation writes");
@@ -306,6 +308,150 @@ void apply_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, int64_t 
   launch(q, p.args);
 }
 
+
+// ---------------------------------------------------------------------------------------------------
+// QK norm fused with the rotation
+// ---------------------------------------------------------------------------------------------------
+struct NormPrepared {
+  Prepared p;
+  rope::NormArgs n;
+  Tensor w_q, w_k;  // contiguous, kept alive for the launch
+};
+
+// prepare() plus the norm's own arguments (weights, eps, norm kind).
+NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, const Tensor& positions,
+                          const Tensor& inv_freq, const Tensor& q_weight, const Tensor& k_weight, double eps,
+                          int64_t norm, int64_t rotary_dim, const std::vector<int64_t>& mrope_section,
+                          bool mrope_interleaved, bool gptj, double attention_scaling) {
+  NormPrepared np{prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj,
+                          attention_scaling), {}, {}, {}};
+  const int64_t D = q.size(q.dim() - 1);
+  PC_ARG(D <= rope::kMaxNormHeadDim, op, "head_dim must be <= ", rope::kMaxNormHeadDim, " for the fused norm, got ",
+         D);
+  PC_ARG(!gptj || D % 2 == 0, op, "head_dim must be even with gptj pairs, got ", D);
+  PC_ARG(norm == rope::kNormRms || norm == rope::kNormRmsOffset, op, "norm must be 0 (rms) or 1 (rms_offset), got ",
+         norm);
+  PC_ARG(std::isfinite(eps) && eps >= 0, op, "eps must be finite and >= 0, got ", eps);
+  const std::pair<const char*, const Tensor*> ws[] = {{"q_weight", &q_weight}, {"k_weight", &k_weight}};
+  for (const auto& [name, w] : ws) {
+    PC_ARG(w->scalar_type() == ST::Float || w->scalar_type() == q.scalar_type(), op, name,
+           " must be float32 or q's dtype (", dtype_name(q.scalar_type()), "), got ", dtype_name(w->scalar_type()));
+    PC_ARG(w->dim() == 1 && w->size(0) == D, op, name, " must be [head_dim] = [", D, "], got shape ", shape_str(*w));
+    PC_ARG(w->is_cpu() == q.is_cpu() && w->get_device_index() == q.get_device_index(), op, name, " is on ",
+           device_str(*w), " but q is on ", device_str(q));
+  }
+  PC_ARG(k_weight.scalar_type() == q_weight.scalar_type(), op, "k_weight has dtype ",
+         dtype_name(k_weight.scalar_type()), " but q_weight has dtype ", dtype_name(q_weight.scalar_type()));
+  // the kernels read the weights in the compute type (exact conversions: bf16 / fp16 / fp32 -> fp32 or fp64)
+  const ST acc = q.scalar_type() == ST::Double ? ST::Double : ST::Float;
+  // (and 16-byte aligned: the CUDA kernel reads them with vector loads)
+  const auto as_acc = [&](const Tensor& w) {
+    Tensor d = dense(w.scalar_type() == acc ? w : torch::stable::to(w, acc));
+    if (reinterpret_cast<uintptr_t>(d.const_data_ptr()) % 16 != 0)
+      d = torch::stable::to(d, acc, std::nullopt, std::nullopt, std::nullopt, false, /*copy=*/true);
+    return d;
+  };
+  np.w_q = as_acc(q_weight);
+  np.w_k = as_acc(k_weight);
+  np.n.w_q = np.w_q.const_data_ptr();
+  np.n.w_k = np.w_k.const_data_ptr();
+  np.n.eps = eps;
+  np.n.norm = static_cast<int>(norm);
+  return np;
+}
+
+void launch_norm(const Tensor& q, rope::NormArgs& a, bool backward) {
+  if (a.r.tokens == 0 || a.r.q.heads + a.r.k.heads == 0) return;
+  if (q.is_cuda()) {
+    PC_CUDA_ONLY({
+      CudaScope cs(q);
+      if (backward) rope::qk_norm_rope_backward_cuda(a, cs.stream);
+      else rope::qk_norm_rope_cuda(a, cs.stream);
+    });
+  } else if (backward) {
+    rope::qk_norm_rope_backward_cpu(a);
+  } else {
+    rope::qk_norm_rope_cpu(a);
+  }
+}
+
+std::tuple<Tensor, Tensor> qk_norm_rope(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight,
+                                        Tensor k_weight, double eps, int64_t norm, int64_t rotary_dim,
+                                        std::vector<int64_t> mrope_section, bool mrope_interleaved, bool gptj,
+                                        double attention_scaling) {
+  const char* op = "apply_qk_norm_rope";
+  NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
+                                 mrope_section, mrope_interleaved, gptj, attention_scaling);
+  Tensor q_out = torch::stable::empty_like(q);
+  Tensor k_out = torch::stable::empty_like(k);
+  np.n.r = np.p.args;
+  fill_view(np.n.r.q, q, q_out);
+  fill_view(np.n.r.k, k, k_out);
+  launch_norm(q, np.n, false);
+  return {q_out, k_out};
+}
+
+void qk_norm_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight, Tensor k_weight,
+                   double eps, int64_t norm, int64_t rotary_dim, std::vector<int64_t> mrope_section,
+                   bool mrope_interleaved, bool gptj, double attention_scaling) {
+  const char* op = "apply_qk_norm_rope_";
+  NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
+                                 mrope_section, mrope_interleaved, gptj, attention_scaling);
+  check_inplace_memory(op, q, k, positions, inv_freq, &q_weight, &k_weight);
+  np.n.r = np.p.args;
+  fill_view(np.n.r.q, q, q);
+  fill_view(np.n.r.k, k, k);
+  launch_norm(q, np.n, false);
+}
+
+// grad_q / grad_k: the gradients of the outputs (shapes of q / k, any strides, last dim contiguous); q / k: the
+// forward's inputs. Returns (dq, dk, dq_weight, dk_weight), the weight gradients [D] in fp32 (fp64 for fp64 data).
+std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(
+    Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight,
+    Tensor k_weight, double eps, int64_t norm, int64_t rotary_dim, std::vector<int64_t> mrope_section,
+    bool mrope_interleaved, bool gptj, double attention_scaling) {
+  const char* op = "apply_qk_norm_rope_backward";
+  NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
+                                 mrope_section, mrope_interleaved, gptj, attention_scaling);
+  const std::pair<const char*, const Tensor*> grads[] = {{"grad_q", &grad_q}, {"grad_k", &grad_k}};
+  for (int i = 0; i < 2; ++i) {
+    const char* name = grads[i].first;
+    const Tensor& g = *grads[i].second;
+    const Tensor& x = i == 0 ? q : k;
+    PC_ARG(shape_of(g) == shape_of(x), op, name, " must have the shape of ", i == 0 ? "q " : "k ", shape_str(x),
+           ", got ", shape_str(g));
+    PC_ARG(g.scalar_type() == q.scalar_type(), op, name, " has dtype ", dtype_name(g.scalar_type()),
+           " but q has dtype ", dtype_name(q.scalar_type()));
+    check_same_device(op, name, g, "q", q);
+    PC_ARG(g.dim() == 0 || g.size(g.dim() - 1) <= 1 || g.stride(g.dim() - 1) == 1, op, name,
+           " must be contiguous in its last dim (stride 1), got stride ", g.stride(g.dim() - 1));
+  }
+  const int64_t D = q.size(q.dim() - 1);
+  const ST acc = q.scalar_type() == ST::Double ? ST::Double : ST::Float;
+  Tensor dq = torch::stable::empty_like(q);
+  Tensor dk = torch::stable::empty_like(k);
+  Tensor dwq = torch::stable::new_empty(q, {D}, acc);
+  Tensor dwk = torch::stable::new_empty(q, {D}, acc);
+  np.n.r = np.p.args;
+  fill_view(np.n.r.q, q, dq);
+  fill_view(np.n.r.k, k, dk);
+  fill_view(np.n.g_q, grad_q, grad_q);
+  fill_view(np.n.g_k, grad_k, grad_k);
+  np.n.dw_q = dwq.mutable_data_ptr();
+  np.n.dw_k = dwk.mutable_data_ptr();
+  if (np.n.r.tokens == 0 || np.n.r.q.heads + np.n.r.k.heads == 0) {
+    torch::stable::zero_(dwq);
+    torch::stable::zero_(dwk);
+    return {dq, dk, dwq, dwk};
+  }
+  Tensor ws;
+  if (q.is_cuda()) {
+    ws = torch::stable::new_empty(q, {rope::qk_norm_workspace_floats(D)}, acc);
+    np.n.workspace = ws.mutable_data_ptr();
+  }
+  launch_norm(q, np.n, true);
+  return {dq, dk, dwq, dwk};
+}
 }  // namespace
 }  // namespace packcuda::th
 
@@ -318,11 +464,26 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
       "apply_rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, int rotary_dim, "
       "int[] mrope_section, bool mrope_interleaved=False, bool gptj=False, float attention_scaling=1., "
       "bool inverse=False) -> ()");
+  m.def(
+      "apply_qk_norm_rope(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight, Tensor k_weight, "
+      "float eps, int norm, int rotary_dim, int[] mrope_section, bool mrope_interleaved=False, bool gptj=False, "
+      "float attention_scaling=1.) -> (Tensor, Tensor)");
+  m.def(
+      "apply_qk_norm_rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, Tensor q_weight, "
+      "Tensor k_weight, float eps, int norm, int rotary_dim, int[] mrope_section, bool mrope_interleaved=False, "
+      "bool gptj=False, float attention_scaling=1.) -> ()");
+  m.def(
+      "apply_qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor positions, Tensor inv_freq, "
+      "Tensor q_weight, Tensor k_weight, float eps, int norm, int rotary_dim, int[] mrope_section, "
+      "bool mrope_interleaved=False, bool gptj=False, float attention_scaling=1.) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 #define PC_ROPE_APPLY_IMPLS(m)                                  \
   m.impl("apply_rope", TORCH_BOX(&packcuda::th::apply_rope));   \
-  m.impl("apply_rope_", TORCH_BOX(&packcuda::th::apply_rope_));
+  m.impl("apply_rope_", TORCH_BOX(&packcuda::th::apply_rope_));   \
+  m.impl("apply_qk_norm_rope", TORCH_BOX(&packcuda::th::qk_norm_rope)); \
+  m.impl("apply_qk_norm_rope_", TORCH_BOX(&packcuda::th::qk_norm_rope_)); \
+  m.impl("apply_qk_norm_rope_backward", TORCH_BOX(&packcuda::th::qk_norm_rope_backward));
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_ROPE_APPLY_IMPLS(m) }
 #ifdef USE_CUDA

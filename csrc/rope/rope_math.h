@@ -86,4 +86,47 @@ PC_HD int64_t token_offset(int64_t t, int64_t seq, int64_t stride_b, int64_t str
   return TokenIndex(t, seq).offset(stride_b, stride_s);
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Per-head QK norm fused with the rotation (apply_qk_norm_rope). A head row x of D channels is normalized over
+// all D channels, rstd = 1 / sqrt(sum(x^2) / D + eps) (fp32; fp64 for fp64 data), then the rotary channels are
+// rotated and the pass-through channels are written normalized.
+//  kNormRms       (Qwen3, Qwen3-VL):  n = w * round(x * rstd)   (round: to the data dtype, as transformers'
+//                                                                 `.to(input_dtype)` before the weight)
+//  kNormRmsOffset (Qwen3.5):           n = x * rstd * (1 + w)
+// n is kept in the compute type (not rounded) and rotated; the output is rounded once.
+// ---------------------------------------------------------------------------------------------------
+enum : int { kNormRms = 0, kNormRmsOffset = 1 };
+
+template <typename F>
+PC_HD F norm_rstd(F sumsq, int64_t D, F eps) {
+  const F var = sumsq / static_cast<F>(D);
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(F) == 4) return 1.0f / sqrtf(var + eps);  // IEEE sqrt and division (no rsqrtf)
+  else return 1.0 / sqrt(var + eps);
+#else
+  return F(1) / std::sqrt(var + eps);
+#endif
+}
+
+// xhat as the weight sees it: x * rstd, rounded to the data dtype for kNormRms (round: F -> F through the
+// data dtype; the identity for fp32/fp64 data).
+template <typename F, typename Round>
+PC_HD F norm_xhat(F x, F rstd, int norm, Round round) {
+  const F xh = x * rstd;
+  return norm == kNormRms ? round(xh) : xh;
+}
+
+// Effective per-channel factor: w (kNormRms) or 1 + w (kNormRmsOffset).
+template <typename F>
+PC_HD F norm_gain(F w, int norm) { return norm == kNormRms ? w : F(1) + w; }
+
+// Backward of one row, per channel, given gn = the gradient w.r.t. the normalized value n (the incoming
+// gradient rotated back), x, rstd and the gain:
+//   dxh = gn * gain,  dot = sum(dxh * x * rstd) over the row,  dx = rstd * (dxh - x * rstd * dot / D)
+//   dw  = sum over rows of gn * norm_xhat(x)      (the .to(dtype) of kNormRms passes gradients unchanged)
+template <typename F>
+PC_HD F norm_dx(F dxh, F x, F rstd, F dot, int64_t D) {
+  return rstd * (dxh - x * rstd * (dot / static_cast<F>(D)));
+}
+
 }  // namespace packcuda::rope
