@@ -313,7 +313,8 @@ def test_compile_fullgraph(device):
     backend = "aot_eager" if device == "cpu" else "inductor"
     cf = torch.compile(f, fullgraph=True, backend=backend)
     a, b = f(q, k, wq, wk, pos), cf(q, k, wq, wk, pos)
-    assert torch.allclose(a[0], b[0], atol=1e-6) and torch.equal(a[1], b[1])
+    # the compiled sum and sine may add in another order (inductor's reduction): a few ulps
+    assert torch.allclose(a[0], b[0], rtol=1e-5, atol=1e-5) and torch.equal(a[1], b[1])
     g1 = torch.autograd.grad(a[0].sum() + a[1].sum(), (q, k, wq, wk))
     g2 = torch.autograd.grad(b[0].sum() + b[1].sum(), (q, k, wq, wk))
     assert all(torch.allclose(u, v, atol=1e-5, rtol=1e-5) for u, v in zip(g1, g2))
