@@ -135,27 +135,11 @@ __device__ __forceinline__ void walk_rows(const Walk& w, int ntok, int H, Load l
   }
 }
 
-// 16-byte asynchronous global -> shared copies (sm_80+; a plain copy before that). Each thread reads back only
-// what it staged itself, so waiting on its own copy groups is enough (no barrier).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-#else
-  *static_cast<int4*>(smem) = *static_cast<const int4*>(gmem);
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
+// 16-byte asynchronous global -> shared copies (common/cuda_utils.cuh). Each thread reads back only what it
+// staged itself, so waiting on its own copy groups is enough (no barrier).
+using cuda::cp_async16;
+using cuda::cp_async_commit;
+using cuda::cp_async_wait;
 
 // The staged walk: like walk_rows for one chunk lane per thread (lanes == chunks), but the loads of the next
 // kStages - 1 items are in flight in shared memory (not registers) while one item is consumed. start() issues
