@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/stream.h"
 
 // ncclComm_t without including nccl.h (the same typedef nccl.h makes).
@@ -19,8 +20,8 @@ namespace packcuda::conv {
 
 constexpr int kMaxK = 8;  // largest supported kernel size
 
-enum class DType : int { F32 = 0, BF16 = 1, F16 = 2, F64 = 3 };
-inline int dtype_size(DType t) { return t == DType::F64 ? 8 : t == DType::F32 ? 4 : 2; }
+using packcuda::DType;  // common/dtype.h
+using packcuda::dtype_size;
 
 struct ConvArgs {
   const void* x = nullptr;

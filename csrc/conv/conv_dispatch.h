@@ -1,23 +1,16 @@
-// Host-side dispatch shared by the CPU and CUDA conv backends: element type and kernel-size templates.
+// Host-side dispatch shared by the CPU and CUDA conv backends: the element type (common/dispatch.h) and the
+// kernel-size templates.
 #pragma once
 #include <stdexcept>
 #include <type_traits>
 
+#include "common/dispatch.h"
 #include "conv/conv.h"
 #include "conv/conv_math.h"
 
 namespace packcuda::conv::detail {
 
-template <typename F>
-void dispatch_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::F32: f(float{}); break;
-    case DType::F64: f(double{}); break;
-    case DType::BF16: f(bf16_t{}); break;
-    case DType::F16: f(f16_t{}); break;
-    default: throw std::invalid_argument("packcuda conv: unsupported dtype");
-  }
-}
+using packcuda::dispatch_dtype;  // common/dispatch.h
 
 template <typename F>
 void dispatch_k(int K, F&& f) {

@@ -20,15 +20,6 @@ using torch::stable::Device;
 using conv::ConvArgs;
 using conv::DType;
 
-DType conv_dtype(ST t) {
-  switch (t) {
-    case ST::Float: return DType::F32;
-    case ST::Double: return DType::F64;
-    case ST::BFloat16: return DType::BF16;
-    case ST::Half: return DType::F16;
-    default: return DType::F32;
-  }
-}
 
 // A required tensor argument that was given (None reaches a Tensor argument as an undefined tensor).
 void check_given(const char* op, const char* name, const Tensor& t) {
@@ -98,7 +89,7 @@ Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, co
   a.nseg = nseg;
   a.K = static_cast<int>(K);
   a.activation = static_cast<int>(activation);
-  a.dtype = conv_dtype(x_in.scalar_type());
+  a.dtype = core_dtype(x_in.scalar_type());
   return p;
 }
 
@@ -182,7 +173,7 @@ Tensor conv_gather_sum(Tensor a, Tensor b, Tensor index) {
   if (a.is_cpu()) check_index_range(op, "index", index, -1, na + nb, false);
   Tensor out = new_like(a, {R, C});
   if (R == 0 || C == 0) return out;
-  const DType dt = conv_dtype(a.scalar_type());
+  const DType dt = core_dtype(a.scalar_type());
   if (a.is_cuda()) {
     PC_CUDA_ONLY({
       CudaScope cs(a);
@@ -405,7 +396,7 @@ Tensor conv_exchange_run(Tensor src, int64_t handle) {
     conv::exchange_rows_nccl(src.const_data_ptr(), e.n_src, e.send_index.const_data_ptr<int64_t>(),
                              e.send_counts.data(), e.recv_counts.data(), e.send_first.data(), send_ptr, recv_ptr,
                              e.unpack.const_data_ptr<int64_t>(), static_cast<int>(e.unpack.size(1)),
-                             out.mutable_data_ptr(), e.unpack.size(0), C, conv_dtype(src.scalar_type()),
+                             out.mutable_data_ptr(), e.unpack.size(0), C, core_dtype(src.scalar_type()),
                              static_cast<int64_t>(e.send_counts.size()), e.rank,
                              reinterpret_cast<ncclComm_t>(e.comm), cs.stream);
   });

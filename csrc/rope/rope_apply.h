@@ -4,11 +4,12 @@
 #pragma once
 #include <cstdint>
 
+#include "common/dtype.h"
 #include "common/stream.h"
 
 namespace packcuda::rope {
 
-enum class Dtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
+using packcuda::DType;  // common/dtype.h
 
 // A [B, S, H, D] (or [T, H, D] with seq = T, stride_b = 0) view; strides in elements, last dim contiguous.
 struct HeadsView {
@@ -20,7 +21,7 @@ struct HeadsView {
 };
 
 struct RopeArgs {
-  Dtype dtype = Dtype::kFloat32;
+  DType dtype = DType::F32;
   int64_t tokens = 0;        // B * S
   int64_t seq = 1;           // S: token t is (t / seq, t % seq)
   int64_t head_dim = 0;      // D

@@ -16,15 +16,6 @@ namespace {
 
 using torch::stable::Device;
 
-// The one element type the kernels rotate.
-rope::Dtype rope_dtype(ST t) {
-  switch (t) {
-    case ST::BFloat16: return rope::Dtype::kBFloat16;
-    case ST::Half: return rope::Dtype::kFloat16;
-    case ST::Double: return rope::Dtype::kFloat64;
-    default: return rope::Dtype::kFloat32;
-  }
-}
 
 // Metadata tensor on the data's device: device tensors are used as they are (no copy); CPU tensors for a
 // CUDA op are uploaded with a non-blocking copy (no sync).
@@ -126,7 +117,7 @@ Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor&
   p.positions = on_device(positions, q);
   p.inv_freq = on_device(dense(inv_freq), q);
   rope::RopeArgs& a = p.args;
-  a.dtype = rope_dtype(q.scalar_type());
+  a.dtype = core_dtype(q.scalar_type());
   a.tokens = B * S;
   a.seq = S > 0 ? S : 1;
   a.head_dim = D;

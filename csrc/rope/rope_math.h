@@ -19,7 +19,6 @@ enum : int { kPlain = 0, kSectioned = 1, kInterleaved = 2 };
 //  interleaved: h if j % 3 == 1 and j < 3 * s1, w if j % 3 == 2 and j < 3 * s2, else t
 //               (Qwen3-VL [24, 20, 20], Qwen3.5 [11, 11, 10]).
 PC_HD int slot_axis(int64_t j, int layout, int64_t s0, int64_t s1, int64_t s2) {
-  (void)s2;
   if (layout == kSectioned) return j < s0 ? 0 : (j < s0 + s1 ? 1 : 2);
   if (layout == kInterleaved) {
     const int64_t r = j % 3;
@@ -32,7 +31,7 @@ PC_HD int slot_axis(int64_t j, int layout, int64_t s0, int64_t s1, int64_t s2) {
 
 // Channels of the pair rotated by slot j (n = rotary_dim / 2).
 //  neox (rotate_half): (j, j + n);   gptj: (2j, 2j + 1).
-PC_HD int64_t pair_lo(int64_t j, int64_t n, bool gptj) { return gptj ? 2 * j : j; }
+PC_HD int64_t pair_lo(int64_t j, bool gptj) { return gptj ? 2 * j : j; }
 PC_HD int64_t pair_hi(int64_t j, int64_t n, bool gptj) { return gptj ? 2 * j + 1 : j + n; }
 
 // angle = float32(pos) * inv_freq[j], one fp32 multiply (never a reduced-precision matmul).

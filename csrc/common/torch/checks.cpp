@@ -11,6 +11,15 @@
 
 namespace packcuda::th {
 
+DType core_dtype(ST t) {
+  switch (t) {
+    case ST::Double: return DType::F64;
+    case ST::BFloat16: return DType::BF16;
+    case ST::Half: return DType::F16;
+    default: return DType::F32;
+  }
+}
+
 const char* dtype_name(ST t) {
   switch (t) {
     case ST::Byte: return "uint8";

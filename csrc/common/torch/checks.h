@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/stream.h"
 
 namespace packcuda::th {
@@ -22,6 +23,8 @@ using torch::stable::Tensor;
 using ST = torch::headeronly::ScalarType;
 
 const char* dtype_name(ST t);
+// The core element type of a floating torch dtype (common/dtype.h); other dtypes map to F32 (callers check first).
+DType core_dtype(ST t);
 std::string shape_str(const Tensor& t);
 std::string device_str(const Tensor& t);
 

@@ -1,84 +1,17 @@
 #include <cstring>
 #include <vector>
 
+#include "common/dispatch.h"
 #include "rope/rope_apply.h"
 #include "rope/rope_math.h"
 
 namespace packcuda::rope {
 namespace {
 
-// Scalar conversions (round to nearest even), so the core does not depend on torch.
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-struct BF16 {
-  uint16_t x;
-  static float load(BF16 v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
-  static BF16 store(float f) {
-    uint32_t u = float_to_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{static_cast<uint16_t>((u >> 16) | 0x40)};  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return BF16{static_cast<uint16_t>(u >> 16)};
-  }
-};
-
-struct F16 {
-  uint16_t x;
-  static float load(F16 v) {
-    const uint32_t sign = static_cast<uint32_t>(v.x & 0x8000u) << 16;
-    const uint32_t e = (v.x >> 10) & 0x1fu, m = v.x & 0x3ffu;
-    if (e == 0) {
-      const float mag = static_cast<float>(m) * 5.9604644775390625e-8f;  // m * 2^-24, exact
-      return bits_to_float(float_to_bits(mag) | sign);
-    }
-    if (e == 31) return bits_to_float(sign | 0x7f800000u | (m << 13));
-    return bits_to_float(sign | ((e + 112) << 23) | (m << 13));
-  }
-  static F16 store(float f) {
-    uint32_t u = float_to_bits(f);
-    const uint32_t sign = (u >> 16) & 0x8000u;
-    u &= 0x7fffffffu;
-    uint32_t o;
-    if (u >= 0x47800000u) {  // >= 65536, inf or nan
-      o = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
-    } else if (u < 0x38800000u) {  // result is subnormal (or zero): let the FPU round
-      const float r = bits_to_float(u) + 0.5f;
-      o = float_to_bits(r) - 0x3f000000u;
-    } else {
-      const uint32_t odd = (u >> 13) & 1u;
-      u += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
-      o = u >> 13;             // values that round past 65504 carry into the inf encoding
-    }
-    return F16{static_cast<uint16_t>(o | sign)};
-  }
-};
-
-struct F32 {
-  float x;
-  static float load(F32 v) { return v.x; }
-  static F32 store(float f) { return F32{f}; }
-};
-
-struct F64 {
-  double x;
-  static double load(F64 v) { return v.x; }
-  static F64 store(double f) { return F64{f}; }
-};
-
-template <typename T> struct ComputeOf { using type = float; };
-template <> struct ComputeOf<F64> { using type = double; };
 
 template <typename T>
-void rotate_heads(const RopeArgs& a, const HeadsView& v, int64_t t, const typename ComputeOf<T>::type* cs) {
-  using F = typename ComputeOf<T>::type;
+void rotate_heads(const RopeArgs& a, const HeadsView& v, int64_t t, const typename Acc<T>::type* cs) {
+  using F = typename Acc<T>::type;
   const int64_t n = a.rotary_dim / 2;
   const T* in = static_cast<const T*>(v.in) + token_offset(t, a.seq, v.in_sb, v.in_ss);
   T* out = static_cast<T*>(v.out) + token_offset(t, a.seq, v.out_sb, v.out_ss);
@@ -86,11 +19,11 @@ void rotate_heads(const RopeArgs& a, const HeadsView& v, int64_t t, const typena
     const T* x = in + h * v.in_sh;
     T* y = out + h * v.out_sh;
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t lo = pair_lo(j, n, a.gptj), hi = pair_hi(j, n, a.gptj);
+      const int64_t lo = pair_lo(j, a.gptj), hi = pair_hi(j, n, a.gptj);
       F ylo, yhi;
-      rotate_pair(T::load(x[lo]), T::load(x[hi]), cs[2 * j], cs[2 * j + 1], &ylo, &yhi);
-      y[lo] = T::store(ylo);
-      y[hi] = T::store(yhi);
+      rotate_pair(Elem<T>::load(x[lo]), Elem<T>::load(x[hi]), cs[2 * j], cs[2 * j + 1], &ylo, &yhi);
+      y[lo] = Elem<T>::store(ylo);
+      y[hi] = Elem<T>::store(yhi);
     }
     if (a.copy_passthrough && a.rotary_dim < a.head_dim && y != x)
       std::memmove(y + a.rotary_dim, x + a.rotary_dim, (a.head_dim - a.rotary_dim) * sizeof(T));
@@ -100,7 +33,7 @@ void rotate_heads(const RopeArgs& a, const HeadsView& v, int64_t t, const typena
 template <typename T>
 void run(const RopeArgs& a) {
   const int64_t n = a.rotary_dim / 2;
-  using F = typename ComputeOf<T>::type;
+  using F = typename Acc<T>::type;
   std::vector<F> cs(2 * n);
   for (int64_t t = 0; t < a.tokens; ++t) {
     const int64_t pos_t = token_offset(t, a.seq, a.pos_sb, a.pos_ss);
@@ -120,12 +53,7 @@ void run(const RopeArgs& a) {
 
 void rope_apply_cpu(const RopeArgs& a) {
   if (a.tokens == 0) return;
-  switch (a.dtype) {
-    case Dtype::kFloat32: run<F32>(a); break;
-    case Dtype::kFloat16: run<F16>(a); break;
-    case Dtype::kBFloat16: run<BF16>(a); break;
-    case Dtype::kFloat64: run<F64>(a); break;
-  }
+  dispatch_dtype(a.dtype, [&](auto tag) { run<decltype(tag)>(a); });
 }
 
 namespace {
@@ -135,8 +63,8 @@ namespace {
 // ---------------------------------------------------------------------------------------------------
 template <typename T>
 struct NormRow {
-  using F = typename ComputeOf<T>::type;
-  static F round(F v) { return T::load(T::store(v)); }
+  using F = typename Acc<T>::type;
+  static F round(F v) { return Elem<T>::load(Elem<T>::store(v)); }
   // weight channel c (the weights are in the compute type)
   static F weight(const NormArgs&, const void* w, int64_t c) { return static_cast<const F*>(w)[c]; }
 };
@@ -157,8 +85,8 @@ void token_cos_sin(const RopeArgs& a, int64_t t, bool inverse, F* cs) {
 // Forward of the heads of one view at token t: x -> y = rotate(gain * xhat).
 template <typename T>
 void norm_rotate_heads(const NormArgs& na, const HeadsView& v, const void* w, int64_t t,
-                       const typename ComputeOf<T>::type* cs, typename ComputeOf<T>::type* buf) {
-  using F = typename ComputeOf<T>::type;
+                       const typename Acc<T>::type* cs, typename Acc<T>::type* buf) {
+  using F = typename Acc<T>::type;
   using R = NormRow<T>;
   const RopeArgs& a = na.r;
   const int64_t D = a.head_dim, n = a.rotary_dim / 2;
@@ -170,29 +98,29 @@ void norm_rotate_heads(const NormArgs& na, const HeadsView& v, const void* w, in
     T* y = out + h * v.out_sh;
     F ss = 0;
     for (int64_t c = 0; c < D; ++c) {
-      buf[c] = T::load(x[c]);
+      buf[c] = Elem<T>::load(x[c]);
       ss += buf[c] * buf[c];
     }
     const F rstd = norm_rstd(ss, D, eps);
     for (int64_t c = 0; c < D; ++c)
       buf[c] = norm_gain(R::weight(na, w, c), na.norm) * norm_xhat(buf[c], rstd, na.norm, R::round);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t lo = pair_lo(j, n, a.gptj), hi = pair_hi(j, n, a.gptj);
+      const int64_t lo = pair_lo(j, a.gptj), hi = pair_hi(j, n, a.gptj);
       F ylo, yhi;
       rotate_pair(buf[lo], buf[hi], cs[2 * j], cs[2 * j + 1], &ylo, &yhi);
-      y[lo] = T::store(ylo);
-      y[hi] = T::store(yhi);
+      y[lo] = Elem<T>::store(ylo);
+      y[hi] = Elem<T>::store(yhi);
     }
-    for (int64_t c = a.rotary_dim; c < D; ++c) y[c] = T::store(buf[c]);
+    for (int64_t c = a.rotary_dim; c < D; ++c) y[c] = Elem<T>::store(buf[c]);
   }
 }
 
 // Backward of the heads of one view at token t; dw accumulates (in double) over the rows in token order.
 template <typename T>
 void norm_rotate_heads_backward(const NormArgs& na, const HeadsView& v, const HeadsView& g, const void* w,
-                                int64_t t, const typename ComputeOf<T>::type* cs, typename ComputeOf<T>::type* buf,
+                                int64_t t, const typename Acc<T>::type* cs, typename Acc<T>::type* buf,
                                 double* dw) {
-  using F = typename ComputeOf<T>::type;
+  using F = typename Acc<T>::type;
   using R = NormRow<T>;
   const RopeArgs& a = na.r;
   const int64_t D = a.head_dim, n = a.rotary_dim / 2;
@@ -208,13 +136,13 @@ void norm_rotate_heads_backward(const NormArgs& na, const HeadsView& v, const He
     T* dx = out + h * v.out_sh;
     F ss = 0;
     for (int64_t c = 0; c < D; ++c) {
-      xs[c] = T::load(x[c]);
+      xs[c] = Elem<T>::load(x[c]);
       ss += xs[c] * xs[c];
-      gn[c] = T::load(gr[c]);
+      gn[c] = Elem<T>::load(gr[c]);
     }
     const F rstd = norm_rstd(ss, D, eps);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t lo = pair_lo(j, n, a.gptj), hi = pair_hi(j, n, a.gptj);
+      const int64_t lo = pair_lo(j, a.gptj), hi = pair_hi(j, n, a.gptj);
       F glo, ghi;
       rotate_pair(gn[lo], gn[hi], cs[2 * j], cs[2 * j + 1], &glo, &ghi);
       gn[lo] = glo;
@@ -226,13 +154,13 @@ void norm_rotate_heads_backward(const NormArgs& na, const HeadsView& v, const He
       gn[c] *= norm_gain(R::weight(na, w, c), na.norm);  // dxh
       dot += gn[c] * xs[c] * rstd;
     }
-    for (int64_t c = 0; c < D; ++c) dx[c] = T::store(norm_dx(gn[c], xs[c], rstd, dot, D));
+    for (int64_t c = 0; c < D; ++c) dx[c] = Elem<T>::store(norm_dx(gn[c], xs[c], rstd, dot, D));
   }
 }
 
 template <typename T>
 void run_norm(const NormArgs& na) {
-  using F = typename ComputeOf<T>::type;
+  using F = typename Acc<T>::type;
   const RopeArgs& a = na.r;
   std::vector<F> cs(a.rotary_dim), buf(a.head_dim);
   for (int64_t t = 0; t < a.tokens; ++t) {
@@ -244,7 +172,7 @@ void run_norm(const NormArgs& na) {
 
 template <typename T>
 void run_norm_backward(const NormArgs& na) {
-  using F = typename ComputeOf<T>::type;
+  using F = typename Acc<T>::type;
   const RopeArgs& a = na.r;
   const int64_t D = a.head_dim;
   std::vector<F> cs(a.rotary_dim), buf(2 * D);
@@ -261,13 +189,8 @@ void run_norm_backward(const NormArgs& na) {
 }
 
 template <template <typename> class Run, typename A>
-void by_dtype(Dtype d, const A& a) {
-  switch (d) {
-    case Dtype::kFloat32: Run<F32>::go(a); break;
-    case Dtype::kFloat16: Run<F16>::go(a); break;
-    case Dtype::kBFloat16: Run<BF16>::go(a); break;
-    case Dtype::kFloat64: Run<F64>::go(a); break;
-  }
+void by_dtype(DType d, const A& a) {
+  dispatch_dtype(d, [&](auto tag) { Run<decltype(tag)>::go(a); });
 }
 template <typename T> struct NormFwd { static void go(const NormArgs& a) { run_norm<T>(a); } };
 template <typename T> struct NormBwd { static void go(const NormArgs& a) { run_norm_backward<T>(a); } };

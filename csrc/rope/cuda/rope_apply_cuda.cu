@@ -13,6 +13,7 @@
 #include <cuda_fp16.h>
 
 #include "common/cuda_utils.cuh"
+#include "common/dispatch.h"
 #include "rope/rope_apply.h"
 #include "rope/rope_math.h"
 
@@ -30,6 +31,12 @@ template <> struct Cvt<double> {
   static __device__ __forceinline__ double load(double v) { return v; }
   static __device__ __forceinline__ double store(double f) { return f; }
 };
+// The CUDA element type of a storage type of common/dispatch.h (the kernels use cuda_bf16 / cuda_fp16 types).
+template <typename S> struct NativeOf { using type = S; };
+template <> struct NativeOf<bf16_t> { using type = __nv_bfloat16; };
+template <> struct NativeOf<f16_t> { using type = __half; };
+template <typename S> using Native = typename NativeOf<S>::type;
+
 template <> struct Cvt<float> {
   using F = float;
   static __device__ __forceinline__ float load(float v) { return v; }
@@ -827,12 +834,7 @@ void run(const NormArgs& a, bool bwd, cudaStream_t stream) {
   if (a.r.tokens == 0 || a.r.q.heads + a.r.k.heads == 0) return;
   PC_CHECK(a.r.head_dim <= kMaxNormHeadDim && a.r.rotary_dim >= 2 && a.r.rotary_dim <= a.r.head_dim,
            "qk_norm_rope_cuda: bad head_dim / rotary_dim ", a.r.head_dim, " / ", a.r.rotary_dim);
-  switch (a.r.dtype) {
-    case Dtype::kFloat32: by_style<float>(a, bwd, stream); break;
-    case Dtype::kFloat16: by_style<__half>(a, bwd, stream); break;
-    case Dtype::kBFloat16: by_style<__nv_bfloat16>(a, bwd, stream); break;
-    case Dtype::kFloat64: by_style<double>(a, bwd, stream); break;
-  }
+  dispatch_dtype(a.r.dtype, [&](auto tag) { by_style<Native<decltype(tag)>>(a, bwd, stream); });
 }
 
 }  // namespace norm
@@ -842,12 +844,7 @@ void rope_apply_cuda(const RopeArgs& a, cudaStream_t stream) {
   if (a.tokens == 0 || a.q.heads + a.k.heads == 0) return;
   PC_CHECK(a.rotary_dim >= 2 && a.rotary_dim % 2 == 0 && a.rotary_dim <= kMaxRotaryDim,
            "rope_apply_cuda: bad rotary_dim ", a.rotary_dim);
-  switch (a.dtype) {
-    case Dtype::kFloat32: dispatch<float>(a, stream); break;
-    case Dtype::kFloat16: dispatch<__half>(a, stream); break;
-    case Dtype::kBFloat16: dispatch<__nv_bfloat16>(a, stream); break;
-    case Dtype::kFloat64: dispatch<double>(a, stream); break;
-  }
+  dispatch_dtype(a.dtype, [&](auto tag) { dispatch<Native<decltype(tag)>>(a, stream); });
 }
 
 void qk_norm_rope_cuda(const NormArgs& a, cudaStream_t stream) { norm::run(a, false, stream); }
