@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from . import _lib
+from ._families import MROPE_FAMILIES
 from ._meta import IntsLike, check_float, check_int, is_device_tensor, op_metadata
 from ._meta import config_field as _get
 
@@ -20,17 +21,6 @@ __all__ = ["MRopeSpec", "mrope_position_ids"]
 
 GridLike = Union[torch.Tensor, Sequence[Sequence[int]], None]
 _OK = (1 << 63) - 1
-
-# model_type -> (video_frames, reads vision_config.tokens_per_second)
-_FAMILIES = {
-    "qwen2_vl": ("whole", False),
-    "qwen2_5_vl": ("whole", True),
-    "qwen3_vl": ("per_frame", False),
-    "qwen3_vl_moe": ("per_frame", False),
-    "qwen3_5": ("per_frame", False),
-    "qwen3_5_moe": ("per_frame", False),
-}
-
 
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernel
@@ -286,25 +276,25 @@ class MRopeSpec:
             raise TypeError(f"packcuda.{op}: config must be a transformers config or a dict, got "
                             f"{type(config).__name__}")
         model_type = _get(config, "model_type", "")
-        if model_type not in _FAMILIES:
-            raise ValueError(f"packcuda.{op}: unsupported model_type {model_type!r}; known: {sorted(_FAMILIES)}")
+        if model_type not in MROPE_FAMILIES:
+            raise ValueError(f"packcuda.{op}: unsupported model_type {model_type!r}; known: {sorted(MROPE_FAMILIES)}")
         if text_after_vision not in ("grid", "max"):
             raise ValueError(f"packcuda.{op}: text_after_vision must be 'grid' or 'max', got {text_after_vision!r}")
-        frames, uses_tps = _FAMILIES[model_type]
+        family = MROPE_FAMILIES[model_type]
         vision = _get(config, "vision_config")
         if vision is None:
             raise ValueError(f"packcuda.{op}: the config has no vision_config")
         image_id, video_id = _get(config, "image_token_id"), _get(config, "video_token_id")
         if image_id is None or video_id is None:
             raise ValueError(f"packcuda.{op}: the config has no image_token_id / video_token_id")
-        tps = _get(vision, "tokens_per_second") if uses_tps else None
+        tps = _get(vision, "tokens_per_second") if family.video_seconds else None
         return cls(image_token_id=check_int(op, "image_token_id", image_id),
                    video_token_id=check_int(op, "video_token_id", video_id),
                    spatial_merge_size=check_int(op, "vision_config.spatial_merge_size",
                                                 _get(vision, "spatial_merge_size", 2), lo=1),
                    tokens_per_second=None if tps is None else check_float(op, "vision_config.tokens_per_second",
                                                                           tps, lo=0.0),
-                   video_frames=frames, text_after_vision=text_after_vision, model_type=model_type)
+                   video_frames=family.video_frames, text_after_vision=text_after_vision, model_type=model_type)
 
     def position_ids(self, input_ids: torch.Tensor, cu_seqlens: IntsLike, *, image_grid_thw: GridLike = None,
                      video_grid_thw: GridLike = None, second_per_grid_ts=None, validate: bool = True):

@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _lib
+from ._families import rotary_family
 from ._meta import check_float, check_int
 
 _lib.load()
@@ -636,16 +637,6 @@ def apply_qk_norm_rope_(
     return q, k
 
 
-# model type prefix -> (default mrope_section, interleaved, partial rotary honoured), as the models' rotary
-# modules use them (Qwen2/2.5-VL and Qwen3-VL rotate the whole head whatever partial_rotary_factor says)
-_MROPE_MODELS = {
-    "qwen2_vl": ([16, 24, 24], False, False),
-    "qwen2_5_vl": ([16, 24, 24], False, False),
-    "qwen3_vl": ([24, 20, 20], True, False),
-    "qwen3_5": ([11, 11, 10], True, True),
-}
-
-
 def _config_rope_parameters(op, config) -> dict:
     """The flat rope parameter dict of a transformers config: ``rope_parameters`` (transformers 5), else the
     legacy ``rope_scaling`` dict, else empty; ``rope_theta`` / ``partial_rotary_factor`` may also sit on the
@@ -703,11 +694,11 @@ def rope_kwargs_from_config(config) -> dict:
         head_dim = check_int(op, "hidden_size", hidden, lo=1) // check_int(op, "num_attention_heads", heads, lo=1)
     head_dim = check_int(op, "head_dim", head_dim, lo=1)
     mt = getattr(config, "model_type", "") or ""
-    family = next((v for key, v in _MROPE_MODELS.items() if mt == key or mt.startswith(key + "_")), None)
+    family = rotary_family(mt)
     factor = rp.get("partial_rotary_factor")
     if factor is None:
         factor = getattr(config, "partial_rotary_factor", None)
-    factor = 1.0 if factor is None or (family is not None and not family[2]) else factor
+    factor = 1.0 if factor is None or (family is not None and not family.partial_rotary) else factor
     factor = check_float(op, "partial_rotary_factor", factor, lo=0.0, hi=1.0, lo_open=True)
     rotary_dim = int(head_dim * factor)
     if rotary_dim < 2 or rotary_dim % 2:
@@ -716,7 +707,7 @@ def rope_kwargs_from_config(config) -> dict:
     kw = dict(rope_theta=theta, rotary_dim=_check_rotary_dim(op, rotary_dim))
     section = rp.get("mrope_section")
     if family is not None:
-        section, interleaved = (section if section is not None else family[0]), family[1]
+        section, interleaved = (section if section is not None else family.mrope_section), family.interleaved
     elif section is not None:
         interleaved = rp.get("mrope_interleaved", False)
         if not _is_bool(interleaved):

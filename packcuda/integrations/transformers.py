@@ -39,12 +39,12 @@ import inspect
 import itertools
 import threading
 import types
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 import packcuda
+from packcuda._families import FAMILIES, Family
 from packcuda._meta import config_field as _get
 from packcuda._meta import host_list
 
@@ -78,46 +78,13 @@ class UnsupportedModelError(ValueError):
     """The model is not one of the families this integration supports."""
 
 
-@dataclass(frozen=True)
-class _Family:
-    model_type: str
-    module: str
-    text_model: str
-    rotary: str
-    attention: str
-    interleaved: bool  # mRoPE frequency layout: interleaved (Qwen3-VL, Qwen3.5) or sectioned (Qwen2/2.5-VL)
-    video_frames: str  # "whole" (one block per video) or "per_frame" (one block per temporal patch)
-    video_seconds: bool  # get_rope_index takes second_per_grid_ts (Qwen2.5-VL)
-    # per-head q_norm / k_norm of the attention: (norm class, packcuda norm kind, eps attribute); () when none
-    qk_norm: Tuple[str, ...] = ()
-    mrope: bool = True  # positions [3, B, S] (mRoPE); False: plain RoPE, positions [B, S]
-
-
-_M = "transformers.models."
-_FAMILIES: Dict[str, _Family] = {
-    f.model_type: f
-    for f in (
-        _Family("qwen2_vl", _M + "qwen2_vl.modeling_qwen2_vl", "Qwen2VLTextModel", "Qwen2VLRotaryEmbedding",
-                "Qwen2VLAttention", False, "whole", False),
-        _Family("qwen2_5_vl", _M + "qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLTextModel",
-                "Qwen2_5_VLRotaryEmbedding", "Qwen2_5_VLAttention", False, "whole", True),
-        _Family("qwen3_vl", _M + "qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextModel", "Qwen3VLTextRotaryEmbedding",
-                "Qwen3VLTextAttention", True, "per_frame", False, ("Qwen3VLTextRMSNorm", "rms", "variance_epsilon")),
-        _Family("qwen3_5", _M + "qwen3_5.modeling_qwen3_5", "Qwen3_5TextModel", "Qwen3_5TextRotaryEmbedding",
-                "Qwen3_5Attention", True, "per_frame", False, ("Qwen3_5RMSNorm", "rms_offset", "eps")),
-    )
-}
-# text-only families the rotary patch (not the positions) supports: plain RoPE driven by [B, S] position_ids
-_TEXT_FAMILIES: Dict[str, _Family] = {
-    f.model_type: f
-    for f in (
-        _Family("qwen3", _M + "qwen3.modeling_qwen3", "Qwen3Model", "Qwen3RotaryEmbedding", "Qwen3Attention", False,
-                "whole", False, ("Qwen3RMSNorm", "rms", "variance_epsilon"), mrope=False),
-    )
-}
+# the families of packcuda's one table (packcuda._families) with modeling code this integration patches: the
+# Qwen-VL families (positions and rotary patch) and the text-only ones (rotary patch only: plain RoPE driven by
+# [B, S] position_ids)
+_FAMILIES: Dict[str, Family] = {f.model_type: f for f in FAMILIES if f.module and f.mrope}
+_TEXT_FAMILIES: Dict[str, Family] = {f.model_type: f for f in FAMILIES if f.module and not f.mrope}
 # text-only configs of the same families (their models use the same text modules)
-_ALIASES = {"qwen2_vl_text": "qwen2_vl", "qwen2_5_vl_text": "qwen2_5_vl", "qwen3_vl_text": "qwen3_vl",
-            "qwen3_5_text": "qwen3_5"}
+_ALIASES = {f"{mt}_text": mt for mt in _FAMILIES}
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 # model types patch_qwen_vl_rope accepts: the Qwen-VL families and the text-only ones
 PATCHABLE_MODEL_TYPES = tuple(_FAMILIES) + tuple(_TEXT_FAMILIES)
@@ -161,7 +128,7 @@ def _config_of(model_or_config):
 
 
 def _family_of(model_or_config, fn: str = "integrations.transformers", name: str = "model",
-               text_ok: bool = False) -> _Family:
+               text_ok: bool = False) -> Family:
     """The family of a model / config; text_ok: also the text-only families of the rotary patch."""
     cfg = _config_of(model_or_config)
     mt = _get(cfg, "model_type", None)
@@ -516,7 +483,7 @@ def _default_qk_norm_rope(q, k, positions, **kw):
 _qk_norm_rope_impl = _default_qk_norm_rope
 
 
-def _check_qk_norms(fam: _Family, mod, model, fn: str) -> list:
+def _check_qk_norms(fam: Family, mod, model, fn: str) -> list:
     """The (q_norm, k_norm, kind, eps) of every attention of `model` for fuse_qk_norm; refuses (before anything
     is patched) a family without per-head norms, a norm of a class it does not recognize, or norm code that is
     not the one the fused kernel reproduces."""
@@ -625,7 +592,7 @@ def _check_source(obj, name: str, needles, where: str) -> None:
                                            f"{missing}); refusing to patch")
 
 
-def _import_family(fam: _Family):
+def _import_family(fam: Family):
     import importlib
 
     try:
@@ -635,7 +602,7 @@ def _import_family(fam: _Family):
             f"packcuda.integrations.transformers: transformers {transformers_version()} has no {fam.module} ({e})")
 
 
-def _check_code(fam: _Family, mod) -> None:
+def _check_code(fam: Family, mod) -> None:
     """The patch relies on these facts about the modeling code; refuse if any is not true."""
     v = transformers_version()
     problems = []
@@ -711,7 +678,7 @@ class _Patch:
 class RopePatch(_Patch):
     """Handle of an applied rotary patch: ``unpatch()`` (or leaving a ``with`` block) restores the originals."""
 
-    def __init__(self, families: Sequence[_Family], model=None):
+    def __init__(self, families: Sequence[Family], model=None):
         super().__init__(model)
         self.families = tuple(families)
         self.model_types = tuple(f.model_type for f in families)
