@@ -2,7 +2,6 @@
 ``get_rope_index`` run on every sample alone, computed for the whole pack in one pass on CPU or GPU."""
 from __future__ import annotations
 
-import struct
 from array import array
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
@@ -11,7 +10,7 @@ import torch
 
 from . import _lib
 from ._families import MROPE_FAMILIES
-from ._meta import IntsLike, check_float, check_int, is_device_tensor, op_metadata
+from ._meta import IntsLike, check_float, check_int, is_device_tensor, op_metadata, plain_ints
 from ._meta import config_field as _get
 
 _lib.load()
@@ -71,17 +70,17 @@ def _grid(g: GridLike, name: str, op: str = _FN) -> torch.Tensor:
                              f"{list(g.shape)}")
         return g if g.is_cpu else g.detach().to("cpu", torch.int64)
     if type(g) in (list, tuple) and g and not torch.compiler.is_compiling():
+        # Columns at C level: zip(strict=True) insists on rows of one length (unpacking: three of them), then
+        # host metadata's fast path packs the columns (plain ints only: bools and other integer-likes take the
+        # strict path below); the [n, 3] view reads the column-major buffer through its strides.
         try:
-            # Columns at C level: zip(strict=True) insists on rows of one length (unpacking: three of them) and
-            # struct on ints (plain ints only: bools and other integer-likes take the strict path below); the
-            # [n, 3] view reads the column-major buffer through its strides.
             t, h, w = zip(*g, strict=True)
-            if set(map(type, t)) | set(map(type, h)) | set(map(type, w)) == {int}:
-                n = len(t)
-                packed = bytearray(struct.pack(f"{3 * n}q", *t, *h, *w))
-                return torch.frombuffer(packed, dtype=torch.int64).as_strided((n, 3), (1, n))
-        except (TypeError, ValueError, OverflowError, struct.error):
-            pass  # rows that are not triples of ints: the general path below
+        except (TypeError, ValueError):
+            t = h = w = ()  # rows that are not triples: the general path below
+        cols = plain_ints(t + h + w)
+        if cols is not None:
+            n = len(t)
+            return cols.as_strided((n, 3), (1, n))
     if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
         raise TypeError(f"packcuda.{op}: {name} must be rows [t, h, w] (a list or an integer tensor [n, 3]), "
                         f"got {type(g).__name__}")

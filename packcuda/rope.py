@@ -88,18 +88,9 @@ def _rope_backward(ctx, gq, gk):
 torch.library.register_autograd("packcuda::apply_rope", _rope_backward, setup_context=_rope_setup)
 
 
-# Eager fast path of the facade. Calling the op from Python goes through the Python autograd kernel that
-# register_autograd installs (schema default filling, a generated Function, a redispatch) on every call,
-# forward and backward; that host time is larger than the kernel itself for small and medium batches. In
-# eager mode the facade instead calls the backend kernel directly below autograd and, when a gradient is
-# needed, wraps it in one plain Function. The math and the kernel launches are the same; under
-# torch.compile the facade keeps calling the registered op (and its registered autograd).
-def _rope_raw(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse):
-    with torch._C._AutoDispatchBelowAutograd():
-        return ops.apply_rope.default(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling,
-                                      inverse)
-
-
+# Eager fast path of the facade (packcuda._lib.EagerOp): without a gradient to track the backend kernel is
+# called below autograd; with one, a plain Function wraps it; under torch.compile the facade keeps calling the
+# registered op (and its registered autograd). The math and the kernel launches are the same.
 class _ApplyRope(torch.autograd.Function):
     """Out-of-place rotation; the backward rotates the incoming gradients by the negated angle (one launch for
     dq and dk, gradients read with their own strides). Differentiable again under create_graph."""
@@ -108,7 +99,7 @@ class _ApplyRope(torch.autograd.Function):
     def forward(ctx, q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse):
         ctx.save_for_backward(positions, inv_freq)
         ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling, inverse)
-        return _rope_raw(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
+        return _ROPE.below(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
 
     @staticmethod
     def backward(ctx, gq, gk):
@@ -119,14 +110,14 @@ class _ApplyRope(torch.autograd.Function):
         return dq, dk, None, None, None, None, None, None, None, None
 
 
+_ROPE = _lib.EagerOp(ops.apply_rope, _ApplyRope)
+
+
 def _rope_call(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse):
     """ops.apply_rope with the same semantics (autograd included), without the Python autograd kernel's
     overhead in eager mode."""
-    if torch.compiler.is_compiling():
-        return ops.apply_rope(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _ApplyRope.apply(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
-    return _rope_raw(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
+    return _ROPE(q.requires_grad or k.requires_grad, q, k, positions, inv_freq, rotary_dim, section, interleaved,
+                 gptj, scaling, inverse)
 
 
 class _ApplyRopeInplace(torch.autograd.Function):
@@ -229,21 +220,18 @@ class _QkNormRope(torch.autograd.Function):
     def forward(ctx, q, k, positions, inv_freq, wq, wk, *cfg):
         ctx.save_for_backward(q, k, positions, inv_freq, wq, wk)
         ctx.cfg = cfg
-        with torch._C._AutoDispatchBelowAutograd():
-            return ops.apply_qk_norm_rope.default(q, k, positions, inv_freq, wq, wk, *cfg)
+        return _QK_NORM.below(q, k, positions, inv_freq, wq, wk, *cfg)
 
     @staticmethod
     def backward(ctx, gq, gk):
         return _qk_norm_autograd(ctx, gq, gk)
 
 
+_QK_NORM = _lib.EagerOp(ops.apply_qk_norm_rope, _QkNormRope)
+
+
 def _qk_norm_call(q, k, positions, inv_freq, wq, wk, cfg):
-    if torch.compiler.is_compiling():
-        return ops.apply_qk_norm_rope(q, k, positions, inv_freq, wq, wk, *cfg)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, wq, wk)):
-        return _QkNormRope.apply(q, k, positions, inv_freq, wq, wk, *cfg)
-    with torch._C._AutoDispatchBelowAutograd():
-        return ops.apply_qk_norm_rope.default(q, k, positions, inv_freq, wq, wk, *cfg)
+    return _QK_NORM(any(x.requires_grad for x in (q, k, wq, wk)), q, k, positions, inv_freq, wq, wk, *cfg)
 
 
 def _norm_back_one(ctx, g):
