@@ -6,7 +6,7 @@ import sys
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m packcuda")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="run the end-to-end demo and check it against plain references")
+    d = sub.add_parser("demo", help="run the end-to-end demo and check its results")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     d.add_argument("--seed", type=int, default=0)
     sub.add_parser("cmake-prefix-path", help="print the directory for CMAKE_PREFIX_PATH")

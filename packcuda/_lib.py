@@ -59,3 +59,36 @@ def built_with_cuda() -> bool:
 def cmake_prefix_path() -> str:
     """Directory to put on CMAKE_PREFIX_PATH so that `find_package(packcuda CONFIG)` finds this install."""
     return os.fspath(library_dir() / "cmake")
+
+
+class EagerOp:
+    """A registered op as the facades call it: the same semantics (autograd included), without the host cost of
+    the Python autograd kernel that register_autograd installs (schema default filling, a generated Function, a
+    redispatch, on every call forward and backward), which is larger than the kernel itself for small inputs.
+
+    ``eager_op(needs_grad, *args)``, with ``needs_grad`` whether an input requires grad: under torch.compile
+    the registered op (and its registered autograd); in eager mode, with grad mode on and a gradient to track,
+    ``function.apply(*args)`` (a plain autograd Function whose forward calls :meth:`below`) or, without a
+    function, the registered op; otherwise the backend kernel, called below autograd. Same kernel, same
+    result."""
+
+    __slots__ = ("op", "function", "_default")
+    _is_compiling = staticmethod(torch.compiler.is_compiling)
+    _grad_enabled = staticmethod(torch.is_grad_enabled)
+    _below_autograd = torch._C._AutoDispatchBelowAutograd
+
+    def __init__(self, op, function=None):
+        self.op, self.function, self._default = op, function, op.default
+
+    def __call__(self, needs_grad: bool, *args):
+        if self._is_compiling():
+            return self.op(*args)
+        if needs_grad and self._grad_enabled():
+            return self.op(*args) if self.function is None else self.function.apply(*args)
+        with self._below_autograd():  # (below, inlined: this sits on every facade call)
+            return self._default(*args)
+
+    def below(self, *args):
+        """The backend kernel, called below autograd (no graph recorded)."""
+        with self._below_autograd():
+            return self._default(*args)

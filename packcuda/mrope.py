@@ -2,7 +2,6 @@
 ``get_rope_index`` run on every sample alone, computed for the whole pack in one pass on CPU or GPU."""
 from __future__ import annotations
 
-import struct
 from array import array
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
@@ -10,7 +9,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from . import _lib
-from ._meta import IntsLike, check_float, check_int, is_device_tensor, op_metadata
+from ._families import MROPE_FAMILIES
+from ._meta import IntsLike, check_float, check_int, is_device_tensor, op_metadata, plain_ints
 from ._meta import config_field as _get
 
 _lib.load()
@@ -20,17 +20,6 @@ __all__ = ["MRopeSpec", "mrope_position_ids"]
 
 GridLike = Union[torch.Tensor, Sequence[Sequence[int]], None]
 _OK = (1 << 63) - 1
-
-# model_type -> (video_frames, reads vision_config.tokens_per_second)
-_FAMILIES = {
-    "qwen2_vl": ("whole", False),
-    "qwen2_5_vl": ("whole", True),
-    "qwen3_vl": ("per_frame", False),
-    "qwen3_vl_moe": ("per_frame", False),
-    "qwen3_5": ("per_frame", False),
-    "qwen3_5_moe": ("per_frame", False),
-}
-
 
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernel
@@ -81,17 +70,17 @@ def _grid(g: GridLike, name: str, op: str = _FN) -> torch.Tensor:
                              f"{list(g.shape)}")
         return g if g.is_cpu else g.detach().to("cpu", torch.int64)
     if type(g) in (list, tuple) and g and not torch.compiler.is_compiling():
+        # Columns at C level: zip(strict=True) insists on rows of one length (unpacking: three of them), then
+        # host metadata's fast path packs the columns (plain ints only: bools and other integer-likes take the
+        # strict path below); the [n, 3] view reads the column-major buffer through its strides.
         try:
-            # Columns at C level: zip(strict=True) insists on rows of one length (unpacking: three of them) and
-            # struct on ints (plain ints only: bools and other integer-likes take the strict path below); the
-            # [n, 3] view reads the column-major buffer through its strides.
             t, h, w = zip(*g, strict=True)
-            if set(map(type, t)) | set(map(type, h)) | set(map(type, w)) == {int}:
-                n = len(t)
-                packed = bytearray(struct.pack(f"{3 * n}q", *t, *h, *w))
-                return torch.frombuffer(packed, dtype=torch.int64).as_strided((n, 3), (1, n))
-        except (TypeError, ValueError, OverflowError, struct.error):
-            pass  # rows that are not triples of ints: the general path below
+        except (TypeError, ValueError):
+            t = h = w = ()  # rows that are not triples: the general path below
+        cols = plain_ints(t + h + w)
+        if cols is not None:
+            n = len(t)
+            return cols.as_strided((n, 3), (1, n))
     if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
         raise TypeError(f"packcuda.{op}: {name} must be rows [t, h, w] (a list or an integer tensor [n, 3]), "
                         f"got {type(g).__name__}")
@@ -286,25 +275,25 @@ class MRopeSpec:
             raise TypeError(f"packcuda.{op}: config must be a transformers config or a dict, got "
                             f"{type(config).__name__}")
         model_type = _get(config, "model_type", "")
-        if model_type not in _FAMILIES:
-            raise ValueError(f"packcuda.{op}: unsupported model_type {model_type!r}; known: {sorted(_FAMILIES)}")
+        if model_type not in MROPE_FAMILIES:
+            raise ValueError(f"packcuda.{op}: unsupported model_type {model_type!r}; known: {sorted(MROPE_FAMILIES)}")
         if text_after_vision not in ("grid", "max"):
             raise ValueError(f"packcuda.{op}: text_after_vision must be 'grid' or 'max', got {text_after_vision!r}")
-        frames, uses_tps = _FAMILIES[model_type]
+        family = MROPE_FAMILIES[model_type]
         vision = _get(config, "vision_config")
         if vision is None:
             raise ValueError(f"packcuda.{op}: the config has no vision_config")
         image_id, video_id = _get(config, "image_token_id"), _get(config, "video_token_id")
         if image_id is None or video_id is None:
             raise ValueError(f"packcuda.{op}: the config has no image_token_id / video_token_id")
-        tps = _get(vision, "tokens_per_second") if uses_tps else None
+        tps = _get(vision, "tokens_per_second") if family.video_seconds else None
         return cls(image_token_id=check_int(op, "image_token_id", image_id),
                    video_token_id=check_int(op, "video_token_id", video_id),
                    spatial_merge_size=check_int(op, "vision_config.spatial_merge_size",
                                                 _get(vision, "spatial_merge_size", 2), lo=1),
                    tokens_per_second=None if tps is None else check_float(op, "vision_config.tokens_per_second",
                                                                           tps, lo=0.0),
-                   video_frames=frames, text_after_vision=text_after_vision, model_type=model_type)
+                   video_frames=family.video_frames, text_after_vision=text_after_vision, model_type=model_type)
 
     def position_ids(self, input_ids: torch.Tensor, cu_seqlens: IntsLike, *, image_grid_thw: GridLike = None,
                      video_grid_thw: GridLike = None, second_per_grid_ts=None, validate: bool = True):

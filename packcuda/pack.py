@@ -194,30 +194,21 @@ torch.library.register_autograd("packcuda::scatter_rows", _scatter_backward, set
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
-_is_compiling = torch.compiler.is_compiling
-_below_autograd = torch._C._AutoDispatchBelowAutograd
-_gather_op = ops.gather_rows.default
-_scatter_op = ops.scatter_rows.default
+_GATHER = _lib.EagerOp(ops.gather_rows)
+_SCATTER = _lib.EagerOp(ops.scatter_rows)
 
 
 def _gather(src: torch.Tensor, index: torch.Tensor, fill: Union[int, float], dim: int = 0) -> torch.Tensor:
-    """The row gather used by every facade. Without a gradient to track (and outside torch.compile) it calls
-    the kernel below autograd: the Python autograd kernel that register_autograd installs costs more host time
-    per call than the gather itself on small tensors. Same kernel, same result. An int `fill` is carried as an
-    integer (exact for int64 data); a float as a double. The op refuses a fill that src's dtype cannot hold."""
+    """The row gather used by every facade; without a gradient to track it calls the kernel below autograd
+    (:class:`packcuda._lib.EagerOp`). An int `fill` is carried as an integer (exact for int64 data); a float as
+    a double. The op refuses a fill that src's dtype cannot hold."""
     f, fi = _split_fill(fill)
-    if (src.requires_grad and torch.is_grad_enabled()) or _is_compiling():
-        return ops.gather_rows(src, index, f, dim, fi)
-    with _below_autograd():
-        return _gather_op(src, index, f, dim, fi)
+    return _GATHER(src.requires_grad, src, index, f, dim, fi)
 
 
 def _scatter(src: torch.Tensor, index: torch.Tensor, num_rows: int, dim: int = 0) -> torch.Tensor:
     """Row scatter with the same fast path as :func:`_gather`."""
-    if (src.requires_grad and torch.is_grad_enabled()) or _is_compiling():
-        return ops.scatter_rows(src, index, num_rows, dim)
-    with _below_autograd():
-        return _scatter_op(src, index, num_rows, dim)
+    return _SCATTER(src.requires_grad, src, index, num_rows, dim)
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, fill: Union[int, float] = 0.0, dim: int = 0) -> torch.Tensor:

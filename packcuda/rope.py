@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _lib
+from ._families import rotary_family
 from ._meta import check_float, check_int
 
 _lib.load()
@@ -87,18 +88,9 @@ def _rope_backward(ctx, gq, gk):
 torch.library.register_autograd("packcuda::apply_rope", _rope_backward, setup_context=_rope_setup)
 
 
-# Eager fast path of the facade. Calling the op from Python goes through the Python autograd kernel that
-# register_autograd installs (schema default filling, a generated Function, a redispatch) on every call,
-# forward and backward; that host time is larger than the kernel itself for small and medium batches. In
-# eager mode the facade instead calls the backend kernel directly below autograd and, when a gradient is
-# needed, wraps it in one plain Function. The math and the kernel launches are the same; under
-# torch.compile the facade keeps calling the registered op (and its registered autograd).
-def _rope_raw(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse):
-    with torch._C._AutoDispatchBelowAutograd():
-        return ops.apply_rope.default(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling,
-                                      inverse)
-
-
+# Eager fast path of the facade (packcuda._lib.EagerOp): without a gradient to track the backend kernel is
+# called below autograd; with one, a plain Function wraps it; under torch.compile the facade keeps calling the
+# registered op (and its registered autograd). The math and the kernel launches are the same.
 class _ApplyRope(torch.autograd.Function):
     """Out-of-place rotation; the backward rotates the incoming gradients by the negated angle (one launch for
     dq and dk, gradients read with their own strides). Differentiable again under create_graph."""
@@ -107,7 +99,7 @@ class _ApplyRope(torch.autograd.Function):
     def forward(ctx, q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse):
         ctx.save_for_backward(positions, inv_freq)
         ctx.cfg = (rotary_dim, section, interleaved, gptj, scaling, inverse)
-        return _rope_raw(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
+        return _ROPE.below(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
 
     @staticmethod
     def backward(ctx, gq, gk):
@@ -118,14 +110,14 @@ class _ApplyRope(torch.autograd.Function):
         return dq, dk, None, None, None, None, None, None, None, None
 
 
+_ROPE = _lib.EagerOp(ops.apply_rope, _ApplyRope)
+
+
 def _rope_call(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse):
     """ops.apply_rope with the same semantics (autograd included), without the Python autograd kernel's
     overhead in eager mode."""
-    if torch.compiler.is_compiling():
-        return ops.apply_rope(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _ApplyRope.apply(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
-    return _rope_raw(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse)
+    return _ROPE(q.requires_grad or k.requires_grad, q, k, positions, inv_freq, rotary_dim, section, interleaved,
+                 gptj, scaling, inverse)
 
 
 class _ApplyRopeInplace(torch.autograd.Function):
@@ -228,21 +220,18 @@ class _QkNormRope(torch.autograd.Function):
     def forward(ctx, q, k, positions, inv_freq, wq, wk, *cfg):
         ctx.save_for_backward(q, k, positions, inv_freq, wq, wk)
         ctx.cfg = cfg
-        with torch._C._AutoDispatchBelowAutograd():
-            return ops.apply_qk_norm_rope.default(q, k, positions, inv_freq, wq, wk, *cfg)
+        return _QK_NORM.below(q, k, positions, inv_freq, wq, wk, *cfg)
 
     @staticmethod
     def backward(ctx, gq, gk):
         return _qk_norm_autograd(ctx, gq, gk)
 
 
+_QK_NORM = _lib.EagerOp(ops.apply_qk_norm_rope, _QkNormRope)
+
+
 def _qk_norm_call(q, k, positions, inv_freq, wq, wk, cfg):
-    if torch.compiler.is_compiling():
-        return ops.apply_qk_norm_rope(q, k, positions, inv_freq, wq, wk, *cfg)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, wq, wk)):
-        return _QkNormRope.apply(q, k, positions, inv_freq, wq, wk, *cfg)
-    with torch._C._AutoDispatchBelowAutograd():
-        return ops.apply_qk_norm_rope.default(q, k, positions, inv_freq, wq, wk, *cfg)
+    return _QK_NORM(any(x.requires_grad for x in (q, k, wq, wk)), q, k, positions, inv_freq, wq, wk, *cfg)
 
 
 def _norm_back_one(ctx, g):
@@ -636,16 +625,6 @@ def apply_qk_norm_rope_(
     return q, k
 
 
-# model type prefix -> (default mrope_section, interleaved, partial rotary honoured), as the models' rotary
-# modules use them (Qwen2/2.5-VL and Qwen3-VL rotate the whole head whatever partial_rotary_factor says)
-_MROPE_MODELS = {
-    "qwen2_vl": ([16, 24, 24], False, False),
-    "qwen2_5_vl": ([16, 24, 24], False, False),
-    "qwen3_vl": ([24, 20, 20], True, False),
-    "qwen3_5": ([11, 11, 10], True, True),
-}
-
-
 def _config_rope_parameters(op, config) -> dict:
     """The flat rope parameter dict of a transformers config: ``rope_parameters`` (transformers 5), else the
     legacy ``rope_scaling`` dict, else empty; ``rope_theta`` / ``partial_rotary_factor`` may also sit on the
@@ -703,11 +682,11 @@ def rope_kwargs_from_config(config) -> dict:
         head_dim = check_int(op, "hidden_size", hidden, lo=1) // check_int(op, "num_attention_heads", heads, lo=1)
     head_dim = check_int(op, "head_dim", head_dim, lo=1)
     mt = getattr(config, "model_type", "") or ""
-    family = next((v for key, v in _MROPE_MODELS.items() if mt == key or mt.startswith(key + "_")), None)
+    family = rotary_family(mt)
     factor = rp.get("partial_rotary_factor")
     if factor is None:
         factor = getattr(config, "partial_rotary_factor", None)
-    factor = 1.0 if factor is None or (family is not None and not family[2]) else factor
+    factor = 1.0 if factor is None or (family is not None and not family.partial_rotary) else factor
     factor = check_float(op, "partial_rotary_factor", factor, lo=0.0, hi=1.0, lo_open=True)
     rotary_dim = int(head_dim * factor)
     if rotary_dim < 2 or rotary_dim % 2:
@@ -716,7 +695,7 @@ def rope_kwargs_from_config(config) -> dict:
     kw = dict(rope_theta=theta, rotary_dim=_check_rotary_dim(op, rotary_dim))
     section = rp.get("mrope_section")
     if family is not None:
-        section, interleaved = (section if section is not None else family[0]), family[1]
+        section, interleaved = (section if section is not None else family.mrope_section), family.interleaved
     elif section is not None:
         interleaved = rp.get("mrope_interleaved", False)
         if not _is_bool(interleaved):

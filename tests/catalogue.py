@@ -31,7 +31,8 @@ class Case:
 
     target: what it covers — ``"packcuda.<fn>"`` for a public function, ``"ops.<op>"`` for a raw
         ``torch.ops.packcuda`` op, ``"<Class>.<method>"`` for a public method, ``"transformers.<fn>"`` for
-        ``packcuda.integrations.transformers``, ``"megatron.<fn>"`` for ``packcuda.integrations.megatron``.
+        ``packcuda.integrations.transformers``, ``"megatron.<fn>"`` for ``packcuda.integrations.megatron``,
+        ``"reference.<fn>"`` for a reference of tests/reference.py that refuses bad input.
     name: a short id, unique per target.
     make: returns ``(fn, args, kwargs)``; the inputs are built fresh each run.
     exc: the exception type(s) expected.

@@ -5,6 +5,7 @@ import functools
 import torch
 
 import packcuda
+import reference
 from catalogue import Case, call
 
 IMG, VID, VS, VE = 150, 151, 152, 153
@@ -93,7 +94,7 @@ def _pp(ids=None, cu=None, cfg=None, **kw):
 def _hfp(ids=None, cu=None, **kw):
     ids = _ids() if ids is None else ids
     kw.setdefault("image_grid_thw", [[1, 4, 4]])
-    return call(hf().hf_packed_position_ids, _model(), ids, [0, ids.numel()] if cu is None else cu, **kw)
+    return call(reference.hf_packed_position_ids, _model(), ids, [0, ids.numel()] if cu is None else cu, **kw)
 
 
 def _plan():
@@ -101,7 +102,7 @@ def _plan():
 
 
 PP = "transformers.packed_position_ids"
-HP = "transformers.hf_packed_position_ids"
+HP = "reference.hf_packed_position_ids"
 MM = "transformers.mm_token_type_ids"
 PATCH = "transformers.patch_qwen_vl_rope"
 LA = "transformers.patch_qwen3_5_linear_attention"
@@ -135,9 +136,9 @@ CASES = [
     Case(PP, "tokens_mismatch", op="mrope_position_ids", arg="image block 0",
          make=lambda: _pp(image_grid_thw=[[1, 4, 6]])),
 
-    # hf_packed_position_ids (the per-sample transformers path)
+    # hf_packed_position_ids (tests/reference.py: the per-sample transformers path the tests compare with)
     Case(HP, "model_unsupported", arg="model",
-         make=lambda: call(hf().hf_packed_position_ids, torch.nn.Linear(2, 2), _ids(), [0, 9])),
+         make=lambda: call(reference.hf_packed_position_ids, torch.nn.Linear(2, 2), _ids(), [0, 9])),
     Case(HP, "cu_float", arg="cu_seqlens", exc=TypeError, make=lambda: _hfp(cu=[0.0, 9.0])),
     Case(HP, "cu_wrong_total", arg="cu_seqlens", make=lambda: _hfp(cu=[0, 5])),
     Case(HP, "cu_decreasing", arg="cu_seqlens", make=lambda: _hfp(cu=[0, 6, 3, 9])),

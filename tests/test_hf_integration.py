@@ -178,9 +178,9 @@ def _packed_logits(model, fam, packed, position_ids):
 
 
 def _hf_positions(model, fam, packed):
-    return hf.hf_packed_position_ids(model, packed["ids"], packed["cu"], image_grid_thw=packed["image_grid_thw"],
-                                     video_grid_thw=packed["video_grid_thw"],
-                                     second_per_grid_ts=packed["second_per_grid_ts"])
+    return ref.hf_packed_position_ids(model, packed["ids"], packed["cu"], image_grid_thw=packed["image_grid_thw"],
+                                      video_grid_thw=packed["video_grid_thw"],
+                                      second_per_grid_ts=packed["second_per_grid_ts"])
 
 
 def _pc_positions(model, fam, packed, device="cpu", **kw):

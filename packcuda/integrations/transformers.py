@@ -7,7 +7,7 @@ Two pieces, usable separately:
    restarting at 0 in every sample, then the t/h/w mRoPE rows) with which transformers detects packed
    sequences (sdpa / eager build a block-causal mask, flash-attention finds ``cu_seqlens``). Computed by
    :func:`packcuda.mrope_position_ids` for the whole pack in one pass, equal to transformers' own
-   ``get_rope_index`` run on every sample alone (:func:`hf_packed_position_ids` is that slow path).
+   ``get_rope_index`` run on every sample alone.
 
 2. :func:`patch_qwen_vl_rope` — an opt-in patch that routes the text attention's rotary application through
    :func:`packcuda.apply_rope`, driven by the positions themselves: the rotary module no longer builds the
@@ -36,15 +36,14 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import itertools
 import threading
 import types
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 import packcuda
+from packcuda._families import FAMILIES, Family
 from packcuda._meta import config_field as _get
 from packcuda._meta import host_list
 
@@ -55,7 +54,6 @@ __all__ = [
     "UnsupportedModelError",
     "RopePatch",
     "packed_position_ids",
-    "hf_packed_position_ids",
     "shard_position_ids",
     "mm_token_type_ids",
     "PATCHABLE_MODEL_TYPES",
@@ -78,46 +76,13 @@ class UnsupportedModelError(ValueError):
     """The model is not one of the families this integration supports."""
 
 
-@dataclass(frozen=True)
-class _Family:
-    model_type: str
-    module: str
-    text_model: str
-    rotary: str
-    attention: str
-    interleaved: bool  # mRoPE frequency layout: interleaved (Qwen3-VL, Qwen3.5) or sectioned (Qwen2/2.5-VL)
-    video_frames: str  # "whole" (one block per video) or "per_frame" (one block per temporal patch)
-    video_seconds: bool  # get_rope_index takes second_per_grid_ts (Qwen2.5-VL)
-    # per-head q_norm / k_norm of the attention: (norm class, packcuda norm kind, eps attribute); () when none
-    qk_norm: Tuple[str, ...] = ()
-    mrope: bool = True  # positions [3, B, S] (mRoPE); False: plain RoPE, positions [B, S]
-
-
-_M = "transformers.models."
-_FAMILIES: Dict[str, _Family] = {
-    f.model_type: f
-    for f in (
-        _Family("qwen2_vl", _M + "qwen2_vl.modeling_qwen2_vl", "Qwen2VLTextModel", "Qwen2VLRotaryEmbedding",
-                "Qwen2VLAttention", False, "whole", False),
-        _Family("qwen2_5_vl", _M + "qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLTextModel",
-                "Qwen2_5_VLRotaryEmbedding", "Qwen2_5_VLAttention", False, "whole", True),
-        _Family("qwen3_vl", _M + "qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextModel", "Qwen3VLTextRotaryEmbedding",
-                "Qwen3VLTextAttention", True, "per_frame", False, ("Qwen3VLTextRMSNorm", "rms", "variance_epsilon")),
-        _Family("qwen3_5", _M + "qwen3_5.modeling_qwen3_5", "Qwen3_5TextModel", "Qwen3_5TextRotaryEmbedding",
-                "Qwen3_5Attention", True, "per_frame", False, ("Qwen3_5RMSNorm", "rms_offset", "eps")),
-    )
-}
-# text-only families the rotary patch (not the positions) supports: plain RoPE driven by [B, S] position_ids
-_TEXT_FAMILIES: Dict[str, _Family] = {
-    f.model_type: f
-    for f in (
-        _Family("qwen3", _M + "qwen3.modeling_qwen3", "Qwen3Model", "Qwen3RotaryEmbedding", "Qwen3Attention", False,
-                "whole", False, ("Qwen3RMSNorm", "rms", "variance_epsilon"), mrope=False),
-    )
-}
+# the families of packcuda's one table (packcuda._families) with modeling code this integration patches: the
+# Qwen-VL families (positions and rotary patch) and the text-only ones (rotary patch only: plain RoPE driven by
+# [B, S] position_ids)
+_FAMILIES: Dict[str, Family] = {f.model_type: f for f in FAMILIES if f.module and f.mrope}
+_TEXT_FAMILIES: Dict[str, Family] = {f.model_type: f for f in FAMILIES if f.module and not f.mrope}
 # text-only configs of the same families (their models use the same text modules)
-_ALIASES = {"qwen2_vl_text": "qwen2_vl", "qwen2_5_vl_text": "qwen2_5_vl", "qwen3_vl_text": "qwen3_vl",
-            "qwen3_5_text": "qwen3_5"}
+_ALIASES = {f"{mt}_text": mt for mt in _FAMILIES}
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 # model types patch_qwen_vl_rope accepts: the Qwen-VL families and the text-only ones
 PATCHABLE_MODEL_TYPES = tuple(_FAMILIES) + tuple(_TEXT_FAMILIES)
@@ -161,7 +126,7 @@ def _config_of(model_or_config):
 
 
 def _family_of(model_or_config, fn: str = "integrations.transformers", name: str = "model",
-               text_ok: bool = False) -> _Family:
+               text_ok: bool = False) -> Family:
     """The family of a model / config; text_ok: also the text-only families of the rotary patch."""
     cfg = _config_of(model_or_config)
     mt = _get(cfg, "model_type", None)
@@ -285,80 +250,6 @@ def mm_token_type_ids(input_ids: torch.Tensor, config) -> torch.Tensor:
     t = torch.zeros_like(input_ids, dtype=torch.int32)
     t = t.masked_fill(input_ids == img, 1)
     return t.masked_fill(input_ids == vid, 2)
-
-
-def _as_grid(g, name: str, fn: str) -> Optional[torch.Tensor]:
-    from packcuda.mrope import _grid
-
-    g = _grid(g, name, op=fn).to(torch.int64)
-    return g if g.shape[0] else None
-
-
-def hf_packed_position_ids(model, input_ids: torch.Tensor, cu_seqlens, *, image_grid_thw=None, video_grid_thw=None,
-                           second_per_grid_ts=None) -> torch.Tensor:
-    """The same ``[4, 1, T]`` positions computed the way trainers do today: the model's own
-    ``get_rope_index`` called on every sample alone (a Python loop with host syncs), then concatenated.
-    The reference path of :func:`packed_position_ids` (and its benchmark baseline)."""
-    fn = "hf_packed_position_ids"
-    fam = _family_of(model, fn)
-    base = model.model if hasattr(getattr(model, "model", None), "get_rope_index") else model
-    if not hasattr(base, "get_rope_index"):
-        raise UnsupportedModelError(f"packcuda.{fn}: model ({type(model).__name__}) has no get_rope_index")
-    ids = _flat_ids(input_ids, fn)
-    cu = host_list(cu_seqlens, "cu_seqlens", op=fn)
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != ids.numel():
-        raise ValueError(f"packcuda.{fn}: cu_seqlens must start at 0, be non-decreasing and end at the number of "
-                         f"tokens ({ids.numel()}), got {cu}")
-    tt = mm_token_type_ids(ids, model)
-    igrid, vgrid = _as_grid(image_grid_thw, "image_grid_thw", fn), _as_grid(video_grid_thw, "video_grid_thw", fn)
-    if second_per_grid_ts is not None:
-        from packcuda.mrope import _seconds
-
-        secs = _seconds(second_per_grid_ts, op=fn)
-    else:
-        secs = None
-    ii = vi = 0
-    frames_left = 0
-    rows, text = [], []
-    for a, b in zip(cu[:-1], cu[1:]):
-        seg_ids, seg_tt = ids[a:b], tt[a:b]
-        n_img = n_vid = 0
-        for key, _ in itertools.groupby(seg_tt.tolist()):
-            if key == 1:
-                n_img += 1
-            elif key == 2:
-                if fam.video_frames == "whole":
-                    n_vid += 1
-                else:
-                    if frames_left == 0:
-                        if vgrid is None or vi + n_vid >= vgrid.shape[0]:
-                            raise ValueError(f"packcuda.{fn}: input_ids has more videos than video_grid_thw "
-                                             f"describes (sample [{a}, {b}))")
-                        frames_left = int(vgrid[vi + n_vid, 0])
-                        n_vid += 1
-                    frames_left -= 1
-        if frames_left:
-            raise ValueError(f"packcuda.{fn}: a video's frames cross the end of sample [{a}, {b})")
-        if n_img > (0 if igrid is None else igrid.shape[0]) - ii or n_vid > (0 if vgrid is None else vgrid.shape[0]) - vi:
-            raise ValueError(f"packcuda.{fn}: input_ids has more vision blocks than image_grid_thw / video_grid_thw "
-                             f"describe (sample [{a}, {b}))")
-        L = b - a
-        if n_img == 0 and n_vid == 0:
-            pos = torch.arange(L, device=ids.device).expand(3, L)
-        else:
-            kw = dict(image_grid_thw=igrid[ii:ii + n_img] if n_img else None,
-                      video_grid_thw=vgrid[vi:vi + n_vid] if n_vid else None)
-            if fam.video_seconds and n_vid and secs is not None:
-                kw["second_per_grid_ts"] = secs[vi:vi + n_vid]
-            pos, _ = base.get_rope_index(seg_ids[None], mm_token_type_ids=seg_tt[None], **kw)
-            pos = pos[:, 0]
-        ii += n_img
-        vi += n_vid
-        rows.append(pos.to(torch.int64))
-        text.append(torch.arange(L, device=ids.device))
-    pos = torch.cat(rows, dim=1) if rows else ids.new_zeros(3, 0, dtype=torch.int64)
-    txt = torch.cat(text) if text else ids.new_zeros(0, dtype=torch.int64)
-    return torch.cat([txt[None].to(pos.device), pos], dim=0)[:, None, :]
 
 
 def shard_position_ids(position_ids: torch.Tensor, plan) -> torch.Tensor:
@@ -516,7 +407,7 @@ def _default_qk_norm_rope(q, k, positions, **kw):
 _qk_norm_rope_impl = _default_qk_norm_rope
 
 
-def _check_qk_norms(fam: _Family, mod, model, fn: str) -> list:
+def _check_qk_norms(fam: Family, mod, model, fn: str) -> list:
     """The (q_norm, k_norm, kind, eps) of every attention of `model` for fuse_qk_norm; refuses (before anything
     is patched) a family without per-head norms, a norm of a class it does not recognize, or norm code that is
     not the one the fused kernel reproduces."""
@@ -625,7 +516,7 @@ def _check_source(obj, name: str, needles, where: str) -> None:
                                            f"{missing}); refusing to patch")
 
 
-def _import_family(fam: _Family):
+def _import_family(fam: Family):
     import importlib
 
     try:
@@ -635,7 +526,7 @@ def _import_family(fam: _Family):
             f"packcuda.integrations.transformers: transformers {transformers_version()} has no {fam.module} ({e})")
 
 
-def _check_code(fam: _Family, mod) -> None:
+def _check_code(fam: Family, mod) -> None:
     """The patch relies on these facts about the modeling code; refuse if any is not true."""
     v = transformers_version()
     problems = []
@@ -711,7 +602,7 @@ class _Patch:
 class RopePatch(_Patch):
     """Handle of an applied rotary patch: ``unpatch()`` (or leaving a ``with`` block) restores the originals."""
 
-    def __init__(self, families: Sequence[_Family], model=None):
+    def __init__(self, families: Sequence[Family], model=None):
         super().__init__(model)
         self.families = tuple(families)
         self.model_types = tuple(f.model_type for f in families)
