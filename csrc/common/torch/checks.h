@@ -1,5 +1,6 @@
-// Torch layer helpers (stable ABI only): argument checks with readable messages, dtype names, the current
-// CUDA stream, and host/device metadata handling. Included only by *_ops.cpp files.
+// Torch layer argument checks (stable ABI only): readable messages naming the op and the argument, dtype names,
+// host/device metadata (cu_seqlens) handling, fill values and index ranges. Included only by *_ops.cpp files;
+// allocation, copies and streams are in tensors.h (included here).
 #pragma once
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
@@ -16,6 +17,7 @@
 
 #include "common/dtype.h"
 #include "common/stream.h"
+#include "common/torch/tensors.h"
 
 namespace packcuda::th {
 
@@ -61,33 +63,6 @@ Segments segments(const char* op, const char* name, const Tensor& cu, const torc
 std::vector<int64_t> host_ints(const Tensor& t);
 std::vector<int64_t> read_host_segments(const char* op, const char* name, const Tensor& cu, int64_t expected_total);
 
-// Copy of host int64 values onto a device (non-blocking, no sync).
-Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Device& target);
-
-// A new uninitialized contiguous tensor, straight through the C shim (no operator lookup by name: these sit
-// on per-call host paths). pinned: page-locked host memory from torch's caching host allocator (CPU only).
-Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stable::Device& device,
-                  bool pinned = false);
-// `t` itself when it is already contiguous (one cheap query), else a contiguous copy.
-Tensor dense(const Tensor& t);
-// new_tensor on `like`'s device with `like`'s dtype (or `dtype`).
-Tensor new_like(const Tensor& like, const std::vector<int64_t>& sizes);
-Tensor new_like(const Tensor& like, const std::vector<int64_t>& sizes, ST dtype);
-// dst.copy_(src); with non_blocking and a pinned host source the copy is queued on the current stream and the
-// host allocator keeps the source alive until it has run.
-void copy_into(Tensor& dst, const Tensor& src, bool non_blocking);
-
-// Current CUDA stream of a device (only valid in CUDA builds).
-cudaStream_t current_stream(int32_t device_index);
-
-// Device guard + current stream of a tensor's CUDA device.
-struct CudaScope {
-  torch::stable::accelerator::DeviceGuard guard;
-  cudaStream_t stream;
-  explicit CudaScope(const Tensor& t)
-      : guard(t.get_device_index()), stream(current_stream(t.get_device_index())) {}
-};
-
 // Row ops move any dtype of 1, 2, 4 or 8 bytes.
 void check_row_dtype(const char* op, const char* name, const Tensor& t);
 std::vector<int64_t> shape_of(const Tensor& t);
@@ -111,12 +86,6 @@ int64_t checked_nbytes(const char* op, const char* what, const std::vector<int64
 torch::stable::Device target_device(const Tensor& meta, const std::optional<torch::stable::Device>& device);
 // Refuses devices packcuda has no kernels for (meta, ...), naming op and name.
 void check_device_kind(const char* op, const char* name, const torch::stable::Device& d);
-
-#ifdef USE_CUDA
-#define PC_CUDA_ONLY(...) __VA_ARGS__
-#else
-#define PC_CUDA_ONLY(...) throw std::runtime_error("packcuda was built without CUDA kernels")
-#endif
 
 }  // namespace packcuda::th
 

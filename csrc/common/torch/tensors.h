@@ -1,0 +1,54 @@
+// Torch layer tensor helpers (stable ABI only): allocation straight through the C shim, contiguous views,
+// copies and uploads of host metadata, the current CUDA stream and a device scope. Included by checks.h.
+#pragma once
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "common/stream.h"
+
+namespace packcuda::th {
+
+using torch::stable::Tensor;
+using ST = torch::headeronly::ScalarType;
+
+// Copy of host int64 values onto a device (non-blocking, no sync).
+Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Device& target);
+
+// A new uninitialized contiguous tensor, straight through the C shim (no operator lookup by name: these sit
+// on per-call host paths). pinned: page-locked host memory from torch's caching host allocator (CPU only).
+Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stable::Device& device,
+                  bool pinned = false);
+// `t` itself when it is already contiguous (one cheap query), else a contiguous copy.
+Tensor dense(const Tensor& t);
+// new_tensor on `like`'s device with `like`'s dtype (or `dtype`).
+Tensor new_like(const Tensor& like, const std::vector<int64_t>& sizes);
+Tensor new_like(const Tensor& like, const std::vector<int64_t>& sizes, ST dtype);
+// dst.copy_(src); with non_blocking and a pinned host source the copy is queued on the current stream and the
+// host allocator keeps the source alive until it has run.
+void copy_into(Tensor& dst, const Tensor& src, bool non_blocking);
+
+// Current CUDA stream of a device (only valid in CUDA builds).
+cudaStream_t current_stream(int32_t device_index);
+
+// Device guard + current stream of a tensor's CUDA device.
+struct CudaScope {
+  torch::stable::accelerator::DeviceGuard guard;
+  cudaStream_t stream;
+  explicit CudaScope(const Tensor& t)
+      : guard(t.get_device_index()), stream(current_stream(t.get_device_index())) {}
+};
+
+#ifdef USE_CUDA
+#define PC_CUDA_ONLY(...) __VA_ARGS__
+#else
+#define PC_CUDA_ONLY(...) throw std::runtime_error("packcuda was built without CUDA kernels")
+#endif
+
+}  // namespace packcuda::th
