@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "common/errors.h"
+#include "errors.h"
 
 namespace packcuda::checked {
 

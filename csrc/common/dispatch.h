@@ -3,7 +3,7 @@
 #pragma once
 #include <stdexcept>
 
-#include "common/dtype.h"
+#include "dtype.h"
 
 namespace packcuda {
 

@@ -5,7 +5,7 @@
 #pragma once
 #include <cstdint>
 
-#include "common/hd.h"
+#include "hd.h"
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>

@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/dtype.h"
-#include "common/stream.h"
+#include "../common/dtype.h"
+#include "../common/stream.h"
 
 // ncclComm_t without including nccl.h (the same typedef nccl.h makes).
 struct ncclComm;

@@ -4,9 +4,9 @@
 #include <stdexcept>
 #include <type_traits>
 
-#include "common/dispatch.h"
-#include "conv/conv.h"
-#include "conv/conv_math.h"
+#include "../common/dispatch.h"
+#include "conv.h"
+#include "conv_math.h"
 
 namespace packcuda::conv::detail {
 

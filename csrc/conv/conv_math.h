@@ -10,9 +10,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/dtype.h"
-#include "common/hd.h"
-#include "conv/conv.h"
+#include "../common/dtype.h"
+#include "../common/hd.h"
+#include "conv.h"
 
 #if defined(__CUDACC__)
 #define PC_UNROLL _Pragma("unroll")

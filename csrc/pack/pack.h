@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "common/stream.h"
+#include "../common/stream.h"
 
 namespace packcuda::pack {
 

@@ -1,6 +1,6 @@
 // Index math of the packing ops, shared by the CPU and CUDA kernels.
 #pragma once
-#include "common/hd.h"
+#include "../common/hd.h"
 
 namespace packcuda::pack {
 

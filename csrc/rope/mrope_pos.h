@@ -13,8 +13,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/stream.h"
-#include "rope/mrope_pos_math.h"
+#include "../common/stream.h"
+#include "mrope_pos_math.h"
 
 namespace packcuda::rope {
 

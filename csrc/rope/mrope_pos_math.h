@@ -14,7 +14,7 @@
 #pragma once
 #include <cstdint>
 
-#include "common/hd.h"
+#include "../common/hd.h"
 
 namespace packcuda::rope {
 

@@ -4,8 +4,8 @@
 #pragma once
 #include <cstdint>
 
-#include "common/dtype.h"
-#include "common/stream.h"
+#include "../common/dtype.h"
+#include "../common/stream.h"
 
 namespace packcuda::rope {
 

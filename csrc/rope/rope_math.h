@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/hd.h"
+#include "../common/hd.h"
 
 namespace packcuda::rope {
 

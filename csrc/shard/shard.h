@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/stream.h"
-#include "shard/shard_math.h"
+#include "../common/stream.h"
+#include "shard_math.h"
 
 namespace packcuda::shard {
 

@@ -18,7 +18,7 @@
 //   contiguous (kContiguous): the padded stream is cut into cp windows of total_local rows; rank r stores
 //     global padded rows [r*total_local, (r+1)*total_local).
 #pragma once
-#include "common/hd.h"
+#include "../common/hd.h"
 
 namespace packcuda::shard {
 

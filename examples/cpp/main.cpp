@@ -8,10 +8,10 @@
 #include <cstring>
 #include <vector>
 
-#include "pack/pack.h"
-#include "rope/mrope_pos.h"
-#include "shard/shard.h"
-#include "packcuda_torch.h"
+#include <packcuda/pack.h>
+#include <packcuda/packcuda_torch.h>
+#include <packcuda/rope.h>
+#include <packcuda/shard.h>
 
 namespace {
 int failures = 0;
