@@ -17,23 +17,30 @@
 
 namespace packcuda::cuda {
 
+// Multiprocessors of the current device (cached per device index).
+inline int sm_count() {
+  static int cache[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cache[dev] == 0) {
+    int v = 132;
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    cache[dev] = v;
+  }
+  return cache[dev];
+}
+
 // Blocks for a 1-D grid-stride launch over n items: enough to fill the device a few times over.
 inline int grid_for(int64_t n, int threads, int max_blocks_per_sm = 8) {
-  static int sms = [] {
-    int dev = 0, v = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    return v;
-  }();
   int64_t want = (n + threads - 1) / threads;
-  int64_t cap = static_cast<int64_t>(sms) * max_blocks_per_sm;
+  int64_t cap = static_cast<int64_t>(sm_count()) * max_blocks_per_sm;
   if (want > cap) want = cap;
   if (want < 1) want = 1;
   return static_cast<int>(want);
 }
 
-}  // namespace packcuda::cuda
-
-namespace packcuda::cuda {
+// Host check of a device pointer's alignment (a null pointer counts as aligned).
+inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Asynchronous 16-byte global -> shared copies (cp.async, sm_80+; a plain copy on older devices). Copies
 // issued by a thread between two commits form one group; wait<N>() returns once at most N of the thread's
@@ -55,19 +62,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
-}
-
-// Multiprocessors of the current device (cached per device index).
-inline int sm_count() {
-  static int cache[64] = {0};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
-  if (cache[dev] == 0) {
-    int v = 132;
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    cache[dev] = v;
-  }
-  return cache[dev];
 }
 
 }  // namespace packcuda::cuda

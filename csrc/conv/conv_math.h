@@ -103,16 +103,19 @@ template <> struct Word<4> { using type = unsigned int; };
 template <> struct Word<8> { using type = uint2; };
 template <> struct Word<16> { using type = uint4; };
 #endif
+#if defined(__CUDACC__)
+template <typename S, int V> union VecWord {  // a Vec and its machine word (device accesses go through w)
+  typename Word<sizeof(Vec<S, V>)>::type w;
+  Vec<S, V> v;
+};
+#endif
 template <int V, typename S> PC_HD Vec<S, V> load_vec(const S* p) {
   Vec<S, V> r;
   if constexpr (V == 1) {
     r.v[0] = p[0];
   } else {
 #if defined(__CUDA_ARCH__)
-    union {
-      typename Word<sizeof(Vec<S, V>)>::type w;
-      Vec<S, V> v;
-    } u;
+    VecWord<S, V> u;
     u.w = *reinterpret_cast<const decltype(u.w)*>(p);
     r = u.v;
 #else
@@ -127,10 +130,7 @@ template <int V, typename S> PC_HD void store_vec(S* p, const Vec<S, V>& r) {
     p[0] = r.v[0];
   } else {
 #if defined(__CUDA_ARCH__)
-    union {
-      typename Word<sizeof(Vec<S, V>)>::type w;
-      Vec<S, V> v;
-    } u;
+    VecWord<S, V> u;
     u.v = r;
     __stwb(reinterpret_cast<decltype(u.w)*>(p), u.w);  // global memory: one vector store
 #else

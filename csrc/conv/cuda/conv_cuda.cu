@@ -233,13 +233,11 @@ __global__ void gather_sum_kernel(S* out, int64_t n_out, const S* a, int64_t na,
 }
 
 
-bool aligned(const void* p, int bytes) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 // The vector path needs whole 16-byte chunks in every row and 16-byte aligned tensors.
 template <typename S> bool vector_ok(int64_t C, std::initializer_list<const void*> ptrs) {
   if (C % Slab<S, 1>::kChunk != 0) return false;
   for (const void* p : ptrs)
-    if (!aligned(p, 16)) return false;
+    if (!cuda::aligned(p, 16)) return false;
   return true;
 }
 
@@ -358,8 +356,8 @@ void gather_sum_cuda(void* out, int64_t n_out, const void* a, int64_t na, const 
   if (n_out == 0 || C == 0) return;
   dispatch_dtype(dtype, [&](auto tag) {
     using S = decltype(tag);
-    constexpr int V = 16 / sizeof(S);
-    const bool vec = C % V == 0 && aligned(out, 16) && aligned(a, 16) && (b == nullptr || aligned(b, 16));
+    constexpr int V = Slab<S, 1>::kChunk;
+    const bool vec = vector_ok<S>(C, {out, a, b});
     if (vec)
       gather_sum_kernel<S, V><<<cuda::grid_for(n_out * (C / V), 256), 256, 0, stream>>>(
           static_cast<S*>(out), n_out, static_cast<const S*>(a), na, static_cast<const S*>(b), index, M, C);

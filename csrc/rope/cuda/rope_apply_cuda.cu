@@ -350,7 +350,6 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
   }
 }
 
-bool aligned_ptr(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 bool strides_ok(const HeadsView& v, int64_t ve) {
   return v.in_sb % ve == 0 && v.in_ss % ve == 0 && v.in_sh % ve == 0 && v.out_sb % ve == 0 &&
@@ -400,8 +399,8 @@ void dispatch_vec(const RopeArgs& a, cudaStream_t stream) {
   auto fits = [&](int bytes) {
     const int64_t ve = bytes / static_cast<int64_t>(sizeof(T));
     if (ve < (GPTJ ? 2 : 1)) return false;
-    if (!aligned_ptr(a.q.in, bytes) || !aligned_ptr(a.q.out, bytes) || !aligned_ptr(a.k.in, bytes) ||
-        !aligned_ptr(a.k.out, bytes))
+    if (!cuda::aligned(a.q.in, bytes) || !cuda::aligned(a.q.out, bytes) || !cuda::aligned(a.k.in, bytes) ||
+        !cuda::aligned(a.k.out, bytes))
       return false;
     if (!strides_ok(a.q, ve) || !strides_ok(a.k, ve)) return false;
     if ((GPTJ ? a.rotary_dim : n) % ve != 0) return false;
@@ -801,7 +800,7 @@ void dispatch(const NormArgs& a, bool bwd, cudaStream_t stream) {
   auto fits = [&](int64_t ve, int bytes) {
     const void* ptrs[] = {r.q.in, r.q.out, r.k.in, r.k.out, bwd ? a.g_q.in : nullptr, bwd ? a.g_k.in : nullptr};
     for (const void* q : ptrs)
-      if (!aligned_ptr(q, bytes)) return false;
+      if (!cuda::aligned(q, bytes)) return false;
     if (!strides_ok(r.q, ve) || !strides_ok(r.k, ve)) return false;
     if (bwd && (!strides_ok(a.g_q, ve) || !strides_ok(a.g_k, ve))) return false;
     return D % ve == 0 && (GPTJ ? rd : n) % ve == 0;
