@@ -98,14 +98,11 @@ Tensor causal_conv1d_fwd(Tensor x, Tensor weight, std::optional<Tensor> bias, st
   Prepared p = prepare("causal_conv1d", x, weight, bias, cu_seqlens, prefix, activation);
   Tensor y = new_like(p.x, {p.a.T, p.a.C});
   if (p.a.T == 0 || p.a.C == 0) return y;
-  if (x.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(x);
-      conv::causal_conv1d_fwd_cuda(p.a, y.mutable_data_ptr(), cs.stream);
-    });
-  } else {
+  run_kernel(x, [&] {
     conv::causal_conv1d_fwd_cpu(p.a, y.mutable_data_ptr());
-  }
+  }, [&](auto stream) {
+    conv::causal_conv1d_fwd_cuda(p.a, y.mutable_data_ptr(), stream);
+  });
   return y;
 }
 
@@ -129,22 +126,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor dy, Tensor x
   const int64_t S = p.prefix.has_value() ? a.nseg : 0;
   Tensor dprefix = new_like(p.x, {S, static_cast<int64_t>(a.K - 1), a.C});
   const ST acc_t = a.dtype == DType::F64 ? ST::Double : ST::Float;
-  if (x.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(x);
-      const int64_t tiles = conv::conv_bwd_tiles_cuda(a);
-      Tensor work = new_like(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
-      conv::causal_conv1d_bwd_cuda(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
-                                   db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
-                                   work.mutable_data_ptr(), tiles, cs.stream);
-    });
-  } else {
+  run_kernel(x, [&] {
     const int64_t tiles = conv::conv_bwd_tiles_cpu(a.T);
     Tensor work = new_like(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
     conv::causal_conv1d_bwd_cpu(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
                                 db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
                                 work.mutable_data_ptr(), tiles);
-  }
+  }, [&](auto stream) {
+    const int64_t tiles = conv::conv_bwd_tiles_cuda(a);
+    Tensor work = new_like(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
+    conv::causal_conv1d_bwd_cuda(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
+                                 db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
+                                 work.mutable_data_ptr(), tiles, stream);
+  });
   return {dx, dw, db, dprefix};
 }
 
@@ -174,16 +168,13 @@ Tensor conv_gather_sum(Tensor a, Tensor b, Tensor index) {
   Tensor out = new_like(a, {R, C});
   if (R == 0 || C == 0) return out;
   const DType dt = core_dtype(a.scalar_type());
-  if (a.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(a);
-      conv::gather_sum_cuda(out.mutable_data_ptr(), R, a.const_data_ptr(), na, b.const_data_ptr(),
-                            index.const_data_ptr<int64_t>(), M, C, dt, cs.stream);
-    });
-  } else {
+  run_kernel(a, [&] {
     conv::gather_sum_cpu(out.mutable_data_ptr(), R, a.const_data_ptr(), na, b.const_data_ptr(),
                          index.const_data_ptr<int64_t>(), M, C, dt);
-  }
+  }, [&](auto stream) {
+    conv::gather_sum_cuda(out.mutable_data_ptr(), R, a.const_data_ptr(), na, b.const_data_ptr(),
+                          index.const_data_ptr<int64_t>(), M, C, dt, stream);
+  });
   return out;
 }
 
@@ -387,8 +378,8 @@ Tensor conv_exchange_run(Tensor src, int64_t handle) {
   const int64_t n_stage = (e.direct ? 0 : e.n_send) + e.n_recv;
   Tensor staging = new_like(src, {n_stage, C});
   Tensor out = new_like(src, out_sizes);
-  PC_CUDA_ONLY({
-    CudaScope cs(src);
+  // src is on CUDA (checked above): the host half is never taken.
+  run_kernel(src, [] {}, [&](auto stream) {
     char* base = static_cast<char*>(staging.mutable_data_ptr());
     const int64_t row_bytes = C * element_size(src.scalar_type());
     char* send_ptr = e.direct ? nullptr : base;
@@ -398,7 +389,7 @@ Tensor conv_exchange_run(Tensor src, int64_t handle) {
                              e.unpack.const_data_ptr<int64_t>(), static_cast<int>(e.unpack.size(1)),
                              out.mutable_data_ptr(), e.unpack.size(0), C, core_dtype(src.scalar_type()),
                              static_cast<int64_t>(e.send_counts.size()), e.rank,
-                             reinterpret_cast<ncclComm_t>(e.comm), cs.stream);
+                             reinterpret_cast<ncclComm_t>(e.comm), stream);
   });
   return out;
 }

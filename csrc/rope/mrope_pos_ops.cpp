@@ -233,28 +233,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
   Tensor status = new_tensor({1}, ST::Long, device);
   const int esz = id_type == ST::Int ? 4 : 8;
 
-  if (input_ids.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(input_ids);
-      // [table][arrival counter = 0]: the kernels' counter travels with the table (no memset).
-      Tensor staging = new_tensor({L.size() + 1}, ST::Long, torch::stable::Device(torch::headeronly::DeviceType::CPU),
-                                  /*pinned=*/true);
-      int64_t* host = staging.mutable_data_ptr<int64_t>();
-      fill(host);
-      host[L.size()] = 0;
-      Tensor table = new_tensor({L.size() + 1}, ST::Long, device);
-      copy_into(table, staging, /*non_blocking=*/true);  // the one host-to-device copy (no sync)
-      int64_t* tp = table.mutable_data_ptr<int64_t>();
-      const rope::MRopeTables tb =
-          L.tables(tp, cu_in_table ? tp : seg.ptr(), seg.count, image_token_id, video_token_id);
-      const size_t ws = rope::mrope_pos_cuda_workspace(total, seg.count);
-      Tensor work = new_tensor({static_cast<int64_t>(ws)}, ST::Byte, device);
-      rope::mrope_pos_cuda(pos.mutable_data_ptr<int64_t>(), text_pos.mutable_data_ptr<int64_t>(),
-                           deltas.mutable_data_ptr<int64_t>(), status.mutable_data_ptr<int64_t>(),
-                           work.mutable_data_ptr(), ws, tp + L.size(), input_ids.const_data_ptr(), esz, total, tb,
-                           cs.stream);
-    });
-  } else {
+  run_kernel(input_ids, [&] {
     std::vector<int64_t> table(static_cast<size_t>(L.size()));
     fill(table.data());
     const rope::MRopeTables tb = L.tables(table.data(), table.data(), seg.count, image_token_id, video_token_id);
@@ -271,7 +250,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
       PC_ARG(false, kOp, msg);
     }
     *status.mutable_data_ptr<int64_t>() = rope::kMRopeOk;
-  }
+  }, [&](auto stream) {
+    // [table][arrival counter = 0]: the kernels' counter travels with the table (no memset).
+    Tensor staging = new_tensor({L.size() + 1}, ST::Long, torch::stable::Device(torch::headeronly::DeviceType::CPU),
+                                /*pinned=*/true);
+    int64_t* host = staging.mutable_data_ptr<int64_t>();
+    fill(host);
+    host[L.size()] = 0;
+    Tensor table = new_tensor({L.size() + 1}, ST::Long, device);
+    copy_into(table, staging, /*non_blocking=*/true);  // the one host-to-device copy (no sync)
+    int64_t* tp = table.mutable_data_ptr<int64_t>();
+    const rope::MRopeTables tb =
+        L.tables(tp, cu_in_table ? tp : seg.ptr(), seg.count, image_token_id, video_token_id);
+    const size_t ws = rope::mrope_pos_cuda_workspace(total, seg.count);
+    Tensor work = new_tensor({static_cast<int64_t>(ws)}, ST::Byte, device);
+    rope::mrope_pos_cuda(pos.mutable_data_ptr<int64_t>(), text_pos.mutable_data_ptr<int64_t>(),
+                         deltas.mutable_data_ptr<int64_t>(), status.mutable_data_ptr<int64_t>(),
+                         work.mutable_data_ptr(), ws, tp + L.size(), input_ids.const_data_ptr(), esz, total, tb,
+                         stream);
+  });
   return {pos, text_pos, deltas, status};
 }
 

@@ -259,14 +259,11 @@ void check_inplace_memory(const char* op, const Tensor& q, const Tensor& k, cons
 
 void launch(const Tensor& q, const rope::RopeArgs& a) {
   if (a.tokens == 0 || a.q.heads + a.k.heads == 0) return;
-  if (q.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(q);
-      rope::rope_apply_cuda(a, cs.stream);
-    });
-  } else {
+  run_kernel(q, [&] {
     rope::rope_apply_cpu(a);
-  }
+  }, [&](auto stream) {
+    rope::rope_apply_cuda(a, stream);
+  });
 }
 
 std::tuple<Tensor, Tensor> apply_rope(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, int64_t rotary_dim,
@@ -353,17 +350,13 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
 
 void launch_norm(const Tensor& q, rope::NormArgs& a, bool backward) {
   if (a.r.tokens == 0 || a.r.q.heads + a.r.k.heads == 0) return;
-  if (q.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(q);
-      if (backward) rope::qk_norm_rope_backward_cuda(a, cs.stream);
-      else rope::qk_norm_rope_cuda(a, cs.stream);
-    });
-  } else if (backward) {
-    rope::qk_norm_rope_backward_cpu(a);
-  } else {
-    rope::qk_norm_rope_cpu(a);
-  }
+  run_kernel(q, [&] {
+    if (backward) rope::qk_norm_rope_backward_cpu(a);
+    else rope::qk_norm_rope_cpu(a);
+  }, [&](auto stream) {
+    if (backward) rope::qk_norm_rope_backward_cuda(a, stream);
+    else rope::qk_norm_rope_cuda(a, stream);
+  });
 }
 
 std::tuple<Tensor, Tensor> qk_norm_rope(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight,

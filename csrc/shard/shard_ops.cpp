@@ -208,14 +208,7 @@ PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int6
     t.copy_src[k] = base + offs[k];
     t.copy_n[k] = sizes[k];
   }
-  if (on_cpu) {
-    shard::plan_tables_cpu(t);
-  } else {
-    PC_CUDA_ONLY({
-      CudaScope cs(index);
-      shard::plan_tables_cuda(t, cs.stream);
-    });
-  }
+  run_kernel(index, [&] { shard::plan_tables_cpu(t); }, [&](auto stream) { shard::plan_tables_cuda(t, stream); });
   return {index, position, label, cu_padded, cu_local, pieces, piece_offset, piece_seq, host_meta, info};
 }
 
@@ -256,16 +249,13 @@ std::tuple<Tensor, Tensor, Tensor> shard_plan_index(Tensor cu_seqlens, Tensor pi
   auto* pi = index.mutable_data_ptr<int64_t>();
   auto* pp = position.mutable_data_ptr<int64_t>();
   auto* pl = label.mutable_data_ptr<int64_t>();
-  if (index.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(index);
-      shard::plan_index_cuda(pi, pp, pl, total_local, cu.ptr(), cu.count, d_pieces.const_data_ptr<int64_t>(),
-                             d_off.const_data_ptr<int64_t>(), d_seq.const_data_ptr<int64_t>(), np, cs.stream);
-    });
-  } else {
+  run_kernel(index, [&] {
     shard::plan_index_cpu(pi, pp, pl, total_local, cu.ptr(), cu.count, d_pieces.const_data_ptr<int64_t>(),
                           d_off.const_data_ptr<int64_t>(), d_seq.const_data_ptr<int64_t>(), np);
-  }
+  }, [&](auto stream) {
+    shard::plan_index_cuda(pi, pp, pl, total_local, cu.ptr(), cu.count, d_pieces.const_data_ptr<int64_t>(),
+                           d_off.const_data_ptr<int64_t>(), d_seq.const_data_ptr<int64_t>(), np, stream);
+  });
   return {index, position, label};
 }
 
@@ -299,16 +289,13 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
   const int64_t total = cu.host.back();
   Tensor out = torch::stable::new_empty(cu.tensor, {total}, ST::Long);
   if (total == 0) return out;
-  if (out.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(out);
-      shard::unshard_index_cuda(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
-                                static_cast<int>(layout), total_local, cs.stream);
-    });
-  } else {
+  run_kernel(out, [&] {
     shard::unshard_index_cpu(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
                              static_cast<int>(layout), total_local);
-  }
+  }, [&](auto stream) {
+    shard::unshard_index_cuda(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
+                              static_cast<int>(layout), total_local, stream);
+  });
   return out;
 }
 

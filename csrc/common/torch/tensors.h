@@ -45,10 +45,25 @@ struct CudaScope {
       : guard(t.get_device_index()), stream(current_stream(t.get_device_index())) {}
 };
 
+// The one device split of the torch layer: runs an op's kernel on the device of `t` - cpu() on the host, or
+// cuda(stream) under a device guard on the current stream of t's CUDA device. The kernel device is that of a
+// tensor, not the dispatch key: ops whose output device comes from a device argument (host metadata in, CUDA
+// tables out) are registered for CPU and CUDA and pick the kernel here. `cuda` is a generic lambda
+// ([&](auto stream) {...}) so that a CPU-only build never instantiates it and never links a CUDA kernel; such a
+// build refuses a CUDA tensor (std::runtime_error, as the dispatcher refuses one without a CUDA kernel).
+template <class Cpu, class Cuda>
+void run_kernel(const Tensor& t, Cpu&& cpu, Cuda&& cuda) {
+  if (!t.is_cuda()) {
+    cpu();
+    return;
+  }
 #ifdef USE_CUDA
-#define PC_CUDA_ONLY(...) __VA_ARGS__
+  CudaScope cs(t);
+  cuda(cs.stream);
 #else
-#define PC_CUDA_ONLY(...) throw std::runtime_error("packcuda was built without CUDA kernels")
+  (void)cuda;
+  throw std::runtime_error("packcuda was built without CUDA kernels");
 #endif
+}
 
 }  // namespace packcuda::th

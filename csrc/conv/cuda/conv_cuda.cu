@@ -20,6 +20,7 @@
 namespace packcuda::conv {
 namespace {
 
+using detail::dispatch_bool;
 using detail::dispatch_dtype;
 using detail::dispatch_k;
 using detail::shape_of;
@@ -251,8 +252,7 @@ template <typename F> void dispatch_conv(const ConvArgs& a, F&& f) {
 // itself into the kernel; the element-wise path reads both at run time.
 template <int KM, typename F> void dispatch_vec_math(const ConvArgs& a, F&& f) {
   auto with_act = [&](auto exact) {
-    if (a.activation == 1) f(std::integral_constant<int, 1>{}, exact);
-    else f(std::integral_constant<int, 0>{}, exact);
+    dispatch_bool(a.activation == 1, [&](auto silu) { f(std::integral_constant<int, decltype(silu)::value>{}, exact); });
   };
   if constexpr (KM == 2 || KM == kMaxK) {
     if (a.K != KM) return with_act(std::false_type{});

@@ -1,6 +1,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "common/cuda_utils.cuh"
+#include "common/dispatch.h"
 #include "pack/pack.h"
 #include "pack/pack_math.h"
 
@@ -89,11 +90,10 @@ void move_rows(void* out, const void* src, const int64_t* index, int64_t n_rows,
     return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(out) % w == 0 &&
            reinterpret_cast<uintptr_t>(src) % w == 0 && (lead <= 1 || src_lead_bytes % w == 0);
   };
-  if (aligned(16)) launch_move<kScatter, 16>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes, stream);
-  else if (aligned(8)) launch_move<kScatter, 8>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes, stream);
-  else if (aligned(4)) launch_move<kScatter, 4>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes, stream);
-  else if (aligned(2)) launch_move<kScatter, 2>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes, stream);
-  else launch_move<kScatter, 1>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes, stream);
+  dispatch_first<16, 8, 4, 2, 1>(aligned, [&](auto w) {
+    launch_move<kScatter, decltype(w)::value>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes,
+                                              stream);
+  });
 }
 
 __global__ void invert_index_kernel(int64_t* inv, const int64_t* index, int64_t n_index) {

@@ -418,8 +418,7 @@ void dispatch_vec(const RopeArgs& a, cudaStream_t stream) {
 
 template <typename T>
 void dispatch(const RopeArgs& a, cudaStream_t stream) {
-  if (a.gptj) dispatch_vec<T, true>(a, stream);
-  else dispatch_vec<T, false>(a, stream);
+  dispatch_bool(a.gptj, [&](auto gptj) { dispatch_vec<T, decltype(gptj)::value>(a, stream); });
 }
 
 
@@ -825,8 +824,7 @@ void dispatch(const NormArgs& a, bool bwd, cudaStream_t stream) {
 
 template <typename T>
 void by_style(const NormArgs& a, bool bwd, cudaStream_t stream) {
-  if (a.r.gptj) dispatch<T, true>(a, bwd, stream);
-  else dispatch<T, false>(a, bwd, stream);
+  dispatch_bool(a.r.gptj, [&](auto gptj) { dispatch<T, decltype(gptj)::value>(a, bwd, stream); });
 }
 
 void run(const NormArgs& a, bool bwd, cudaStream_t stream) {
