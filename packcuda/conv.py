@@ -141,6 +141,8 @@ class ConvPrefixSchedule:
     for row i of the receive buffer, or -1 for a zero row before the sequence start). Backward:
     ``bwd_send_index`` (prefix slots whose gradients go back to their owners, grouped by peer) and
     ``bwd_unpack`` ``[n_local, bwd_m]`` (for every local row, the gradient rows it sums, in a fixed order).
+    ``send_first`` / ``bwd_send_first``: per peer, the first row when the rows sent to it are consecutive (they
+    are then sent straight from the source), else -1.
     """
 
     def __init__(self, plan, kernel_size: int):
@@ -149,12 +151,13 @@ class ConvPrefixSchedule:
         t = ops.conv_prefix_schedule(
             torch.tensor(plan.cu_seqlens_host, dtype=torch.int64), int(plan.cp_size), int(plan.cp_rank),
             _LAYOUT_CODES[plan.layout], int(plan.align), None if bucket is None else int(bucket), kernel_size)
-        send_index, send_counts, recv_counts, unpack, bwd_send_index, bwd_unpack, info = t
+        send_index, send_counts, recv_counts, unpack, bwd_send_index, bwd_unpack, info, send_first, bwd_send_first = t
         self.kernel_size = kernel_size
         self.cp_size, self.rank = int(plan.cp_size), int(plan.cp_rank)
         self.n_pieces, self.n_local = (int(v) for v in info.tolist())
         self.send_counts = send_counts.tolist()
         self.recv_counts = recv_counts.tolist()
+        self.send_first, self.bwd_send_first = send_first.tolist(), bwd_send_first.tolist()
         self.send_index, self.unpack = send_index, unpack
         self.bwd_send_index, self.bwd_unpack = bwd_send_index, bwd_unpack
         self.fingerprint = _plan_fingerprint(plan, kernel_size)
@@ -419,37 +422,9 @@ def conv_prefix(
     return call.forward(x_local)
 
 
-# handle -> lead dims of conv_exchange_run's output (the fake kernel's shape; handles are never reused)
-_EXCHANGE_LEAD: dict = {}
-
-
-def _prepare_exchange(send_index, send_counts, recv_counts, send_first, unpack, comm, rank, n_src, out_lead) -> int:
-    """conv_exchange_prepare, with the output shape kept for the fake kernel of conv_exchange_run."""
-    h = ops.conv_exchange_prepare.default(send_index, send_counts, recv_counts, send_first, unpack, comm, rank,
-                                          n_src, list(out_lead))
-    _EXCHANGE_LEAD[h] = tuple(out_lead)
-    return h
-
-
 @torch.library.register_fake("packcuda::conv_exchange_run")
-def _exchange_run_fake(src, handle):
-    lead = _EXCHANGE_LEAD.get(handle)
-    if lead is None:
-        raise ValueError(f"packcuda.conv_exchange_run: unknown or released handle {handle}")
-    return src.new_empty((*lead, src.shape[-1]))
-
-
-def _first_rows(index: torch.Tensor, counts) -> list:
-    """Per peer: the first row when the peer's rows of ``index`` (grouped by peer) are consecutive, else -1."""
-    out, o = [], 0
-    for c in counts:
-        seg = index[o:o + c]
-        o += c
-        if c > 0 and bool((seg == torch.arange(int(seg[0]), int(seg[0]) + c)).all()):
-            out.append(int(seg[0]))
-        else:
-            out.append(-1)
-    return out
+def _exchange_run_fake(src, handle, out_lead):
+    return src.new_empty((*out_lead, src.shape[-1]))
 
 
 class _PreparedCall:
@@ -467,19 +442,19 @@ class _PreparedCall:
         S, K1 = sched.n_pieces, sched.kernel_size - 1
         self.shape_tail = (S, K1)
         self.handles = None
+        self.out_leads = ([S, K1], [sched.n_local])  # forward, backward
         if backend == "nccl":
-            fwd = _prepare_exchange(self.send_index, self.send_counts, self.recv_counts,
-                                    _first_rows(sched.send_index, self.send_counts), self.unpack, self.comm,
-                                    sched.rank, sched.n_local, (S, K1))
-            bwd = _prepare_exchange(self.bwd_send_index, self.recv_counts, self.send_counts,
-                                    _first_rows(sched.bwd_send_index, self.recv_counts), self.bwd_unpack, self.comm,
-                                    sched.rank, S * K1, (sched.n_local,))
+            prep = ops.conv_exchange_prepare.default
+            fwd = prep(self.send_index, self.send_counts, self.recv_counts, sched.send_first, self.unpack, self.comm,
+                       sched.rank, sched.n_local, self.out_leads[0])
+            bwd = prep(self.bwd_send_index, self.recv_counts, self.send_counts, sched.bwd_send_first,
+                       self.bwd_unpack, self.comm, sched.rank, S * K1, self.out_leads[1])
             self.handles = (fwd, bwd)
             weakref.finalize(self, _release_exchanges, fwd, bwd)
 
     def forward(self, x_local):
         if self.handles is not None:
-            return ops.conv_exchange_run.default(x_local, self.handles[0])
+            return ops.conv_exchange_run.default(x_local, self.handles[0], self.out_leads[0])
         out = _exchange_torch(x_local.contiguous(), self.send_index, self.send_counts, self.recv_counts,
                               self.unpack, self.group, self.sched.rank)
         return out.view(*self.shape_tail, x_local.shape[1])
@@ -487,7 +462,7 @@ class _PreparedCall:
     def backward(self, grad):
         # every rank runs the mirror exchange, even when it has nothing to send or receive
         if self.handles is not None:
-            return ops.conv_exchange_run.default(grad, self.handles[1])
+            return ops.conv_exchange_run.default(grad, self.handles[1], self.out_leads[1])
         g = grad.reshape(self.shape_tail[0] * self.shape_tail[1], grad.shape[-1]).contiguous()
         return _exchange_torch(g, self.bwd_send_index, self.recv_counts, self.send_counts, self.bwd_unpack,
                                self.group, self.sched.rank)
@@ -495,7 +470,6 @@ class _PreparedCall:
 
 def _release_exchanges(*handles):
     for h in handles:
-        _EXCHANGE_LEAD.pop(h, None)
         try:
             ops.conv_exchange_release.default(h)
         except Exception:  # pragma: no cover - interpreter shutdown

@@ -19,7 +19,6 @@ ops = torch.ops.packcuda
 __all__ = ["MRopeSpec", "mrope_position_ids"]
 
 GridLike = Union[torch.Tensor, Sequence[Sequence[int]], None]
-_OK = (1 << 63) - 1
 
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernel
@@ -219,11 +218,11 @@ def mrope_position_ids(
             video_frames == "per_frame", text_after_vision == "max")
     pos, text_pos, deltas, status = _OP(input_ids, meta, *args)
     if validate and not input_ids.is_cpu:
-        key = int(status.item())  # the one documented sync
-        if key != _OK:
+        token = ops.mrope_status_token(int(status.item()))  # the one documented sync
+        if token >= 0:
             cu_host = meta.cpu() if is_device_tensor(meta) else meta
             ops.mrope_position_ids(input_ids.cpu(), cu_host, *args)  # raises the message naming the block
-            raise ValueError(f"packcuda.mrope_position_ids: invalid run structure near token {key >> 24}")
+            raise ValueError(f"packcuda.mrope_position_ids: invalid run structure near token {token}")
     return pos, text_pos, deltas
 
 

@@ -144,6 +144,9 @@ CASES = [
          make=lambda: _f(_ids(0, 8, device="cuda"), image_grid_thw=None, video_grid_thw=[[2, 4, 4]],
                          second_per_grid_ts=[float("nan")], tokens_per_second=2.0)),
 
+    Case("ops.mrope_status_token", "negative_status", op="mrope_status_token", arg="status",
+         make=lambda: call(ops.mrope_status_token, -5)),
+
     # raw op: the same host checks
     Case("ops.mrope_position_ids", "grid_product_overflow", op="mrope_position_ids", arg="image_grid_thw",
          make=lambda: _op(image=torch.tensor([[1, 2**62 + 1, 4]]), merge=1)),

@@ -535,6 +535,29 @@ def test_conv_prefix_schedule_hypothesis(lens, cp, layout, K, bucket_units, seed
     _simulate_schedules(cp, layout, K, lens, bucket, seed=seed)
 
 
+def _first_rows(index, counts):
+    """Per peer: the first row when the peer's rows of index (grouped by peer) are consecutive, else -1."""
+    out, o = [], 0
+    for c in counts:
+        seg = index[o:o + c].tolist()
+        o += c
+        out.append(seg[0] if c > 0 and seg == list(range(seg[0], seg[0] + c)) else -1)
+    return out
+
+
+@pytest.mark.parametrize("cp,layout,K,lens", [(2, "zigzag", 4, [10, 23]), (3, "contiguous", 3, [5, 40, 2, 17]),
+                                              (4, "zigzag", 8, [64, 3, 30]), (2, "contiguous", 2, [1, 1, 9])])
+def test_schedule_send_first(cp, layout, K, lens):
+    """The schedule's send_first / bwd_send_first: per peer, the first row of a consecutive run of sent rows."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    for rank in range(cp):
+        s = packcuda.conv_prefix_schedule(packcuda.shard_plan(cu, cp, rank, layout=layout), K)
+        assert s.send_first == _first_rows(s.send_index, s.send_counts)
+        assert s.bwd_send_first == _first_rows(s.bwd_send_index, s.recv_counts)
+
+
 def test_schedule_on_device_spellings():
     """ConvPrefixSchedule.on takes a device or its spelling; an index-less "cuda" is the current device, so
     every spelling of one device shares one upload."""
@@ -585,25 +608,17 @@ def test_bad_prepared_exchange():
             ops.conv_exchange_prepare(torch.zeros(3, dtype=torch.int64, device="cuda"), [0, 3], [0, 0], [0, 6],
                                       unpack, 1, 0, 8, [2, 2])
         with pytest.raises(ValueError, match="unknown or released handle"):
-            ops.conv_exchange_run(torch.zeros(8, 2, device="cuda"), 987654)
+            ops.conv_exchange_run(torch.zeros(8, 2, device="cuda"), 987654, [8])
 
 
 def test_prepared_exchange_fake_kernel():
-    """The fake kernel of conv_exchange_run (what torch.compile traces): [*out_lead, C] of the prepared handle."""
+    """The fake kernel of conv_exchange_run (what torch.compile traces): [*out_lead, C] from the arguments."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from packcuda import conv as pconv
-
-    h = -7  # never a real handle (those count up from 1)
-    pconv._EXCHANGE_LEAD[h] = (3, 2)
-    try:
-        with FakeTensorMode():
-            x = torch.empty(10, 16, device="cuda", dtype=torch.bfloat16)
-            out = torch.ops.packcuda.conv_exchange_run(x, h)
-            assert out.shape == (3, 2, 16) and out.dtype == x.dtype and out.device == x.device
-    finally:
-        pconv._release_exchanges(h)
-    assert h not in pconv._EXCHANGE_LEAD
+    with FakeTensorMode():
+        x = torch.empty(10, 16, device="cuda", dtype=torch.bfloat16)
+        out = torch.ops.packcuda.conv_exchange_run(x, -7, [3, 2])  # -7: never a real handle
+        assert out.shape == (3, 2, 16) and out.dtype == x.dtype and out.device == x.device
 
 
 @requires_cuda
@@ -615,24 +630,26 @@ def test_prepared_exchange_one_rank():
     comm = ops.conv_nccl_comm_init(ops.conv_nccl_unique_id(), 1, 0, torch.cuda.current_device())
     x = torch.randn(8, 5, device="cuda", dtype=torch.bfloat16)
     rows = torch.tensor([3, -1, 0, 7, 7, -1], device="cuda")
-    from packcuda.conv import _prepare_exchange, _release_exchanges
+    from packcuda.conv import _release_exchanges
 
-    h = _prepare_exchange(torch.zeros(0, dtype=torch.int64, device="cuda"), [0], [0], [-1], rows[:, None], comm, 0,
-                          8, [2, 3])
+    h = ops.conv_exchange_prepare(torch.zeros(0, dtype=torch.int64, device="cuda"), [0], [0], [-1], rows[:, None],
+                                  comm, 0, 8, [2, 3])
     try:
-        out = ops.conv_exchange_run(x, h)
+        out = ops.conv_exchange_run(x, h, [2, 3])
         want = torch.where(rows[:, None] >= 0, x[rows.clamp(min=0)], torch.zeros_like(x[:1]))
         assert out.shape == (2, 3, 5) and torch.equal(out.view(6, 5), want)
-        assert torch.equal(ops.conv_exchange_run(x.view(2, 4, 5), h), out)  # any [..., C] holding 8 rows
+        assert torch.equal(ops.conv_exchange_run(x.view(2, 4, 5), h, [2, 3]), out)  # any [..., C] holding 8 rows
         with pytest.raises(ValueError, match="src has 7 rows but the exchange was prepared for 8"):
-            ops.conv_exchange_run(x[:7], h)
-        # schema, fake kernel (the output shape kept by _prepare_exchange) and the compiled-graph path
-        torch.library.opcheck(ops.conv_exchange_run.default, (x, h))
-        torch.library.opcheck(ops.conv_exchange_run.default, (x.float().view(4, 2, 5), h))
+            ops.conv_exchange_run(x[:7], h, [2, 3])
+        with pytest.raises(ValueError, match=r"out_lead \[3, 2\] is not the prepared exchange's \[2, 3\]"):
+            ops.conv_exchange_run(x, h, [3, 2])
+        # schema, fake kernel (the output shape from out_lead) and the compiled-graph path
+        torch.library.opcheck(ops.conv_exchange_run.default, (x, h, [2, 3]))
+        torch.library.opcheck(ops.conv_exchange_run.default, (x.float().view(4, 2, 5), h, [2, 3]))
     finally:
         _release_exchanges(h)
     with pytest.raises(ValueError, match="unknown or released handle"):
-        ops.conv_exchange_run(x, h)
+        ops.conv_exchange_run(x, h, [2, 3])
 
 
 # ------------------------------------------------------------------------------------ two GPUs, NCCL

@@ -589,9 +589,11 @@ def test_cuda_status_is_the_earliest_error():
         key = int(status.item())
         if cpu_token is None:
             assert key == (1 << 63) - 1
+            assert torch.ops.packcuda.mrope_status_token(key) == -1
         else:
             n_bad += 1
             assert key != (1 << 63) - 1 and key >> 24 == cpu_token
+            assert torch.ops.packcuda.mrope_status_token(key) == cpu_token
     assert n_bad >= len(BAD_RUNS) + 10
 
 
@@ -675,3 +677,13 @@ def test_valid_edges_work():
     spec = packcuda.MRopeSpec.from_hf_config({"model_type": "qwen2_vl", "image_token_id": np.int64(IMG),
                                               "video_token_id": VID, "vision_config": {"spatial_merge_size": 2}})
     assert spec.image_token_id == IMG and type(spec.image_token_id) is int
+
+
+def test_mrope_status_token():
+    """The status word's token, read by the op that owns the layout: -1 for a good status."""
+    ops = torch.ops.packcuda
+    assert ops.mrope_status_token((1 << 63) - 1) == -1
+    assert ops.mrope_status_token(0) == 0
+    assert ops.mrope_status_token((37 << 24) | (1 << 21) | 5) == 37
+    with pytest.raises(ValueError, match=r"mrope_status_token: status must be a status word .* got -1"):
+        ops.mrope_status_token(-1)

@@ -76,6 +76,10 @@ struct Schedule {
   // n_pieces*(K-1) is prefix slot j and n_pieces*(K-1) + i is backward receive-buffer row i; -1 = nothing.
   std::vector<int64_t> bwd_send_index, bwd_unpack;
   int64_t bwd_m = 1;
+  // Per peer: the first row when the rows sent to it are consecutive rows of the source (forward: of
+  // send_index, backward: of bwd_send_index), else -1: the send_first of exchange_rows_nccl, which sends such
+  // rows straight from the source, without a pack kernel.
+  std::vector<int64_t> send_first, bwd_send_first;
 };
 
 // cu: original cu_seqlens [nseq + 1] (host); the plan parameters as in shard::build_layout (valid).

@@ -198,7 +198,9 @@ std::vector<int64_t> checked_schedule_layout(const char* op, const Tensor& cu_se
   return checked_layout_args(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket);
 }
 
-// Host schedule of the conv-prefix exchange for rank cp_rank of a shard plan (parameters as shard_layout).
+// Host schedule of the conv-prefix exchange for rank cp_rank of a shard plan (parameters as shard_layout):
+// [send_index, send_counts, recv_counts, unpack, bwd_send_index, bwd_unpack [n_local, bwd_m],
+//  (n_pieces, n_local), send_first, bwd_send_first] (conv::Schedule).
 std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout,
                                          int64_t align, std::optional<int64_t> bucket, int64_t kernel_size) {
   const char* op = "conv_prefix_schedule";
@@ -210,7 +212,8 @@ std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int
                                                  bucket.value_or(1), static_cast<int>(kernel_size));
   Tensor bwd_unpack = torch::stable::reshape(host_i64(sc.bwd_unpack), {sc.n_local, sc.bwd_m});
   return {host_i64(sc.send_index), host_i64(sc.send_counts), host_i64(sc.recv_counts), host_i64(sc.unpack),
-          host_i64(sc.bwd_send_index), bwd_unpack, host_i64({sc.n_pieces, sc.n_local})};
+          host_i64(sc.bwd_send_index), bwd_unpack, host_i64({sc.n_pieces, sc.n_local}), host_i64(sc.send_first),
+          host_i64(sc.bwd_send_first)};
 }
 
 bool conv_nccl_available() { return conv::nccl_available(); }
@@ -360,7 +363,8 @@ void conv_exchange_release(int64_t handle) {
 }
 
 // Runs a prepared exchange on src [n_src, C] (or any [..., C] holding n_src rows); returns [*out_lead, C].
-Tensor conv_exchange_run(Tensor src, int64_t handle) {
+// out_lead is the prepared one, passed again so that the fake kernel has the output shape from the arguments.
+Tensor conv_exchange_run(Tensor src, int64_t handle, std::vector<int64_t> out_lead) {
   const char* op = "conv_exchange_run";
   const std::shared_ptr<const Exchange> ep = exchange_of(op, handle);
   const Exchange& e = *ep;
@@ -372,6 +376,8 @@ Tensor conv_exchange_run(Tensor src, int64_t handle) {
   const int64_t C = src.size(src.dim() - 1);
   PC_ARG(C == 0 || src.numel() / C == e.n_src, op, "src has ", C == 0 ? 0 : src.numel() / C,
          " rows but the exchange was prepared for ", e.n_src);
+  PC_ARG(out_lead == e.out_lead, op, "out_lead ", list_str(out_lead), " is not the prepared exchange's ",
+         list_str(e.out_lead));
   src = dense(src);
   std::vector<int64_t> out_sizes = e.out_lead;
   out_sizes.push_back(C);
@@ -409,7 +415,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def("conv_nccl_comm_init(Tensor unique_id, int nranks, int rank, int device_index) -> int");
   m.def("conv_exchange_prepare(Tensor send_index, int[] send_counts, int[] recv_counts, int[] send_first, "
         "Tensor unpack_index, int comm, int rank, int n_src, int[] out_lead) -> int");
-  m.def("conv_exchange_run(Tensor src, int handle) -> Tensor");
+  m.def("conv_exchange_run(Tensor src, int handle, int[] out_lead) -> Tensor");
   m.def("conv_exchange_release(int handle) -> ()");
 }
 

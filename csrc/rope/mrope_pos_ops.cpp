@@ -272,15 +272,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
   return {pos, text_pos, deltas, status};
 }
 
+// The token a status word of mrope_position_ids points at (the first token of the earliest bad run), or -1 for
+// a good one: the status layout (mrope_error_key) is read here only, Python asks this op.
+int64_t mrope_status_token(int64_t status) {
+  PC_ARG(status >= 0, "mrope_status_token", "status must be a status word of mrope_position_ids (>= 0), got ",
+         status);
+  return status == rope::kMRopeOk ? -1 : rope::mrope_key_token(status);
+}
+
 }  // namespace
 }  // namespace packcuda::th
 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
+  m.def("mrope_status_token(int status) -> int");
   m.def(
       "mrope_position_ids(Tensor input_ids, Tensor cu_seqlens, Tensor image_grid_thw, Tensor video_grid_thw, "
       "Tensor second_per_grid_ts, int image_token_id, int video_token_id, int spatial_merge_size=2, "
       "float? tokens_per_second=None, bool per_frame=False, bool text_after_max=False) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
+  m.impl("mrope_status_token", TORCH_BOX(&packcuda::th::mrope_status_token));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {

@@ -46,12 +46,17 @@ int64_t element_size(ST t) {
   }
 }
 
-std::string shape_str(const Tensor& t) {
+std::string list_str(const std::vector<int64_t>& v) {
   std::ostringstream os;
   os << "[";
-  for (int64_t i = 0; i < t.dim(); ++i) os << (i ? ", " : "") << t.size(i);
+  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
   os << "]";
   return os.str();
+}
+
+std::string shape_str(const Tensor& t) {
+  const auto sz = t.sizes();
+  return list_str(std::vector<int64_t>(sz.begin(), sz.end()));
 }
 
 std::string device_str(const Tensor& t) {

@@ -27,6 +27,7 @@ using ST = torch::headeronly::ScalarType;
 const char* dtype_name(ST t);
 // The core element type of a floating torch dtype (common/dtype.h); other dtypes map to F32 (callers check first).
 DType core_dtype(ST t);
+std::string list_str(const std::vector<int64_t>& v);  // "[a, b, c]"
 std::string shape_str(const Tensor& t);
 std::string device_str(const Tensor& t);
 

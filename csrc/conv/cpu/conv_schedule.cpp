@@ -7,6 +7,23 @@
 #include "shard/shard_math.h"
 
 namespace packcuda::conv {
+namespace {
+
+// Per peer p (counts[p] rows of index, grouped by peer): the first row when those rows are consecutive, else -1.
+std::vector<int64_t> first_rows(const std::vector<int64_t>& index, const std::vector<int64_t>& counts) {
+  std::vector<int64_t> first(counts.size(), -1);
+  int64_t o = 0;
+  for (size_t p = 0; p < counts.size(); ++p) {
+    const int64_t c = counts[p];
+    bool run = c > 0;
+    for (int64_t i = 1; run && i < c; ++i) run = index[o + i] == index[o] + i;
+    if (run) first[p] = index[o];
+    o += c;
+  }
+  return first;
+}
+
+}  // namespace
 
 Schedule build_schedule(const int64_t* cu, int64_t nseq, int64_t cp, int64_t rank, int layout, int64_t align,
                         int64_t bucket, int K) {
@@ -66,6 +83,8 @@ Schedule build_schedule(const int64_t* cu, int64_t nseq, int64_t cp, int64_t ran
   sc.bwd_unpack.assign(sc.n_local * sc.bwd_m, -1);
   for (int64_t r = 0; r < sc.n_local; ++r)
     for (size_t m = 0; m < contrib[r].size(); ++m) sc.bwd_unpack[r * sc.bwd_m + m] = contrib[r][m];
+  sc.send_first = first_rows(sc.send_index, sc.send_counts);
+  sc.bwd_send_first = first_rows(sc.bwd_send_index, sc.recv_counts);
   return sc;
 }
 

@@ -86,11 +86,11 @@ void launch_move(void* out, const void* src, const int64_t* index, int64_t n_row
 template <bool kScatter>
 void move_rows(void* out, const void* src, const int64_t* index, int64_t n_rows, int64_t row_bytes,
                const Fill16& f, int64_t lead, int64_t out_rows, int64_t src_lead_bytes, cudaStream_t stream) {
-  auto aligned = [&](int w) {
-    return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(out) % w == 0 &&
-           reinterpret_cast<uintptr_t>(src) % w == 0 && (lead <= 1 || src_lead_bytes % w == 0);
+  auto fits = [&](int w) {
+    return row_bytes % w == 0 && cuda::aligned(out, w) && cuda::aligned(src, w) &&
+           (lead <= 1 || src_lead_bytes % w == 0);
   };
-  dispatch_first<16, 8, 4, 2, 1>(aligned, [&](auto w) {
+  dispatch_first<16, 8, 4, 2, 1>(fits, [&](auto w) {
     launch_move<kScatter, decltype(w)::value>(out, src, index, n_rows, row_bytes, f, lead, out_rows, src_lead_bytes,
                                               stream);
   });
