@@ -36,8 +36,8 @@ def _mrope_position_ids_fake(input_ids, cu_seqlens, image_grid_thw, video_grid_t
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
-# Host metadata arrives as Python lists in most trainers; torch.tensor on a nested list costs ~0.5 us per element,
-# so lists take a fast path (one C-level pass into an array buffer, wrapped without a copy) and fall back to the
+# Host metadata arrives as Python lists in most trainers; torch.tensor on a nested list is slow per element, so
+# lists take a fast path (one C-level pass into an array buffer, wrapped without a copy) and fall back to the
 # general conversion, with its messages, on anything unusual.
 _OP = ops.mrope_position_ids.default
 _EMPTY_GRID = torch.empty(0, 3, dtype=torch.int64)

@@ -39,9 +39,9 @@ template <typename S, int P_> struct Slab {
   static_assert(kAcross >= 1 && kWarps % kAcross == 0, "slab layout");
 };
 
-// The shapes in use (measured on an H200, see benchmarks/RESULTS.md): forward sub-tiles of 64 tokens with 8
-// bytes of a row per thread, backward sub-tiles of 32 tokens with 4 bytes per thread (its window and gradient
-// arrays are twice the forward's registers).
+// The shapes in use (the fastest of the variants in benchmarks/RESULTS.md): forward sub-tiles of 64 tokens
+// with 8 bytes of a row per thread, backward sub-tiles of 32 tokens with 4 bytes per thread (its window and
+// gradient arrays are twice the forward's registers).
 template <typename S, bool kVec> struct FwdCfg {
   static constexpr int P = !kVec ? 1 : (sizeof(S) == 8 ? 1 : 8 / static_cast<int>(sizeof(S)));
   static constexpr int TT = 64;

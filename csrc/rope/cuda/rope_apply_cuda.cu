@@ -21,7 +21,7 @@ namespace packcuda::rope {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kItemsPerBlock = 1024;   // target (token, head, chunk) items per block (H200 sweep: 1k-4k)
+constexpr int kItemsPerBlock = 1024;   // target (token, head, chunk) items per block (larger tiles were slower)
 constexpr int kMaxTokensPerBlock = 32;
 constexpr int kSmemBudget = 16 * 1024;  // cos/sin table (more only when one token needs it)
 
