@@ -116,6 +116,23 @@ template <typename Kernel> int blocks_per_sm(Kernel k, int smem) {
   return n;
 }
 
+// What a block and a thread of a conv kernel cover: the slab of L::kWidth channels from c0 (blockIdx.x) over
+// tokens [s0, s1) of span_len (blockIdx.y) in nsub sub-tiles of TT tokens, and the thread's token group g and
+// first channel c.
+template <typename L> struct BlockSpan {
+  int64_t c0, s0, s1, c;
+  int g, nsub;
+  __device__ __forceinline__ BlockSpan(const ConvShape& sh, int64_t span_len, int TT) {
+    c0 = static_cast<int64_t>(blockIdx.x) * L::kWidth;
+    s0 = static_cast<int64_t>(blockIdx.y) * span_len;
+    s1 = s0 + span_len < sh.T ? s0 + span_len : sh.T;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    g = warp / L::kAcross;
+    c = c0 + ((warp % L::kAcross) * 32 + lane) * L::P;
+    nsub = static_cast<int>(ceil_div(s1 - s0, TT));
+  }
+};
+
 template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = FwdCfg<S, kVec>::P,
           int TT = FwdCfg<S, kVec>::TT, int NB = FwdCfg<S, kVec>::NB>
 __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w,
@@ -126,12 +143,9 @@ __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict_
   constexpr int ROWS = Stage<KM, TT>::kFwdRows, R = TT / L::kGroups;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   S* const buf = reinterpret_cast<S*>(smem_raw);
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * L::kWidth;
-  const int64_t s0 = static_cast<int64_t>(blockIdx.y) * span_len;
-  const int64_t s1 = s0 + span_len < sh.T ? s0 + span_len : sh.T;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = warp / L::kAcross;
-  const int64_t c = c0 + ((warp % L::kAcross) * 32 + lane) * L::P;
-  const int nsub = static_cast<int>(ceil_div(s1 - s0, TT));
+  const BlockSpan<L> bs(sh, span_len, TT);
+  const int64_t c0 = bs.c0, s0 = bs.s0, s1 = bs.s1, c = bs.c;
+  const int g = bs.g, nsub = bs.nsub;
   stage_rows<S, kVec>(buf, x, sh, s0 - (KM - 1), ROWS, c0);
   cuda::cp_async_commit();
   for (int j = 0; j < nsub; ++j) {
@@ -164,12 +178,9 @@ __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict_
   constexpr int R = TT / L::kGroups;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   S* const buf = reinterpret_cast<S*>(smem_raw);
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * L::kWidth;
-  const int64_t s0 = static_cast<int64_t>(blockIdx.y) * span_len;
-  const int64_t s1 = s0 + span_len < sh.T ? s0 + span_len : sh.T;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = warp / L::kAcross;
-  const int64_t c = c0 + ((warp % L::kAcross) * 32 + lane) * L::P;
-  const int nsub = static_cast<int>(ceil_div(s1 - s0, TT));
+  const BlockSpan<L> bs(sh, span_len, TT);
+  const int64_t c0 = bs.c0, s0 = bs.s0, s1 = bs.s1, c = bs.c;
+  const int g = bs.g, nsub = bs.nsub;
   auto stage = [&](int j) {
     S* xb = buf + (j & 1) * STAGE;
     const int64_t tb = s0 + static_cast<int64_t>(j) * TT;
