@@ -403,10 +403,11 @@ def test_cuda_no_sync_graph_capture_and_bitwise_deterministic():
         grads = torch.autograd.grad(out, leaves, (gq, gk))
         return [o.detach() for o in out] + list(grads)
 
-    step(pos.cuda())  # warm-up (frequency cache, allocations)
+    dpos = pos.cuda()  # (a pageable host -> device copy syncs: made before the no-sync block)
+    step(dpos)  # warm-up (frequency cache, allocations)
     with no_sync():
-        r1 = step(pos)          # host positions: uploaded without a sync
-        r2 = step(pos.cuda())   # device positions
+        r1 = step(pos)     # host positions: uploaded without a sync
+        r2 = step(dpos)    # device positions
     torch.cuda.synchronize()
     for a, b in zip(r1, r2):
         assert torch.equal(a, b)  # bitwise, the weight gradients included
