@@ -9,6 +9,7 @@
 // is rotated and stored (the register walk).
 #include <cuda_bf16.h>
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 #include <cuda_fp16.h>
 
@@ -716,6 +717,155 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
   }
 }
 
+// Forward on the 16-byte vector path: persistent blocks walk tiles of `tok` tokens; the q and k rows of the next
+// tile are staged into shared memory with cp.async (double buffer) while the current tile's cos/sin table is
+// computed and its rows normalized, rotated and stored, so the loads of a tile overlap the work of the one
+// before. Rows of a tile are token-major (token, then its q heads, then its k heads); the math is the one of
+// qk_norm_kernel.
+template <typename T, int VE, int UPL, bool GPTJ>
+__global__ void __launch_bounds__(kNThreads, 2) qk_norm_fwd_staged(const NParams p) {
+  using V = Vec<T, VE, 16>;
+  using F = typename Cvt<T>::F;
+  using WV = Vec<F, VE, 16>;
+  const NormArgs& a = p.a;
+  const RopeArgs& r = a.r;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  CosSin<F>* cs = reinterpret_cast<CosSin<F>*>(smem_raw);  // [tok][n]
+  T* stage = reinterpret_cast<T*>(smem_raw + p.cs_bytes);   // [2][tok * H][D]
+
+  const int G = p.G, n = p.n, P = p.P, U = p.U, hq = p.hq, H = p.H;
+  const int D = static_cast<int>(r.head_dim), rd = static_cast<int>(r.rotary_dim);
+  const int lane = threadIdx.x % G, grp = threadIdx.x / G, gpb = kNThreads / G;
+  const int cpr = D / VE;  // 16-byte chunks of a row
+  const int buf_elems = p.tok * H * D;
+  const F eps = static_cast<F>(a.eps);
+  const int kind = a.norm;
+  auto round = [](F v) { return Cvt<T>::load(Cvt<T>::store(v)); };
+  auto unit_lo = [&](int u) { return u < P ? u * VE : rd + (u - P) * VE; };
+  auto tile_tokens = [&](int64_t tile) {
+    return static_cast<int>(min(static_cast<int64_t>(p.tok), r.tokens - tile * p.tok));
+  };
+  auto issue = [&](int64_t tile, int buf) {
+    const int64_t t0 = tile * p.tok;
+    const int nch = tile_tokens(tile) * H * cpr;
+    T* dst = stage + buf * buf_elems;
+    for (int c = threadIdx.x; c < nch; c += kNThreads) {
+      const int row = c / cpr, ch = c - row * cpr;
+      const int tl = row / H, h = row - tl * H;
+      const TokenIndex ti(t0 + tl, r.seq);
+      const T* src = h < hq ? static_cast<const T*>(r.q.in) + ti.offset(r.q.in_sb, r.q.in_ss) + h * r.q.in_sh
+                            : static_cast<const T*>(r.k.in) + ti.offset(r.k.in_sb, r.k.in_ss) + (h - hq) * r.k.in_sh;
+      cp_async16(dst + row * D + ch * VE, src + ch * VE);
+    }
+    cp_async_commit();
+  };
+
+  int64_t tile = blockIdx.x;
+  if (tile < p.tiles) issue(tile, 0);
+  for (int it = 0; tile < p.tiles; tile += gridDim.x, ++it) {
+    const int buf = it & 1;
+    const int64_t next = tile + gridDim.x;
+    if (next < p.tiles) issue(next, buf ^ 1);
+    else cp_async_commit();  // an empty group: the wait below always leaves exactly the next tile in flight
+    const int64_t t0 = tile * p.tok;
+    const int ntok = tile_tokens(tile);
+    for (int i = threadIdx.x; i < ntok * n; i += kNThreads) {
+      const int tl = i / n, j = i - tl * n;
+      const int ax = slot_axis(j, r.layout, r.section[0], r.section[1], r.section[2]);
+      const int64_t off = ax * r.pos_row_stride + token_offset(t0 + tl, r.seq, r.pos_sb, r.pos_ss);
+      const int64_t pos = r.pos_int64 ? __ldg(static_cast<const long long*>(r.pos) + off)
+                                      : __ldg(static_cast<const int*>(r.pos) + off);
+      CosSin<F> w;
+      rope_cos_sin(rope_angle(pos, __ldg(r.inv_freq + j)), static_cast<F>(r.scaling), false, &w.c, &w.s);
+      cs[tl * n + j] = w;
+    }
+    cp_async_wait<1>();
+    __syncthreads();  // this tile's rows and cos/sin are in shared memory
+
+    const T* rows_s = stage + buf * buf_elems;
+    const int rows = ntok * H;
+    for (int rb = 0; rb < rows; rb += gpb) {  // uniform trip count: every lane reaches the shuffles
+      const int row = rb + grp;
+      const bool active = row < rows;
+      const int tl = active ? row / H : 0;
+      const int h = active ? row - tl * H : 0;
+      const bool is_q = h < hq;
+      const T* xs = rows_s + row * D;
+      const TokenIndex ti(t0 + tl, r.seq);
+      T* yout = is_q ? static_cast<T*>(r.q.out) + ti.offset(r.q.out_sb, r.q.out_ss) + h * r.q.out_sh
+                     : static_cast<T*>(r.k.out) + ti.offset(r.k.out_sb, r.k.out_ss) + (h - hq) * r.k.out_sh;
+      const F* w = static_cast<const F*>(is_q ? a.w_q : a.w_k);
+      const CosSin<F>* cst = cs + tl * n;
+
+      F x[UPL][2][VE];
+      F ss = F(0);
+#pragma unroll
+      for (int i = 0; i < UPL; ++i) {
+        const int u = lane + i * G;
+        const bool pair = !GPTJ && u < P;
+        const int lo = unit_lo(u);
+#pragma unroll
+        for (int s2 = 0; s2 < 2; ++s2) {
+          const bool load = active && u < U && (s2 == 0 || pair);
+          V xv;
+          if (load) xv = *reinterpret_cast<const V*>(xs + (s2 == 0 ? lo : lo + n));
+#pragma unroll
+          for (int m = 0; m < VE; ++m) {
+            x[i][s2][m] = load ? Cvt<T>::load(xv.v[m]) : F(0);
+            ss += x[i][s2][m] * x[i][s2][m];
+          }
+        }
+      }
+      ss = group_sum(ss, G);
+      const F rstd = norm_rstd(ss, D, eps);
+#pragma unroll
+      for (int i = 0; i < UPL; ++i) {
+        const int u = lane + i * G;
+        if (!(active && u < U)) continue;
+        const bool rot = u < P;
+        const int lo = unit_lo(u);
+        const WV w0 = *reinterpret_cast<const WV*>(w + lo);
+        WV w1;
+        if (!GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
+        auto nval = [&](int s2, int m) {
+          return norm_gain(s2 == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s2][m], rstd, kind, round);
+        };
+        V y0, y1;
+        if (rot && GPTJ) {
+#pragma unroll
+          for (int m = 0; m < VE / 2; ++m) {
+            const CosSin<F> cw = cst[lo / 2 + m];
+            F o0, o1;
+            rotate_pair<F>(nval(0, 2 * m), nval(0, 2 * m + 1), cw.c, cw.s, &o0, &o1);
+            y0.v[2 * m] = Cvt<T>::store(o0);
+            y0.v[2 * m + 1] = Cvt<T>::store(o1);
+          }
+        } else if (rot) {
+#pragma unroll
+          for (int m = 0; m < VE; ++m) {
+            const CosSin<F> cw = cst[lo + m];
+            F o0, o1;
+            rotate_pair<F>(nval(0, m), nval(1, m), cw.c, cw.s, &o0, &o1);
+            y0.v[m] = Cvt<T>::store(o0);
+            y1.v[m] = Cvt<T>::store(o1);
+          }
+        } else {
+#pragma unroll
+          for (int m = 0; m < VE; ++m) y0.v[m] = Cvt<T>::store(nval(0, m));
+        }
+        *reinterpret_cast<V*>(yout + lo) = y0;
+        if (!GPTJ && rot) *reinterpret_cast<V*>(yout + lo + n) = y1;
+      }
+    }
+    __syncthreads();  // the tile's buffer and cos/sin table are free
+  }
+  cp_async_wait<0>();
+}
+
+// Shared memory of qk_norm_fwd_staged: the cos/sin table of a tile plus two tiles of rows.
+constexpr size_t kNStagedSmemMax = 200 * 1024;
+constexpr size_t kNStagedTileBytes = 32 * 1024;  // target bytes of one staged tile
+
 // dw[c] = sum over blocks b (in order) of part[b][c], c over the 2 * D channels of q and k.
 template <typename F>
 __global__ void __launch_bounds__(kNThreads) reduce_partials(const F* part, int nblocks, int D, F* dw_q, F* dw_k) {
@@ -756,6 +906,28 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
   const size_t cs_bytes = (static_cast<size_t>(tok) * p.n * sizeof(CosSin<F>) + 15) / 16 * 16;
   p.cs_bytes = static_cast<int>(cs_bytes);
   const int D = static_cast<int>(a.r.head_dim);
+  if constexpr (ALIGN == 16 && VE * sizeof(T) == 16) {
+    // the staged forward (16-byte rows): tiles of about kNStagedTileBytes, cos/sin table first
+    const size_t row_bytes = static_cast<size_t>(p.H) * D * sizeof(T);
+    const size_t stok = std::max<size_t>(1, std::min<size_t>(kNStagedTileBytes / row_bytes,
+                                                             static_cast<size_t>(smem_tok)));
+    const size_t st_cs = (stok * p.n * sizeof(CosSin<F>) + 15) / 16 * 16;
+    const size_t st_smem = st_cs + 2 * stok * row_bytes;
+    if (!bwd && st_smem <= kNStagedSmemMax && std::getenv("PACKCUDA_QKN_UNSTAGED") == nullptr) {
+      auto kern = qk_norm_fwd_staged<T, VE, UPL, GPTJ>;
+      p.tok = static_cast<int>(stok);
+      p.tiles = (a.r.tokens + p.tok - 1) / p.tok;
+      p.cs_bytes = static_cast<int>(st_cs);
+      if (st_smem > 48 * 1024)
+        PC_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(st_smem)));
+      int per_sm = 0;
+      PC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kNThreads, st_smem));
+      const int64_t blocks = std::min<int64_t>(p.tiles, static_cast<int64_t>(cuda::sm_count()) * std::max(1, per_sm));
+      kern<<<static_cast<unsigned>(blocks), kNThreads, st_smem, stream>>>(p);
+      PC_CUDA_LAUNCH_CHECK();
+      return;
+    }
+  }
   if (!bwd) {
     auto kern = qk_norm_kernel<T, VE, ALIGN, UPL, GPTJ, false>;
     if (cs_bytes + sizeof(NBase) * kNMaxTok > 48 * 1024)
