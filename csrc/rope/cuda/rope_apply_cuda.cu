@@ -466,13 +466,170 @@ __device__ __forceinline__ F group_sum(F v, int G) {
   return v;
 }
 
-template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, bool BWD>
-__global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 1 ? 3 : 2)) qk_norm_kernel(const NParams p) {
+// The math of one head row, shared by the three norm kernels: a group of G lanes holds the row, lane `lane` its
+// units lane, lane + G, ... (a unit: VE channels, plus their partners VE channels later for neox rotary units).
+// Rows are read from global or shared memory (the staged kernels) alike.
+template <typename T, int VE, int ALIGN, int UPL, bool GPTJ>
+struct NormRow {
   using V = Vec<T, VE, ALIGN>;
   using F = typename Cvt<T>::F;
   // the weights' vector of a unit: 16-byte loads on the vector path (the weights are 16-byte aligned, see the
   // ops layer, and a unit's first channel is a multiple of VE), element loads otherwise
   using WV = Vec<F, VE, (ALIGN == 16 ? 16 : alignof(F))>;
+  using Regs = F[UPL][2][VE];
+  int lane, G, P, U, n, rd, D, kind;
+  F eps;
+
+  __device__ __forceinline__ NormRow(const NParams& p, int lane_)
+      : lane(lane_), G(p.G), P(p.P), U(p.U), n(p.n), rd(static_cast<int>(p.a.r.rotary_dim)),
+        D(static_cast<int>(p.a.r.head_dim)), kind(p.a.norm), eps(static_cast<F>(p.a.eps)) {}
+  __device__ __forceinline__ static F round(F v) { return Cvt<T>::load(Cvt<T>::store(v)); }
+  // first channel of unit u
+  __device__ __forceinline__ int unit_lo(int u) const { return u < P ? u * VE : rd + (u - P) * VE; }
+
+  // x (and, WITH_G, g) of the row into the compute type (zeros where the lane has no unit); the row's rstd
+  template <bool WITH_G>
+  __device__ __forceinline__ F load(const T* xs, const T* gs, bool active, Regs& x, Regs& g) const {
+    F ss = F(0);
+#pragma unroll
+    for (int i = 0; i < UPL; ++i) {
+      const int u = lane + i * G;
+      const bool pair = !GPTJ && u < P;
+      const int lo = unit_lo(u);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const bool ld = active && u < U && (s == 0 || pair);
+        V xv, gv;
+        if (ld) {
+          const int c = s == 0 ? lo : lo + n;
+          xv = *reinterpret_cast<const V*>(xs + c);
+          if constexpr (WITH_G) gv = *reinterpret_cast<const V*>(gs + c);
+        }
+#pragma unroll
+        for (int m = 0; m < VE; ++m) {
+          x[i][s][m] = ld ? Cvt<T>::load(xv.v[m]) : F(0);
+          if constexpr (WITH_G) g[i][s][m] = ld ? Cvt<T>::load(gv.v[m]) : F(0);
+          ss += x[i][s][m] * x[i][s][m];
+        }
+      }
+    }
+    return norm_rstd(group_sum(ss, G), D, eps);
+  }
+
+  // forward: normalize, rotate the rotary units, round once, store the row
+  __device__ __forceinline__ void forward(const Regs& x, F rstd, const F* w, const CosSin<F>* cst, T* yout,
+                                          bool active) const {
+#pragma unroll
+    for (int i = 0; i < UPL; ++i) {
+      const int u = lane + i * G;
+      if (!(active && u < U)) continue;
+      const bool rot = u < P;
+      const int lo = unit_lo(u);
+      // the unit's weights (cached reads of the [D] weights), after the reduction: fewer live registers
+      const WV w0 = *reinterpret_cast<const WV*>(w + lo);
+      WV w1;
+      if (!GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
+      // normalized value of element (s, m) of the unit, computed where it is consumed
+      auto nval = [&](int s, int m) {
+        return norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s][m], rstd, kind, round);
+      };
+      V y0, y1;
+      if (rot && GPTJ) {
+#pragma unroll
+        for (int m = 0; m < VE / 2; ++m) {
+          const CosSin<F> cw = cst[lo / 2 + m];
+          F o0, o1;
+          rotate_pair<F>(nval(0, 2 * m), nval(0, 2 * m + 1), cw.c, cw.s, &o0, &o1);
+          y0.v[2 * m] = Cvt<T>::store(o0);
+          y0.v[2 * m + 1] = Cvt<T>::store(o1);
+        }
+      } else if (rot) {
+#pragma unroll
+        for (int m = 0; m < VE; ++m) {
+          const CosSin<F> cw = cst[lo + m];
+          F o0, o1;
+          rotate_pair<F>(nval(0, m), nval(1, m), cw.c, cw.s, &o0, &o1);
+          y0.v[m] = Cvt<T>::store(o0);
+          y1.v[m] = Cvt<T>::store(o1);
+        }
+      } else {
+#pragma unroll
+        for (int m = 0; m < VE; ++m) y0.v[m] = Cvt<T>::store(nval(0, m));
+      }
+      *reinterpret_cast<V*>(yout + lo) = y0;
+      if (!GPTJ && rot) *reinterpret_cast<V*>(yout + lo + n) = y1;
+    }
+  }
+
+  // backward (cst holds the inverse rotation): gn = R(-a) g on the rotary pairs; dxh = gn * gain,
+  // dot = sum(dxh * xhat), dx stored; acc(i, s, m, v) receives each live channel's weight-gradient term v
+  template <typename Acc>
+  __device__ __forceinline__ void backward(const Regs& x, Regs& g, F rstd, const F* w, const CosSin<F>* cst,
+                                           T* yout, bool active, Acc acc) const {
+    F dot = F(0);
+#pragma unroll
+    for (int i = 0; i < UPL; ++i) {
+      const int u = lane + i * G;
+      const bool ok = active && u < U;
+      const bool rot = u < P;
+      const int lo = unit_lo(u);
+      WV w0, w1;
+      if (ok) w0 = *reinterpret_cast<const WV*>(w + lo);
+      if (ok && !GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
+      if (ok && rot && GPTJ) {
+#pragma unroll
+        for (int m = 0; m < VE / 2; ++m) {
+          const CosSin<F> cw = cst[lo / 2 + m];
+          F o0, o1;
+          rotate_pair<F>(g[i][0][2 * m], g[i][0][2 * m + 1], cw.c, cw.s, &o0, &o1);
+          g[i][0][2 * m] = o0;
+          g[i][0][2 * m + 1] = o1;
+        }
+      } else if (ok && rot) {
+#pragma unroll
+        for (int m = 0; m < VE; ++m) {
+          const CosSin<F> cw = cst[lo + m];
+          F o0, o1;
+          rotate_pair<F>(g[i][0][m], g[i][1][m], cw.c, cw.s, &o0, &o1);
+          g[i][0][m] = o0;
+          g[i][1][m] = o1;
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int m = 0; m < VE; ++m) {
+          const bool live = ok && (s == 0 || (!GPTJ && rot));
+          const F xh = norm_xhat(x[i][s][m], rstd, kind, round);
+          acc(i, s, m, live ? g[i][s][m] * xh : F(0));
+          g[i][s][m] = live ? g[i][s][m] * norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) : F(0);  // dxh
+          dot += g[i][s][m] * (x[i][s][m] * rstd);
+        }
+    }
+    dot = group_sum(dot, G);
+#pragma unroll
+    for (int i = 0; i < UPL; ++i) {
+      const int u = lane + i * G;
+      if (!(active && u < U)) continue;
+      const bool pair = !GPTJ && u < P;
+      const int lo = unit_lo(u);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        if (s == 1 && !pair) continue;
+        V y;
+#pragma unroll
+        for (int m = 0; m < VE; ++m)
+          y.v[m] = Cvt<T>::store(norm_dx(g[i][s][m], x[i][s][m], rstd, dot, static_cast<int64_t>(D)));
+        *reinterpret_cast<V*>(yout + (s == 0 ? lo : lo + n)) = y;
+      }
+    }
+  }
+};
+
+template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, bool BWD>
+__global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 1 ? 3 : 2)) qk_norm_kernel(const NParams p) {
+  using Row = NormRow<T, VE, ALIGN, UPL, GPTJ>;
+  using F = typename Row::F;
   const NormArgs& a = p.a;
   const RopeArgs& r = a.r;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -480,13 +637,10 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
   __shared__ NBase base[kNMaxTok];
 
   const int G = p.G, n = p.n, P = p.P, U = p.U, hq = p.hq, H = p.H;
-  const int D = static_cast<int>(r.head_dim), rd = static_cast<int>(r.rotary_dim);
+  const int D = static_cast<int>(r.head_dim);
   const int lane = threadIdx.x % G, grp = threadIdx.x / G, gpb = kNThreads / G;
-  const F eps = static_cast<F>(a.eps);
-  const int kind = a.norm;
-  auto round = [](F v) { return Cvt<T>::load(Cvt<T>::store(v)); };
-  // first channel of unit u, and whether it has a partner vector (neox rotary units)
-  auto unit_lo = [&](int u) { return u < P ? u * VE : rd + (u - P) * VE; };
+  const Row nr(p, lane);
+  auto unit_lo = [&](int u) { return nr.unit_lo(u); };
 
   // backward: this lane's weight gradients of the current phase (registers), flushed at the end of each phase
   // into its group's slot of wacc [groups][q, k][D] (shared memory, after the cos/sin table)
@@ -554,135 +708,12 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
                    : static_cast<const T*>(a.g_k.in) + base[tl].g[1] + hh * a.g_k.in_sh;
       const CosSin<F>* cst = cs + tl * n;
 
-      F x[UPL][2][VE], g[UPL][2][VE];
-      F ss = F(0);
-#pragma unroll
-      for (int i = 0; i < UPL; ++i) {
-        const int u = lane + i * G;
-        const bool ok = active && u < U;
-        const bool pair = !GPTJ && u < P;
-        const int lo = unit_lo(u);
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          V xv, gv;
-          const bool load = ok && (s == 0 || pair);
-          if (load) {
-            const int c = s == 0 ? lo : lo + n;
-            xv = *reinterpret_cast<const V*>(xin + c);
-            if constexpr (BWD) gv = *reinterpret_cast<const V*>(gin + c);
-          }
-#pragma unroll
-          for (int m = 0; m < VE; ++m) {
-            x[i][s][m] = load ? Cvt<T>::load(xv.v[m]) : F(0);
-            if constexpr (BWD) g[i][s][m] = load ? Cvt<T>::load(gv.v[m]) : F(0);
-            ss += x[i][s][m] * x[i][s][m];
-          }
-        }
-      }
-      ss = group_sum(ss, G);
-      const F rstd = norm_rstd(ss, D, eps);
-
-      if constexpr (!BWD) {
-#pragma unroll
-        for (int i = 0; i < UPL; ++i) {
-          const int u = lane + i * G;
-          if (!(active && u < U)) continue;
-          const bool rot = u < P;
-          const int lo = unit_lo(u);
-          // the unit's weights (cached reads of the [D] weights), after the reduction: fewer live registers
-          const WV w0 = *reinterpret_cast<const WV*>(w + lo);
-          WV w1;
-          if (!GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
-          // normalized value of element (s, m) of the unit, computed where it is consumed
-          auto nval = [&](int s, int m) {
-            return norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s][m], rstd, kind, round);
-          };
-          V y0, y1;
-          if (rot && GPTJ) {
-#pragma unroll
-            for (int m = 0; m < VE / 2; ++m) {
-              const CosSin<F> cw = cst[lo / 2 + m];
-              F o0, o1;
-              rotate_pair<F>(nval(0, 2 * m), nval(0, 2 * m + 1), cw.c, cw.s, &o0, &o1);
-              y0.v[2 * m] = Cvt<T>::store(o0);
-              y0.v[2 * m + 1] = Cvt<T>::store(o1);
-            }
-          } else if (rot) {
-#pragma unroll
-            for (int m = 0; m < VE; ++m) {
-              const CosSin<F> cw = cst[lo + m];
-              F o0, o1;
-              rotate_pair<F>(nval(0, m), nval(1, m), cw.c, cw.s, &o0, &o1);
-              y0.v[m] = Cvt<T>::store(o0);
-              y1.v[m] = Cvt<T>::store(o1);
-            }
-          } else {
-#pragma unroll
-            for (int m = 0; m < VE; ++m) y0.v[m] = Cvt<T>::store(nval(0, m));
-          }
-          *reinterpret_cast<V*>(yout + lo) = y0;
-          if (!GPTJ && rot) *reinterpret_cast<V*>(yout + lo + n) = y1;
-        }
-      } else {
-        // gn = R(-a) g on the rotary pairs; then dxh = gn * gain, dot = sum(dxh * xhat), weight gradients
-        F dot = F(0);
-#pragma unroll
-        for (int i = 0; i < UPL; ++i) {
-          const int u = lane + i * G;
-          const bool ok = active && u < U;
-          const bool rot = u < P;
-          const int lo = unit_lo(u);
-          WV w0, w1;
-          if (ok) w0 = *reinterpret_cast<const WV*>(w + lo);
-          if (ok && !GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
-          if (ok && rot && GPTJ) {
-#pragma unroll
-            for (int m = 0; m < VE / 2; ++m) {
-              const CosSin<F> cw = cst[lo / 2 + m];
-              F o0, o1;
-              rotate_pair<F>(g[i][0][2 * m], g[i][0][2 * m + 1], cw.c, cw.s, &o0, &o1);
-              g[i][0][2 * m] = o0;
-              g[i][0][2 * m + 1] = o1;
-            }
-          } else if (ok && rot) {
-#pragma unroll
-            for (int m = 0; m < VE; ++m) {
-              const CosSin<F> cw = cst[lo + m];
-              F o0, o1;
-              rotate_pair<F>(g[i][0][m], g[i][1][m], cw.c, cw.s, &o0, &o1);
-              g[i][0][m] = o0;
-              g[i][1][m] = o1;
-            }
-          }
-#pragma unroll
-          for (int s = 0; s < 2; ++s)
-#pragma unroll
-            for (int m = 0; m < VE; ++m) {
-              const bool live = ok && (s == 0 || (!GPTJ && rot));
-              const F xh = norm_xhat(x[i][s][m], rstd, kind, round);
-              acc[i][s][m] += live ? g[i][s][m] * xh : F(0);
-              g[i][s][m] = live ? g[i][s][m] * norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) : F(0);  // dxh
-              dot += g[i][s][m] * (x[i][s][m] * rstd);
-            }
-        }
-        dot = group_sum(dot, G);
-#pragma unroll
-        for (int i = 0; i < UPL; ++i) {
-          const int u = lane + i * G;
-          if (!(active && u < U)) continue;
-          const bool pair = !GPTJ && u < P;
-          const int lo = unit_lo(u);
-#pragma unroll
-          for (int s = 0; s < 2; ++s) {
-            if (s == 1 && !pair) continue;
-            V y;
-#pragma unroll
-            for (int m = 0; m < VE; ++m) y.v[m] = Cvt<T>::store(norm_dx(g[i][s][m], x[i][s][m], rstd, dot,
-                                                                        static_cast<int64_t>(D)));
-            *reinterpret_cast<V*>(yout + (s == 0 ? lo : lo + n)) = y;
-          }
-        }
-      }
+      typename Row::Regs x, g;
+      const F rstd = nr.template load<BWD>(xin, gin, active, x, g);
+      if constexpr (!BWD)
+        nr.forward(x, rstd, w, cst, yout, active);
+      else
+        nr.backward(x, g, rstd, w, cst, yout, active, [&](int i, int s, int m, F v) { acc[i][s][m] += v; });
     }
     if constexpr (BWD) {
       // this phase's weight gradients of the tile into the group's own slot (lanes own disjoint channels)
@@ -723,25 +754,21 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
 // before. Rows of a tile are token-major (token, then its q heads, then its k heads); the math is the one of
 // qk_norm_kernel.
 template <typename T, int VE, int UPL, bool GPTJ>
-__global__ void __launch_bounds__(kNThreads, 2) qk_norm_fwd_staged(const NParams p) {
-  using V = Vec<T, VE, 16>;
-  using F = typename Cvt<T>::F;
-  using WV = Vec<F, VE, 16>;
+__global__ void __launch_bounds__(kNThreads, UPL == 1 ? 3 : 2) qk_norm_fwd_staged(const NParams p) {
+  using Row = NormRow<T, VE, 16, UPL, GPTJ>;
+  using F = typename Row::F;
   const NormArgs& a = p.a;
   const RopeArgs& r = a.r;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CosSin<F>* cs = reinterpret_cast<CosSin<F>*>(smem_raw);  // [tok][n]
   T* stage = reinterpret_cast<T*>(smem_raw + p.cs_bytes);   // [2][tok * H][D]
 
-  const int G = p.G, n = p.n, P = p.P, U = p.U, hq = p.hq, H = p.H;
-  const int D = static_cast<int>(r.head_dim), rd = static_cast<int>(r.rotary_dim);
+  const int G = p.G, n = p.n, hq = p.hq, H = p.H;
+  const int D = static_cast<int>(r.head_dim);
   const int lane = threadIdx.x % G, grp = threadIdx.x / G, gpb = kNThreads / G;
   const int cpr = D / VE;  // 16-byte chunks of a row
   const int buf_elems = p.tok * H * D;
-  const F eps = static_cast<F>(a.eps);
-  const int kind = a.norm;
-  auto round = [](F v) { return Cvt<T>::load(Cvt<T>::store(v)); };
-  auto unit_lo = [&](int u) { return u < P ? u * VE : rd + (u - P) * VE; };
+  const Row nr(p, lane);
   auto tile_tokens = [&](int64_t tile) {
     return static_cast<int>(min(static_cast<int64_t>(p.tok), r.tokens - tile * p.tok));
   };
@@ -797,65 +824,9 @@ __global__ void __launch_bounds__(kNThreads, 2) qk_norm_fwd_staged(const NParams
       const F* w = static_cast<const F*>(is_q ? a.w_q : a.w_k);
       const CosSin<F>* cst = cs + tl * n;
 
-      F x[UPL][2][VE];
-      F ss = F(0);
-#pragma unroll
-      for (int i = 0; i < UPL; ++i) {
-        const int u = lane + i * G;
-        const bool pair = !GPTJ && u < P;
-        const int lo = unit_lo(u);
-#pragma unroll
-        for (int s2 = 0; s2 < 2; ++s2) {
-          const bool load = active && u < U && (s2 == 0 || pair);
-          V xv;
-          if (load) xv = *reinterpret_cast<const V*>(xs + (s2 == 0 ? lo : lo + n));
-#pragma unroll
-          for (int m = 0; m < VE; ++m) {
-            x[i][s2][m] = load ? Cvt<T>::load(xv.v[m]) : F(0);
-            ss += x[i][s2][m] * x[i][s2][m];
-          }
-        }
-      }
-      ss = group_sum(ss, G);
-      const F rstd = norm_rstd(ss, D, eps);
-#pragma unroll
-      for (int i = 0; i < UPL; ++i) {
-        const int u = lane + i * G;
-        if (!(active && u < U)) continue;
-        const bool rot = u < P;
-        const int lo = unit_lo(u);
-        const WV w0 = *reinterpret_cast<const WV*>(w + lo);
-        WV w1;
-        if (!GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
-        auto nval = [&](int s2, int m) {
-          return norm_gain(s2 == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s2][m], rstd, kind, round);
-        };
-        V y0, y1;
-        if (rot && GPTJ) {
-#pragma unroll
-          for (int m = 0; m < VE / 2; ++m) {
-            const CosSin<F> cw = cst[lo / 2 + m];
-            F o0, o1;
-            rotate_pair<F>(nval(0, 2 * m), nval(0, 2 * m + 1), cw.c, cw.s, &o0, &o1);
-            y0.v[2 * m] = Cvt<T>::store(o0);
-            y0.v[2 * m + 1] = Cvt<T>::store(o1);
-          }
-        } else if (rot) {
-#pragma unroll
-          for (int m = 0; m < VE; ++m) {
-            const CosSin<F> cw = cst[lo + m];
-            F o0, o1;
-            rotate_pair<F>(nval(0, m), nval(1, m), cw.c, cw.s, &o0, &o1);
-            y0.v[m] = Cvt<T>::store(o0);
-            y1.v[m] = Cvt<T>::store(o1);
-          }
-        } else {
-#pragma unroll
-          for (int m = 0; m < VE; ++m) y0.v[m] = Cvt<T>::store(nval(0, m));
-        }
-        *reinterpret_cast<V*>(yout + lo) = y0;
-        if (!GPTJ && rot) *reinterpret_cast<V*>(yout + lo + n) = y1;
-      }
+      typename Row::Regs x;
+      const F rstd = nr.template load<false>(xs, nullptr, active, x, x);
+      nr.forward(x, rstd, w, cst, yout, active);
     }
     __syncthreads();  // the tile's buffer and cos/sin table are free
   }
@@ -868,9 +839,8 @@ __global__ void __launch_bounds__(kNThreads, 2) qk_norm_fwd_staged(const NParams
 // block's [2, D] partial (reduce_partials then sums the blocks in order): no atomics.
 template <typename T, int VE, int UPL, bool GPTJ>
 __global__ void __launch_bounds__(kNThreads, 2) qk_norm_bwd_staged(const NParams p) {
-  using V = Vec<T, VE, 16>;
-  using F = typename Cvt<T>::F;
-  using WV = Vec<F, VE, 16>;
+  using Row = NormRow<T, VE, 16, UPL, GPTJ>;
+  using F = typename Row::F;
   const NormArgs& a = p.a;
   const RopeArgs& r = a.r;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -878,14 +848,12 @@ __global__ void __launch_bounds__(kNThreads, 2) qk_norm_bwd_staged(const NParams
   T* stage = reinterpret_cast<T*>(smem_raw + p.cs_bytes);   // [2][x, g][tok * H][D]
 
   const int G = p.G, n = p.n, P = p.P, U = p.U, hq = p.hq, H = p.H;
-  const int D = static_cast<int>(r.head_dim), rd = static_cast<int>(r.rotary_dim);
+  const int D = static_cast<int>(r.head_dim);
   const int lane = threadIdx.x % G, grp = threadIdx.x / G, gpb = kNThreads / G;
   const int cpr = D / VE;
   const int buf_elems = p.tok * H * D;  // one of x / g of a tile
-  const F eps = static_cast<F>(a.eps);
-  const int kind = a.norm;
-  auto round = [](F v) { return Cvt<T>::load(Cvt<T>::store(v)); };
-  auto unit_lo = [&](int u) { return u < P ? u * VE : rd + (u - P) * VE; };
+  const Row nr(p, lane);
+  auto unit_lo = [&](int u) { return nr.unit_lo(u); };
   auto tile_tokens = [&](int64_t tile) {
     return static_cast<int>(min(static_cast<int64_t>(p.tok), r.tokens - tile * p.tok));
   };
@@ -957,92 +925,12 @@ __global__ void __launch_bounds__(kNThreads, 2) qk_norm_bwd_staged(const NParams
       const F* w = static_cast<const F*>(is_q ? a.w_q : a.w_k);
       const CosSin<F>* cst = cs + tl * n;
 
-      F x[UPL][2][VE], g[UPL][2][VE];
-      F ss = F(0);
-#pragma unroll
-      for (int i = 0; i < UPL; ++i) {
-        const int u = lane + i * G;
-        const bool pair = !GPTJ && u < P;
-        const int lo = unit_lo(u);
-#pragma unroll
-        for (int s2 = 0; s2 < 2; ++s2) {
-          const bool load = active && u < U && (s2 == 0 || pair);
-          V xv, gv;
-          if (load) {
-            const int c = s2 == 0 ? lo : lo + n;
-            xv = *reinterpret_cast<const V*>(xs + c);
-            gv = *reinterpret_cast<const V*>(gs + c);
-          }
-#pragma unroll
-          for (int m = 0; m < VE; ++m) {
-            x[i][s2][m] = load ? Cvt<T>::load(xv.v[m]) : F(0);
-            g[i][s2][m] = load ? Cvt<T>::load(gv.v[m]) : F(0);
-            ss += x[i][s2][m] * x[i][s2][m];
-          }
-        }
-      }
-      ss = group_sum(ss, G);
-      const F rstd = norm_rstd(ss, D, eps);
-
-      // gn = R(-a) g on the rotary pairs; then dxh = gn * gain, dot = sum(dxh * xhat), weight gradients
-      F dot = F(0);
-#pragma unroll
-      for (int i = 0; i < UPL; ++i) {
-        const int u = lane + i * G;
-        const bool ok = active && u < U;
-        const bool rot = u < P;
-        const int lo = unit_lo(u);
-        WV w0, w1;
-        if (ok) w0 = *reinterpret_cast<const WV*>(w + lo);
-        if (ok && !GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
-        if (ok && rot && GPTJ) {
-#pragma unroll
-          for (int m = 0; m < VE / 2; ++m) {
-            const CosSin<F> cw = cst[lo / 2 + m];
-            F o0, o1;
-            rotate_pair<F>(g[i][0][2 * m], g[i][0][2 * m + 1], cw.c, cw.s, &o0, &o1);
-            g[i][0][2 * m] = o0;
-            g[i][0][2 * m + 1] = o1;
-          }
-        } else if (ok && rot) {
-#pragma unroll
-          for (int m = 0; m < VE; ++m) {
-            const CosSin<F> cw = cst[lo + m];
-            F o0, o1;
-            rotate_pair<F>(g[i][0][m], g[i][1][m], cw.c, cw.s, &o0, &o1);
-            g[i][0][m] = o0;
-            g[i][1][m] = o1;
-          }
-        }
-#pragma unroll
-        for (int s2 = 0; s2 < 2; ++s2)
-#pragma unroll
-          for (int m = 0; m < VE; ++m) {
-            const bool live = ok && (s2 == 0 || (!GPTJ && rot));
-            const F dwv = live ? g[i][s2][m] * norm_xhat(x[i][s2][m], rstd, kind, round) : F(0);
-            acc_q[i][s2][m] += is_q ? dwv : F(0);
-            acc_k[i][s2][m] += is_q ? F(0) : dwv;
-            g[i][s2][m] = live ? g[i][s2][m] * norm_gain(s2 == 0 ? w0.v[m] : w1.v[m], kind) : F(0);  // dxh
-            dot += g[i][s2][m] * (x[i][s2][m] * rstd);
-          }
-      }
-      dot = group_sum(dot, G);
-#pragma unroll
-      for (int i = 0; i < UPL; ++i) {
-        const int u = lane + i * G;
-        if (!(active && u < U)) continue;
-        const bool pair = !GPTJ && u < P;
-        const int lo = unit_lo(u);
-#pragma unroll
-        for (int s2 = 0; s2 < 2; ++s2) {
-          if (s2 == 1 && !pair) continue;
-          V y;
-#pragma unroll
-          for (int m = 0; m < VE; ++m)
-            y.v[m] = Cvt<T>::store(norm_dx(g[i][s2][m], x[i][s2][m], rstd, dot, static_cast<int64_t>(D)));
-          *reinterpret_cast<V*>(yout + (s2 == 0 ? lo : lo + n)) = y;
-        }
-      }
+      typename Row::Regs x, g;
+      const F rstd = nr.template load<true>(xs, gs, active, x, g);
+      nr.backward(x, g, rstd, w, cst, yout, active, [&](int i, int s2, int m, F v) {
+        acc_q[i][s2][m] += is_q ? v : F(0);
+        acc_k[i][s2][m] += is_q ? F(0) : v;
+      });
     }
     __syncthreads();
   }
