@@ -186,13 +186,17 @@ def _usable_device(op: str, name: str, device) -> torch.device:
     return resolve_device(op, name, device)
 
 
-def _check_schedule_args(op: str, plan, kernel_size) -> int:
-    """The plan must be a ShardPlan and kernel_size an integer in [1, 8]; returns kernel_size."""
-    from .shard import ShardPlan
+def _check_schedule_args(op: str, plan, kernel_size, *, static_ok: bool = False) -> int:
+    """The plan must be a ShardPlan (a StaticShardPlan only where static_ok) and kernel_size an integer in
+    [1, 8]; returns kernel_size."""
+    from .shard import ShardPlan, StaticShardPlan
 
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"packcuda.{op}: plan must be a ShardPlan (from packcuda.shard_plan), got "
                         f"{type(plan).__name__}")
+    if isinstance(plan, StaticShardPlan) and not static_ok:
+        raise ValueError(f"packcuda.{op}: plan is a StaticShardPlan, whose layout lives on the device; the host "
+                         "exchange schedule needs a host plan (packcuda.shard_plan)")
     return check_int(op, "kernel_size", kernel_size, lo=1, hi=8)
 
 
@@ -354,7 +358,8 @@ def conv_prefix(
     zero rows; pieces shorter than K-1 are fine (a prefix may gather rows from several earlier pieces/ranks).
 
     ``x_local`` ``[T_local, C]`` (bf16 / fp16 / fp32 / fp64, cpu or cuda) is this rank's buffer in the plan's
-    layout; ``plan`` a :class:`ShardPlan`; ``kernel_size`` an integer in [1, 8]; ``group`` the CP process group
+    layout; ``plan`` a :class:`ShardPlan`, or a :class:`StaticShardPlan` with ``cp_size == 1`` (then the prefix
+    is local: no group, no exchange, no sync, capturable; see :meth:`StaticShardPlan.local_conv_prefix`); ``kernel_size`` an integer in [1, 8]; ``group`` the CP process group
     (size ``plan.cp_size``, this rank = ``plan.cp_rank``). Every rank of the group must call this, with the
     same kernel size, even when it has nothing to send or receive. Differentiable: the backward sends each
     prefix row's gradient back to its owner and sums it into ``x_local``'s gradient in a fixed order.
@@ -378,7 +383,16 @@ def conv_prefix(
     import torch.distributed as dist
 
     op = "conv_prefix"
-    K = _check_schedule_args(op, plan, kernel_size)
+    K = _check_schedule_args(op, plan, kernel_size, static_ok=True)
+    from .shard import StaticShardPlan
+
+    if isinstance(plan, StaticShardPlan):
+        # one rank holds every row: the prefix is local (no group, no exchange); capturable
+        if plan.cp_size != 1:
+            raise ValueError(f"packcuda.{op}: plan is a StaticShardPlan with cp_size={plan.cp_size}; the exchange "
+                             "of a static plan between ranks is not implemented (cp_size must be 1; "
+                             "StaticShardPlan.local_conv_prefix gives this rank's own rows)")
+        return plan.local_conv_prefix(x_local, K)
     _check_tensor(op, "x_local", x_local)
     if x_local.dim() != 2 or x_local.shape[0] != plan.total_local:
         raise ValueError(f"packcuda.{op}: x_local must be [T_local, C] with T_local = {plan.total_local}, "
