@@ -472,7 +472,7 @@ class StaticShardPlan(ShardPlan):
             why.append(f"cu_seqlens[0] is not 0" if bad == 0 else
                        f"cu_seqlens decreases at entry {bad} (cu_seqlens[{bad}] < cu_seqlens[{bad - 1}])")
         if flags & _OVER_CAPACITY:
-            why.append(f"the padded total of the batch ({'at least ' if total >= 2**62 else ''}{total} rows, "
+            why.append(f"the padded total of the batch ({'at least ' if total >= 2**31 else ''}{total} rows, "
                        f"sequences padded to align={self.align}) exceeds capacity={self.capacity}")
         if why:
             raise ValueError("packcuda.StaticShardPlan.check: the batch does not fit the static plan (its outputs "

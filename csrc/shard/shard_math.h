@@ -184,8 +184,8 @@ enum StaticStatus : int64_t {
   kStaticTooManySeqs = 2,   // num_seqs outside [0, max_seqs]
   kStaticBadCu = 4,         // cu_seqlens[0] != 0 or decreasing within the first num_seqs + 1 entries
 };
-// status[4] of a static plan: flags, num_seqs as given, padded total (rows the sequences need; past
-// capacity it stops growing at the first sequence past it, so it is a lower bound), first bad cu entry (-1).
+// status[4] of a static plan: flags, num_seqs as given, the padded total the sequences need (exact while every
+// sequence is shorter than 2**31 rows, a lower bound otherwise), first bad cu entry (-1: none).
 constexpr int kStaticStatusLen = 4;
 
 // Segment count and piece count of a static plan.
@@ -224,14 +224,15 @@ PC_HD int64_t static_num_seqs(const StaticBuild& b) {
 constexpr int64_t kStaticSumCap = int64_t(1) << 62;
 PC_HD int64_t static_sum(int64_t a, int64_t b) { return a >= kStaticSumCap - b ? kStaticSumCap : a + b; }
 
-// Padded length sequence i contributes to the capacity check (its length clamped to capacity + 1), or -1
-// when cu decreases there.
+// Padded length sequence i contributes to the capacity check (its length clamped to kStaticLenCap, past any
+// capacity), or -1 when cu decreases there.
+constexpr int64_t kStaticLenCap = int64_t(1) << 31;
 PC_HD int64_t static_checked_length(const StaticBuild& b, int64_t i) {
   const int64_t lo = b.cu[i], hi = b.cu[i + 1];
   if (hi < lo) return -1;
-  // hi - lo is compared without overflowing: for lo <= 0, hi - lo > capacity iff hi > lo + capacity
-  const bool big = lo > 0 ? hi - lo > b.capacity : hi > lo + b.capacity;
-  return padded_length(big ? b.capacity + 1 : hi - lo, b.align);
+  // hi - lo is compared without overflowing: for lo <= 0, hi - lo > cap iff hi > lo + cap
+  const bool big = lo > 0 ? hi - lo > kStaticLenCap : hi > lo + kStaticLenCap;
+  return padded_length(big ? kStaticLenCap : hi - lo, b.align);
 }
 
 // The outcome of the checks: flags (StaticStatus) from num_seqs as given, the saturated padded total and the
