@@ -359,8 +359,8 @@ _shard_plan_op = ops.shard_plan.default
 # ---------------------------------------------------------------------------------------------------
 # static plans: fixed shapes, built on the device
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::shard_static_plan")
-def _shard_static_plan_fake(cu_seqlens, num_seqs, num_seqs_host, cp_size, cp_rank, layout, align, capacity,
+@torch.library.register_fake("packcuda::static_shard_plan")
+def _static_shard_plan_fake(cu_seqlens, num_seqs, num_seqs_host, cp_size, cp_rank, layout, align, capacity,
                             max_seqs):
     dev = cu_seqlens.device
     nseg = max_seqs + 1
@@ -491,9 +491,11 @@ class StaticShardPlan(ShardPlan):
         op = "StaticShardPlan.local_conv_prefix"
         K = check_int(op, "kernel_size", kernel_size, lo=1, hi=8)
         _check_tensor(op, "x_local", x_local)
-        if x_local.dim() != 2:
-            raise ValueError(f"packcuda.{op}: x_local must be [T_local, C], got shape {tuple(x_local.shape)}")
-        self._rows("local_conv_prefix", x_local, 0, self.total_local, "x_local")
+        if x_local.dim() != 2 or x_local.shape[0] != self.total_local:
+            raise ValueError(f"packcuda.{op}: x_local must be [T_local, C] with T_local = {self.total_local}, got "
+                             f"shape {tuple(x_local.shape)}")
+        if x_local.device != self.device:
+            raise ValueError(f"packcuda.{op}: x_local is on {x_local.device}, but the plan is on {self.device}")
         if x_local.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"packcuda.{op}: x_local must have dtype bfloat16, float16, float32 or float64, got "
                              f"{x_local.dtype}")
@@ -560,7 +562,7 @@ def static_shard_plan(
         n_dev, n_host = num_seqs, 0
     else:
         n_dev, n_host = None, check_int(op, "num_seqs", num_seqs)
-    built = ops.shard_static_plan.default(cu_seqlens, n_dev, n_host, cp_size, cp_rank, code, align, capacity,
+    built = ops.static_shard_plan.default(cu_seqlens, n_dev, n_host, cp_size, cp_rank, code, align, capacity,
                                           max_seqs)
     return StaticShardPlan(built, layout=layout, cp_size=cp_size, cp_rank=cp_rank, align=align, capacity=capacity,
                            max_seqs=max_seqs, num_seqs=num_seqs, device=device)

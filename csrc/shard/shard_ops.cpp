@@ -371,10 +371,10 @@ shard::IntView int_view(const Tensor& t) {
 // all on cu_seqlens's device. Two launches on CUDA (layout, then per-slot tables), no sync.
 using StaticOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-StaticOutputs shard_static_plan(Tensor cu_seqlens, std::optional<Tensor> num_seqs, int64_t num_seqs_host,
+StaticOutputs static_shard_plan(Tensor cu_seqlens, std::optional<Tensor> num_seqs, int64_t num_seqs_host,
                                 int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align, int64_t capacity,
                                 int64_t max_seqs) {
-  const char* op = "shard_static_plan";
+  const char* op = "static_shard_plan";
   check_static_args(op, cp_size, cp_rank, layout, align, capacity);
   check_max_seqs(op, max_seqs);
   check_static_table(op, "cu_seqlens", cu_seqlens, {ST::Int, ST::Long}, max_seqs + 1, "max_seqs + 1", cu_seqlens,
@@ -539,7 +539,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
       "shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, int layout, int total_local, "
       "Device? device=None) -> Tensor");
   m.def(
-      "shard_static_plan(Tensor cu_seqlens, Tensor? num_seqs, int num_seqs_host, int cp_size, int cp_rank, "
+      "static_shard_plan(Tensor cu_seqlens, Tensor? num_seqs, int num_seqs_host, int cp_size, int cp_rank, "
       "int layout, int align, int capacity, int max_seqs) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
@@ -557,7 +557,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.impl("shard_plan", TORCH_BOX(&packcuda::th::shard_plan));                   \
   m.impl("shard_plan_index", TORCH_BOX(&packcuda::th::shard_plan_index));       \
   m.impl("shard_unshard_index", TORCH_BOX(&packcuda::th::shard_unshard_index));         \
-  m.impl("shard_static_plan", TORCH_BOX(&packcuda::th::shard_static_plan));             \
+  m.impl("static_shard_plan", TORCH_BOX(&packcuda::th::static_shard_plan));             \
   m.impl("shard_static_unshard_index", TORCH_BOX(&packcuda::th::shard_static_unshard_index)); \
   m.impl("shard_static_prefix_index", TORCH_BOX(&packcuda::th::shard_static_prefix_index));
 
