@@ -301,6 +301,16 @@ class _Gather(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
+def _layout_code(op: str, layout) -> int:
+    """The op code of a layout name ('zigzag' -> 0, 'contiguous' -> 1)."""
+    if not isinstance(layout, str):
+        raise TypeError(f"packcuda.{op}: layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    code = _LAYOUTS.get(layout)
+    if code is None:
+        raise ValueError(f"packcuda.{op}: layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    return code
+
+
 def shard_plan(
     cu_seqlens: IntsLike,
     cp_size: int,
@@ -324,11 +334,7 @@ def shard_plan(
     the host (``.cpu()``), because the layout's sizes depend on its values.
     """
     op = "shard_plan"
-    if not isinstance(layout, str):
-        raise TypeError(f"packcuda.shard_plan: layout must be 'zigzag' or 'contiguous', got {layout!r}")
-    code = _LAYOUTS.get(layout)
-    if code is None:
-        raise ValueError(f"packcuda.shard_plan: layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    code = _layout_code(op, layout)
     # integers that are really integers; their ranges are checked by the op (cp_size here already: the
     # default zigzag align is 2 * cp_size)
     cp_size = check_int(op, "cp_size", cp_size, lo=1, hi=MAX_PADDED_TOTAL)
@@ -539,11 +545,7 @@ def static_shard_plan(
     A batch that does not fit is not an exception here (that would need a host read): the plan is all
     padding and :meth:`StaticShardPlan.check` raises (one sync). Syncs: none."""
     op = "static_shard_plan"
-    if not isinstance(layout, str):
-        raise TypeError(f"packcuda.{op}: layout must be 'zigzag' or 'contiguous', got {layout!r}")
-    code = _LAYOUTS.get(layout)
-    if code is None:
-        raise ValueError(f"packcuda.{op}: layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    code = _layout_code(op, layout)
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"packcuda.{op}: cu_seqlens must be an int32/int64 tensor of max_seqs + 1 entries, got "
                         f"{type(cu_seqlens).__name__}")

@@ -2,23 +2,15 @@
 bucket=capacity on every slot the host plan has, all-pad with a status on overflow, capturable in one CUDA
 graph (plan -> shard ids/positions/labels -> apply_rope -> conv prefix -> causal_conv1d -> unshard) and
 compiled once by torch.compile(dynamic=False) for every batch of one capacity."""
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import packcuda
 from conftest import HAS_CUDA, no_sync
+from packcuda._meta import cu_from_lengths as _cu
 
 ops = torch.ops.packcuda
-
-
-def _cu(lens):
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return cu
 
 
 def _unit(layout, cp, align):

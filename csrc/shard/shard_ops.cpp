@@ -125,6 +125,25 @@ std::vector<Tensor> shard_layout(Tensor cu_seqlens, int64_t cp_size, int64_t cp_
           host_i64(h.piece_offset), host_i64(h.piece_seq), info};
 }
 
+// The per-slot table job of one plan (shard_plan and static_shard_plan): int32 layout inputs, int64 outputs.
+shard::PlanTables plan_tables(const int32_t* cu, int64_t nseq, const int32_t* pieces, const int32_t* piece_offset,
+                              const int32_t* piece_seq, int64_t npieces, int64_t total_local, Tensor& index,
+                              Tensor& position, Tensor& label, Tensor& piece_offset_wide) {
+  shard::PlanTables t;
+  t.cu = cu;
+  t.nseq = nseq;
+  t.pieces = pieces;
+  t.piece_offset = piece_offset;
+  t.piece_seq = piece_seq;
+  t.npieces = npieces;
+  t.total_local = total_local;
+  t.index = index.mutable_data_ptr<int64_t>();
+  t.position = position.mutable_data_ptr<int64_t>();
+  t.label_index = label.mutable_data_ptr<int64_t>();
+  t.piece_offset_wide = piece_offset_wide.mutable_data_ptr<int64_t>();
+  return t;
+}
+
 // Number of info values shard_plan returns (see kInfo* below).
 constexpr int64_t kInfoCount = 9;
 
@@ -190,18 +209,8 @@ PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int6
   Tensor piece_seq = new_tensor({sizes[3]}, ST::Int, target);
   Tensor piece_offset = new_tensor({np}, ST::Long, target);
 
-  shard::PlanTables t;
-  t.cu = base + offs[5];
-  t.nseq = nseq;
-  t.pieces = base + offs[2];
-  t.piece_seq = base + offs[3];
-  t.piece_offset = base + offs[4];
-  t.npieces = np;
-  t.total_local = h.total_local;
-  t.index = index.mutable_data_ptr<int64_t>();
-  t.position = position.mutable_data_ptr<int64_t>();
-  t.label_index = label.mutable_data_ptr<int64_t>();
-  t.piece_offset_wide = piece_offset.mutable_data_ptr<int64_t>();
+  shard::PlanTables t = plan_tables(base + offs[5], nseq, base + offs[2], base + offs[4], base + offs[3], np,
+                                    h.total_local, index, position, label, piece_offset);
   Tensor* copies[shard::PlanTables::kCopies] = {&cu_padded, &cu_local, &pieces, &piece_seq};
   for (int k = 0; k < shard::PlanTables::kCopies; ++k) {
     t.copy_dst[k] = copies[k]->mutable_data_ptr<int32_t>();
@@ -424,18 +433,8 @@ StaticOutputs static_shard_plan(Tensor cu_seqlens, std::optional<Tensor> num_seq
   b.piece_seq = piece_seq.mutable_data_ptr<int32_t>();
   b.status = status.mutable_data_ptr<int64_t>();
 
-  shard::PlanTables t;
-  t.cu = b.cu_clean;
-  t.nseq = max_seqs;
-  t.pieces = b.pieces;
-  t.piece_offset = b.piece_offset;
-  t.piece_seq = b.piece_seq;
-  t.npieces = np;
-  t.total_local = b.total_local;
-  t.index = index.mutable_data_ptr<int64_t>();
-  t.position = position.mutable_data_ptr<int64_t>();
-  t.label_index = label.mutable_data_ptr<int64_t>();
-  t.piece_offset_wide = piece_offset.mutable_data_ptr<int64_t>();
+  const shard::PlanTables t = plan_tables(b.cu_clean, max_seqs, b.pieces, b.piece_offset, b.piece_seq, np,
+                                          b.total_local, index, position, label, piece_offset);
   if (dev.is_cpu()) {
     shard::static_build_cpu(b);
     shard::plan_tables_cpu(t);
