@@ -459,7 +459,7 @@ def test_cuda_graph_whole_step():
         torch.cuda.synchronize()
         _check_step(got, lens, ids_buf, emb, w, cap, "cuda")
     # a batch over capacity: the replay gives all-pad outputs and a set status
-    big = [cap]
+    big = [cap + 1]
     cu_buf.copy_(_static_cu(big, M, device="cuda"))
     n_buf.fill_(1)
     graph.replay()
