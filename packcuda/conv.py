@@ -358,8 +358,10 @@ def conv_prefix(
     zero rows; pieces shorter than K-1 are fine (a prefix may gather rows from several earlier pieces/ranks).
 
     ``x_local`` ``[T_local, C]`` (bf16 / fp16 / fp32 / fp64, cpu or cuda) is this rank's buffer in the plan's
-    layout; ``plan`` a :class:`ShardPlan`, or a :class:`StaticShardPlan` with ``cp_size == 1`` (then the prefix
-    is local: no group, no exchange, no sync, capturable; see :meth:`StaticShardPlan.local_conv_prefix`); ``kernel_size`` an integer in [1, 8]; ``group`` the CP process group
+    layout; ``plan`` a :class:`ShardPlan` or a :class:`StaticShardPlan` (fixed sizes: every rank sends every
+    peer one row per prefix slot of the peer, ``S*(K-1)`` rows, zero rows where it holds none, in one
+    equal-split ``all_to_all_single``; no host read, no agreement check, capturable; with ``cp_size == 1`` no
+    group is needed); ``kernel_size`` an integer in [1, 8]; ``group`` the CP process group
     (size ``plan.cp_size``, this rank = ``plan.cp_rank``). Every rank of the group must call this, with the
     same kernel size, even when it has nothing to send or receive. Differentiable: the backward sends each
     prefix row's gradient back to its owner and sums it into ``x_local``'s gradient in a fixed order.
@@ -387,12 +389,19 @@ def conv_prefix(
     from .shard import StaticShardPlan
 
     if isinstance(plan, StaticShardPlan):
-        # one rank holds every row: the prefix is local (no group, no exchange); capturable
-        if plan.cp_size != 1:
-            raise ValueError(f"packcuda.{op}: plan is a StaticShardPlan with cp_size={plan.cp_size}; the exchange "
-                             "of a static plan between ranks is not implemented (cp_size must be 1; "
-                             "StaticShardPlan.local_conv_prefix gives this rank's own rows)")
-        return plan.local_conv_prefix(x_local, K)
+        # fixed sizes (every rank sends every peer one row per prefix slot): no host read, capturable
+        if plan.cp_size == 1:
+            return plan._conv_prefix(op, x_local, K, None)
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"packcuda.{op}: group: torch.distributed is not initialized (call init_process_group)")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"packcuda.{op}: group must be a torch.distributed ProcessGroup or None, got "
+                            f"{type(group).__name__}")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if world != plan.cp_size or rank != plan.cp_rank:
+            raise ValueError(f"packcuda.{op}: plan is for rank {plan.cp_rank} of {plan.cp_size} but this process "
+                             f"is rank {rank} of {world} in the group")
+        return plan._conv_prefix(op, x_local, K, group, exchange=True)
     _check_tensor(op, "x_local", x_local)
     if x_local.dim() != 2 or x_local.shape[0] != plan.total_local:
         raise ValueError(f"packcuda.{op}: x_local must be [T_local, C] with T_local = {plan.total_local}, "

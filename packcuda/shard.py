@@ -383,10 +383,12 @@ def _shard_static_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, lay
     return torch.empty(capacity, dtype=torch.int64, device=cu_seqlens.device)
 
 
-@torch.library.register_fake("packcuda::shard_static_prefix_index")
-def _shard_static_prefix_index_fake(piece_offset, piece_seq, cu_seqlens_padded, cp_size, cp_rank, layout, capacity,
-                                    kernel_size):
-    return torch.empty((piece_offset.shape[0], kernel_size - 1), dtype=torch.int64, device=piece_offset.device)
+@torch.library.register_fake("packcuda::shard_static_exchange_index")
+def _shard_static_exchange_index_fake(pieces, piece_offset, piece_seq, cu_seqlens_padded, cp_size, cp_rank, layout,
+                                      capacity, kernel_size):
+    sq = piece_offset.shape[0] * (kernel_size - 1)
+    e = lambda *n: torch.empty(n, dtype=torch.int64, device=piece_offset.device)  # noqa: E731
+    return e(cp_size * sq), e(sq), e(capacity // cp_size, kernel_size - 1)
 
 
 # status flags of a static plan (csrc/shard/shard_math.h: StaticStatus) and the status length
@@ -491,10 +493,13 @@ class StaticShardPlan(ShardPlan):
         held by other ranks. With ``cp_size == 1`` this is the whole prefix (what :func:`packcuda.conv_prefix`
         returns): ``causal_conv1d(x_local, w, cu_seqlens=plan.pieces, prefix=plan.local_conv_prefix(x_local,
         K))`` equals the unsharded conv on every real slot. For ``cp_size > 1`` it is the local part of the
-        exchange (the rows from peers are not fetched). Differentiable; no sync; capturable."""
+        exchange (:func:`packcuda.conv_prefix` with a group does the whole exchange). Differentiable
+        (deterministic backward); no sync; capturable."""
+        return self._conv_prefix("StaticShardPlan.local_conv_prefix", x_local, kernel_size, None)
+
+    def _conv_prefix(self, op: str, x_local, kernel_size, group, exchange: bool = False) -> torch.Tensor:
         from .conv import _check_tensor, _FLOAT_DTYPES
 
-        op = "StaticShardPlan.local_conv_prefix"
         K = check_int(op, "kernel_size", kernel_size, lo=1, hi=8)
         _check_tensor(op, "x_local", x_local)
         if x_local.dim() != 2 or x_local.shape[0] != self.total_local:
@@ -505,17 +510,59 @@ class StaticShardPlan(ShardPlan):
         if x_local.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"packcuda.{op}: x_local must have dtype bfloat16, float16, float32 or float64, got "
                              f"{x_local.dtype}")
-        idx = self._prefix_index(K)
-        rows = _gather(x_local, idx.view(-1), 0.0)
-        return rows.view(idx.shape[0], K - 1, x_local.shape[1])
+        S = self.piece_offset.shape[0]
+        if K == 1:
+            return x_local.new_zeros((S, 0, x_local.shape[1]))
+        return _StaticPrefix.apply(x_local.contiguous(), self, K, group, exchange).view(S, K - 1, x_local.shape[1])
 
-    def _prefix_index(self, K: int) -> torch.Tensor:
+    def _exchange_tables(self, K: int):
+        """(send [cp*SQ], unpack [SQ], bwd [T_local, K-1]) of the conv prefix exchange (SQ = S*(K-1)), made on
+        first use (one launch, no sync)."""
         cache = self._prefix_indices
         if K not in cache:
-            cache[K] = ops.shard_static_prefix_index(self.piece_offset, self.piece_seq, self.cu_seqlens_padded,
-                                                     self.cp_size, self.cp_rank, _LAYOUTS[self.layout],
-                                                     self.capacity, K)
+            cache[K] = ops.shard_static_exchange_index(self.pieces, self.piece_offset, self.piece_seq,
+                                                       self.cu_seqlens_padded, self.cp_size, self.cp_rank,
+                                                       _LAYOUTS[self.layout], self.capacity, K)
         return cache[K]
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Equal-split all-to-all of the peer-major rows of x (cp blocks) over the CP group."""
+    import torch.distributed as dist
+
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _StaticPrefix(torch.autograd.Function):
+    """Conv prefix rows [S*(K-1), C] of a static plan. Local: the rows this rank holds. Exchange: every rank
+    sends each peer one row per prefix slot of the peer (a zero row where it does not hold it), one equal-split
+    all-to-all, then this rank's slots are gathered from the received buffer. Backward: the mirror all-to-all
+    and a fixed-order sum per local row (ops.conv_gather_sum over the bwd table)."""
+
+    @staticmethod
+    def forward(ctx, x, plan, K, group, exchange):
+        send, unpack, bwd = plan._exchange_tables(K)
+        sq = unpack.shape[0]
+        ctx.plan, ctx.K, ctx.group, ctx.exchange = plan, K, group, exchange
+        if exchange:
+            return ops.gather_rows(_all_to_all(ops.gather_rows(x, send, 0.0), group), unpack, 0.0)
+        r = plan.cp_rank
+        return ops.gather_rows(x, send[r * sq:(r + 1) * sq], 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, K = ctx.plan, ctx.K
+        send, unpack, bwd = plan._exchange_tables(K)
+        sq = unpack.shape[0]
+        g = grad.contiguous()
+        if ctx.exchange:
+            g_send = _all_to_all(ops.scatter_rows(g, unpack, plan.cp_size * sq), ctx.group)
+            return ops.conv_gather_sum(g_send, g_send[:0], bwd), None, None, None, None
+        lo = plan.cp_rank * sq
+        own = torch.where((bwd >= lo) & (bwd < lo + sq), bwd - lo, -1)
+        return ops.conv_gather_sum(g, g[:0], own), None, None, None, None
 
 
 def static_shard_plan(

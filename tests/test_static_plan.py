@@ -245,8 +245,8 @@ def _owner(layout, cu_padded, cp, total_local, seg, o):
 @pytest.mark.parametrize("cp", [1, 2, 3])
 def test_local_conv_prefix(device, layout, cp):
     g = torch.Generator().manual_seed(11 + cp)
-    lens = [1, 9, 0, 17, 4, 30]
-    M, K, C = 8, 4, 3
+    lens = [1, 9, 0, 17, 4, 30, 2, 1]
+    M, K, C = 10, 4, 3
     a = 2 * cp if layout == "zigzag" else 1
     cap = _needed(lens, layout, cp, a) + _unit(layout, cp, a)
     x = torch.randn(cap, C, generator=g, dtype=torch.float64).to(device)
@@ -257,7 +257,7 @@ def test_local_conv_prefix(device, layout, cp):
         S = p.piece_offset.shape[0]
         assert got.shape == (S, K - 1, C)
         cp_host, off, seq = p.cu_seqlens_padded.tolist(), p.piece_offset.tolist(), p.piece_seq.tolist()
-        want = torch.zeros_like(got)
+        src = torch.full((S, K - 1), -1, dtype=torch.int64)
         for k in range(S):
             for j in range(K - 1):
                 o = off[k] - (K - 1) + j
@@ -265,8 +265,16 @@ def test_local_conv_prefix(device, layout, cp):
                     continue
                 owner, slot = _owner(layout, cp_host, cp, p.total_local, seq[k], o)
                 if owner == r:
-                    want[k, j] = xl[r][slot]
+                    src[k, j] = slot
+        src = src.to(device)
+        want = torch.where((src >= 0)[..., None], xl[r][src.clamp(min=0)], 0.0)
         assert torch.equal(got, want)
+        # backward: rows read by several prefix slots (pieces shorter than K-1) sum their gradients
+        xg = xl[r].clone().requires_grad_()
+        G = torch.randn(got.shape, generator=g, dtype=torch.float64).to(device)
+        gx = torch.autograd.grad(p.local_conv_prefix(xg, K), xg, G)[0]
+        gw = torch.autograd.grad(torch.where((src >= 0)[..., None], xg[src.clamp(min=0)], 0.0), xg, G)[0]
+        assert torch.allclose(gx, gw, atol=1e-12, rtol=0)
     if cp == 1:
         # the whole prefix: the sharded conv equals the unsharded one on the real tokens, values and gradients
         p = plans[0]
@@ -285,8 +293,8 @@ def test_local_conv_prefix(device, layout, cp):
         gx2, gw2 = torch.autograd.grad(ref, (xr2, w), gy[:T])
         assert torch.allclose(gx[:T], gx2, atol=1e-12) and torch.allclose(gw, gw2, atol=1e-12)
     else:
-        with pytest.raises(ValueError, match="conv_prefix: plan is a StaticShardPlan with cp_size"):
-            packcuda.conv_prefix(xl[0], plans[0], K)
+        with pytest.raises(ValueError, match="conv_prefix: group: torch.distributed is not initialized"):
+            packcuda.conv_prefix(xl[0], plans[0], K)  # the exchange needs the group (tests below)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -466,3 +474,64 @@ def test_cuda_graph_whole_step():
     torch.cuda.synchronize()
     out, labels, status = got
     assert status.tolist()[0] == 1 and bool((out == 0).all()) and bool((labels == -100).all())
+
+
+# ---------------------------------------------------------------------------------------------------
+# conv prefix exchange between ranks (gloo, CPU): equal to the host plan's exchange
+# ---------------------------------------------------------------------------------------------------
+def _exchange_worker(rank, world, init, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        groups = {cp: (dist.new_group(list(range(cp))) if cp < world else dist.group.WORLD) for cp in (2, 3, 4)}
+        n = 0
+        batches = {"mixed": [13, 1, 0, 40, 7, 22], "short": [1, 2, 3, 1, 2], "one": [61]}
+        for cp in (2, 3, 4):
+            for layout in ("zigzag", "contiguous"):
+                for K in (2, 4):
+                    for name, lens in batches.items():
+                        if rank >= cp:
+                            continue
+                        group = groups[cp]
+                        a = 2 * cp if layout == "zigzag" else 1
+                        cap = _needed(lens, layout, cp, a) + _unit(layout, cp, a)
+                        M = len(lens) + 2
+                        g = torch.Generator().manual_seed(cp * 100 + K * 10 + len(name))
+                        X = torch.randn(cap, 3, generator=g, dtype=torch.float64)
+                        s = _build(lens, M, cp, rank, layout, None, cap)
+                        h = packcuda.shard_plan(_cu(lens), cp, rank, layout=layout, bucket=cap)
+                        xs = s.shard(X).requires_grad_()
+                        xh = h.shard(X[:sum(lens)]).requires_grad_()
+                        ps = packcuda.conv_prefix(xs, s, K, group)
+                        ph = packcuda.conv_prefix(xh, h, K, group, backend="torch")
+                        nh = ph.shape[0]
+                        what = f"cp={cp} {layout} K={K} {name} rank={rank}"
+                        assert torch.equal(ps[:nh], ph), what
+                        assert bool((ps[nh:] == 0).all()), what
+                        # the local part: this rank's own rows, zero elsewhere
+                        loc = s.local_conv_prefix(xs, K)
+                        assert bool(((loc == ps) | (loc == 0)).all()), what
+                        G = torch.randn(ps.shape, generator=g, dtype=torch.float64)
+                        G[nh:] = 0
+                        gs = torch.autograd.grad(ps, xs, G)[0]
+                        gh = torch.autograd.grad(ph, xh, G[:nh])[0]
+                        assert torch.allclose(gs, gh, atol=1e-12, rtol=0), what
+                        gs2 = torch.autograd.grad(packcuda.conv_prefix(xs, s, K, group), xs, G)[0]
+                        assert torch.equal(gs, gs2), what  # deterministic
+                        n += 1
+        results[rank] = n
+    finally:
+        dist.destroy_process_group()
+
+
+def test_conv_prefix_exchange_gloo(tmp_path):
+    """cp in {2, 3, 4} (subgroups of one 4-process gloo job), both layouts, K in {2, 4}, sequences shorter than
+    2*cp*(K-1): the static plan's fixed-size exchange gives the host plan's prefix (values and gradients)."""
+    import torch.multiprocessing as mp
+
+    world = 4
+    mgr = mp.get_context("spawn").Manager()
+    results = mgr.dict()
+    mp.spawn(_exchange_worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    assert dict(results) == {r: sum(12 for cp in (2, 3, 4) if r < cp) for r in range(world)}

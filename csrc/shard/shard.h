@@ -94,12 +94,9 @@ void static_unshard_index_cuda(int64_t* out, int64_t capacity, const int32_t* cu
                                const int32_t* cu_padded, int64_t cp, int layout, int64_t total_local,
                                cudaStream_t stream);
 
-// out[k * (K-1) + j] = static_prefix_row(k, j) for k < npieces, j < K-1 (k1 = K-1 >= 1).
-void static_prefix_index_cpu(int64_t* out, int64_t npieces, int64_t k1, const int64_t* piece_offset,
-                             const int32_t* piece_seq, const int32_t* cu_padded, int64_t max_seqs, int64_t cp,
-                             int64_t rank, int layout, int64_t total_local);
-void static_prefix_index_cuda(int64_t* out, int64_t npieces, int64_t k1, const int64_t* piece_offset,
-                              const int32_t* piece_seq, const int32_t* cu_padded, int64_t max_seqs, int64_t cp,
-                              int64_t rank, int layout, int64_t total_local, cudaStream_t stream);
+// The conv prefix exchange tables of a static plan (StaticExchange in shard_math.h). One pass (one launch on
+// CUDA) over send, unpack and bwd.
+void static_exchange_cpu(const StaticExchange& e);
+void static_exchange_cuda(const StaticExchange& e, cudaStream_t stream);
 
 }  // namespace packcuda::shard

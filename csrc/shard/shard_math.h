@@ -300,21 +300,134 @@ PC_HD int64_t static_unshard_slot(int layout, const I* cu, int64_t max_seqs, con
   return loc.slot >= 0 && loc.slot < total_local && row >= 0 && row < cp * total_local ? row : -1;
 }
 
-// Local row of prefix row j (0 <= j < K-1) of piece k of a static plan on rank `rank`: the row at padded
-// offset piece_offset[k] - (K-1) + j of the piece's segment when this rank holds it, -1 when it lies before
-// the segment start or on another rank. Values are not trusted (any input gives -1 or a row in
-// [0, total_local)).
+// ---- conv prefix exchange of a static plan ---------------------------------------------------------------
+// Prefix slot q = k*(K-1) + j of piece k is padded offset off_k - (K-1) + j of the piece's segment (zero rows
+// before the segment start). Sizes are fixed: every rank sends every peer one row per prefix slot of the
+// peer's S pieces, SQ = S*(K-1) rows (the worst case; rows it does not hold are zero rows), with one equal-split
+// all-to-all. Every rank knows every peer's pieces from the global cu_seqlens_padded:
+//   zigzag: piece k = 2*seg + w of rank p starts at offset zigzag_rank_chunk(p, cp, w) * h_seg;
+//   contiguous: piece 0 of rank p starts at its window start p*total_local (mid-segment or not); every other
+//     piece starts at a segment start, where its prefix is all zero rows.
+// Values are not trusted: any input gives -1 or an in-range row.
+
+// Segment and start offset of piece k of rank p whose prefix may hold rows; false when it is all zero rows.
 template <typename I>
-PC_HD int64_t static_prefix_row(int layout, const int64_t* piece_offset, const I* piece_seq, const I* cu_padded,
-                                int64_t max_seqs, int64_t cp, int64_t rank, int64_t total_local, int64_t k1,
-                                int64_t k, int64_t j) {
-  const int64_t seg = piece_seq[k], po = piece_offset[k];
-  if (seg < 0 || seg > max_seqs || po < 0 || po - k1 + j < 0) return -1;
-  const int64_t o = po - k1 + j;
+PC_HD bool static_peer_piece(int layout, const I* cu_padded, int64_t max_seqs, int64_t cp, int64_t p,
+                             int64_t total_local, int64_t k, int64_t* seg, int64_t* off) {
+  if (layout == kZigzag) {
+    const int64_t sg = k / 2;
+    if (sg > max_seqs) return false;
+    const int64_t len = static_cast<int64_t>(cu_padded[sg + 1]) - static_cast<int64_t>(cu_padded[sg]);
+    *seg = sg;
+    *off = zigzag_rank_chunk(p, cp, static_cast<int>(k % 2)) * zigzag_half_chunk(len < 0 ? 0 : len, cp);
+    return true;
+  }
+  const int64_t nseg = static_segments(max_seqs), g0 = p * total_local;
+  if (k != 0 || g0 < static_cast<int64_t>(cu_padded[0]) || g0 >= static_cast<int64_t>(cu_padded[nseg])) return false;
+  *seg = find_segment(cu_padded, nseg, g0);
+  *off = g0 - static_cast<int64_t>(cu_padded[*seg]);
+  return true;
+}
+
+// Where padded offset o of segment seg lives (rank, slot), or false when o is outside the segment (or the
+// tables are inconsistent).
+template <typename I>
+PC_HD bool static_locate(int layout, const I* cu_padded, int64_t cp, int64_t total_local, int64_t seg, int64_t o,
+                         Location* loc) {
   const int64_t pb = cu_padded[seg], pe = cu_padded[seg + 1];
-  if (pb < 0 || o >= pe - pb || (layout == kZigzag && (pe - pb) % (2 * cp) != 0)) return -1;
-  const Location loc = locate(layout, cu_padded, cp, total_local, seg, o);
-  return loc.rank == rank && loc.slot >= 0 && loc.slot < total_local ? loc.slot : -1;
+  if (o < 0 || pb < 0 || o >= pe - pb || (layout == kZigzag && (pe - pb) % (2 * cp) != 0)) return false;
+  *loc = locate(layout, cu_padded, cp, total_local, seg, o);
+  return loc->rank >= 0 && loc->rank < cp && loc->slot >= 0 && loc->slot < total_local;
+}
+
+// Owner (rank, slot) of prefix row j of piece k of rank p; false for a zero row.
+template <typename I>
+PC_HD bool static_prefix_source(int layout, const I* cu_padded, int64_t max_seqs, int64_t cp, int64_t p,
+                                int64_t total_local, int64_t k1, int64_t k, int64_t j, Location* loc) {
+  int64_t seg = 0, off = 0;
+  if (!static_peer_piece(layout, cu_padded, max_seqs, cp, p, total_local, k, &seg, &off)) return false;
+  return off - k1 + j >= 0 && static_locate(layout, cu_padded, cp, total_local, seg, off - k1 + j, loc);
+}
+
+// send[p*SQ + q]: this rank's local row that fills prefix slot q of peer p (-1: a zero row from this rank).
+template <typename I>
+PC_HD int64_t static_send_row(int layout, const I* cu_padded, int64_t max_seqs, int64_t cp, int64_t rank,
+                              int64_t total_local, int64_t k1, int64_t npieces, int64_t i) {
+  const int64_t sq = npieces * k1, p = i / sq, q = i - p * sq;
+  Location loc{0, 0};
+  return static_prefix_source(layout, cu_padded, max_seqs, cp, p, total_local, k1, q / k1, q % k1, &loc) &&
+                 loc.rank == rank
+             ? loc.slot
+             : -1;
+}
+
+// unpack[q]: the row of the received buffer ([cp*SQ], peer-major) that is this rank's prefix slot q (-1: zero).
+template <typename I>
+PC_HD int64_t static_unpack_row(int layout, const I* cu_padded, int64_t max_seqs, int64_t cp, int64_t rank,
+                                int64_t total_local, int64_t k1, int64_t npieces, int64_t q) {
+  Location loc{0, 0};
+  return static_prefix_source(layout, cu_padded, max_seqs, cp, rank, total_local, k1, q / k1, q % k1, &loc)
+             ? loc.rank * npieces * k1 + q
+             : -1;
+}
+
+// bwd[s*(K-1) + d-1] (1 <= d <= K-1): the row of the gradient buffer sent back by the peers ([cp*SQ],
+// peer-major, in the layout of send) that holds the gradient of the prefix slot reading local slot s as the
+// row d before its piece's start (-1: none). Local slot s is padded offset o of segment seg (from this rank's
+// pieces); the reader is the piece of some rank starting at offset o + d of seg.
+template <typename I>
+PC_HD int64_t static_bwd_row(int layout, const I* pieces, const int64_t* piece_offset, const I* piece_seq,
+                             const I* cu_padded, int64_t max_seqs, int64_t cp, int64_t rank, int64_t total_local,
+                             int64_t k1, int64_t npieces, int64_t s, int64_t d) {
+  const int64_t k = find_segment(pieces, npieces, s);
+  if (k < 0 || k >= npieces) return -1;
+  const int64_t seg = piece_seq[k], po = piece_offset[k];
+  if (seg < 0 || seg > max_seqs || po < 0 || po > (int64_t(1) << 40)) return -1;
+  const int64_t t = po + (s - static_cast<int64_t>(pieces[k])) + d;  // offset of the reading piece's start
+  const int64_t pb = cu_padded[seg], len = static_cast<int64_t>(cu_padded[seg + 1]) - pb;
+  if (t <= 0 || t >= len) return -1;
+  int64_t p = 0, kp = 0;
+  if (layout == kZigzag) {
+    const int64_t h = zigzag_half_chunk(len, cp);
+    if (h <= 0 || t % h != 0) return -1;
+    const int64_t c = t / h;
+    p = zigzag_chunk_rank(c, cp);
+    kp = 2 * seg + (c < cp ? 0 : 1);
+  } else {
+    const int64_t g = pb + t;
+    if (total_local <= 0 || g % total_local != 0) return -1;
+    p = g / total_local, kp = 0;
+  }
+  if (p < 0 || p >= cp || kp >= npieces) return -1;
+  // the reader's prefix slot must read this very slot (consistent tables only)
+  Location loc{0, 0};
+  if (!static_prefix_source(layout, cu_padded, max_seqs, cp, p, total_local, k1, kp, k1 - d, &loc) ||
+      loc.rank != rank || loc.slot != s)
+    return -1;
+  return p * npieces * k1 + kp * k1 + (k1 - d);
+}
+
+// The three tables of one static plan's exchange (k1 = K-1 >= 1): send [cp * npieces * k1], unpack
+// [npieces * k1], bwd [total_local * k1].
+struct StaticExchange {
+  const int32_t* pieces = nullptr;        // [npieces + 1] this rank's
+  const int64_t* piece_offset = nullptr;  // [npieces]
+  const int32_t* piece_seq = nullptr;     // [npieces]
+  const int32_t* cu_padded = nullptr;     // [max_seqs + 2]
+  int64_t max_seqs = 0, cp = 1, rank = 0, total_local = 0, k1 = 1, npieces = 0;
+  int layout = kZigzag;
+  int64_t* send = nullptr;
+  int64_t* unpack = nullptr;
+  int64_t* bwd = nullptr;
+};
+// Entry i of table 0 (send), 1 (unpack) or 2 (bwd).
+PC_HD int64_t static_exchange_item(const StaticExchange& e, int table, int64_t i) {
+  if (table == 0)
+    return static_send_row(e.layout, e.cu_padded, e.max_seqs, e.cp, e.rank, e.total_local, e.k1, e.npieces, i);
+  if (table == 1)
+    return static_unpack_row(e.layout, e.cu_padded, e.max_seqs, e.cp, e.rank, e.total_local, e.k1, e.npieces, i);
+  return static_bwd_row(e.layout, e.pieces, e.piece_offset, e.piece_seq, e.cu_padded, e.max_seqs, e.cp, e.rank,
+                        e.total_local, e.k1, e.npieces, i / e.k1, i % e.k1 + 1);
 }
 
 }  // namespace packcuda::shard

@@ -482,16 +482,23 @@ Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, i
   return out;
 }
 
-// [S, K-1] int64: for every piece of a static plan, the local rows of its K-1 conv prefix rows that rank
-// cp_rank holds (-1 before the sequence start or on another rank).
-Tensor shard_static_prefix_index(Tensor piece_offset, Tensor piece_seq, Tensor cu_seqlens_padded, int64_t cp_size,
-                                 int64_t cp_rank, int64_t layout, int64_t capacity, int64_t kernel_size) {
-  const char* op = "shard_static_prefix_index";
+// The conv prefix exchange of a static plan on rank cp_rank, for kernel size K (k1 = K-1, SQ = S*k1):
+//   send    int64 [cp_size * SQ]       local row filling prefix slot q of peer p at p*SQ + q (-1: zero row)
+//   unpack  int64 [SQ]                 row of the received [cp_size * SQ] buffer that is this rank's slot q
+//   bwd     int64 [T_local, k1]        rows of the gradient buffer sent back ([cp_size * SQ]) that each local
+//                                      row sums (-1: none), in a fixed order
+// from the plan's own pieces / piece_offset / piece_seq and the global cu_seqlens_padded; one launch, no sync.
+std::tuple<Tensor, Tensor, Tensor> shard_static_exchange_index(Tensor pieces, Tensor piece_offset, Tensor piece_seq,
+                                                               Tensor cu_seqlens_padded, int64_t cp_size,
+                                                               int64_t cp_rank, int64_t layout, int64_t capacity,
+                                                               int64_t kernel_size) {
+  const char* op = "shard_static_exchange_index";
   check_layout_args(op, cp_size, layout);
   PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
   PC_ARG(capacity >= 1 && capacity <= kMax, op, "capacity must be in [1, ", kMax, "], got ", capacity);
   PC_ARG(capacity % cp_size == 0, op, "capacity must be a multiple of cp_size=", cp_size, ", got ", capacity);
-  PC_ARG(kernel_size >= 1 && kernel_size <= 8, op, "kernel_size must be in [1, 8], got ", kernel_size);
+  PC_ARG(kernel_size >= 2 && kernel_size <= 8, op, "kernel_size must be in [2, 8] (K = 1 has no prefix), got ",
+         kernel_size);
   check_dim(op, "cu_seqlens_padded", cu_seqlens_padded, 1);
   const int64_t max_seqs = cu_seqlens_padded.numel() - 2;
   PC_ARG(max_seqs >= 1 && max_seqs <= kMaxStaticSeqs, op,
@@ -500,27 +507,44 @@ Tensor shard_static_prefix_index(Tensor piece_offset, Tensor piece_seq, Tensor c
   check_static_table(op, "cu_seqlens_padded", cu_seqlens_padded, {ST::Int}, max_seqs + 2, "max_seqs + 2",
                      cu_seqlens_padded, "cu_seqlens_padded");
   const int64_t np = shard::static_pieces(static_cast<int>(layout), max_seqs);
+  check_static_table(op, "pieces", pieces, {ST::Int}, np + 1, "the plan's piece count + 1", cu_seqlens_padded,
+                     "cu_seqlens_padded");
   check_static_table(op, "piece_offset", piece_offset, {ST::Long}, np, "the plan's piece count", cu_seqlens_padded,
                      "cu_seqlens_padded");
   check_static_table(op, "piece_seq", piece_seq, {ST::Int}, np, "the plan's piece count", cu_seqlens_padded,
                      "cu_seqlens_padded");
-  const Tensor po = dense(piece_offset), ps = dense(piece_seq), cp = dense(cu_seqlens_padded);
-  const int64_t k1 = kernel_size - 1;
-  Tensor out = new_tensor({np, k1}, ST::Long, cp.device());
-  const int64_t total_local = capacity / cp_size;
-  if (out.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(out);
-      shard::static_prefix_index_cuda(out.mutable_data_ptr<int64_t>(), np, k1, po.const_data_ptr<int64_t>(),
-                                      ps.const_data_ptr<int32_t>(), cp.const_data_ptr<int32_t>(), max_seqs, cp_size,
-                                      cp_rank, static_cast<int>(layout), total_local, cs.stream);
-    });
+  const int64_t k1 = kernel_size - 1, total_local = capacity / cp_size;
+  // cp_size * S * k1 rows: the worst case, checked (cp_size and S are each below 2**31)
+  const int64_t n_send = checked::mul(op, "cp_size * pieces * (kernel_size - 1)", cp_size, np * k1);
+  const Tensor pc = dense(pieces), po = dense(piece_offset), ps = dense(piece_seq), cp = dense(cu_seqlens_padded);
+  const Device dev = cp.device();
+  Tensor send = new_tensor({n_send}, ST::Long, dev);
+  Tensor unpack = new_tensor({np * k1}, ST::Long, dev);
+  Tensor bwd = new_tensor({total_local, k1}, ST::Long, dev);
+  shard::StaticExchange e;
+  e.pieces = pc.const_data_ptr<int32_t>();
+  e.piece_offset = po.const_data_ptr<int64_t>();
+  e.piece_seq = ps.const_data_ptr<int32_t>();
+  e.cu_padded = cp.const_data_ptr<int32_t>();
+  e.max_seqs = max_seqs;
+  e.cp = cp_size;
+  e.rank = cp_rank;
+  e.total_local = total_local;
+  e.k1 = k1;
+  e.npieces = np;
+  e.layout = static_cast<int>(layout);
+  e.send = send.mutable_data_ptr<int64_t>();
+  e.unpack = unpack.mutable_data_ptr<int64_t>();
+  e.bwd = bwd.mutable_data_ptr<int64_t>();
+  if (dev.is_cpu()) {
+    shard::static_exchange_cpu(e);
   } else {
-    shard::static_prefix_index_cpu(out.mutable_data_ptr<int64_t>(), np, k1, po.const_data_ptr<int64_t>(),
-                                   ps.const_data_ptr<int32_t>(), cp.const_data_ptr<int32_t>(), max_seqs, cp_size,
-                                   cp_rank, static_cast<int>(layout), total_local);
+    PC_CUDA_ONLY({
+      CudaScope cs(cp);
+      shard::static_exchange_cuda(e, cs.stream);
+    });
   }
-  return out;
+  return {send, unpack, bwd};
 }
 
 }  // namespace
@@ -545,8 +569,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
       "shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, int layout, "
       "int capacity) -> Tensor");
   m.def(
-      "shard_static_prefix_index(Tensor piece_offset, Tensor piece_seq, Tensor cu_seqlens_padded, int cp_size, "
-      "int cp_rank, int layout, int capacity, int kernel_size) -> Tensor");
+      "shard_static_exchange_index(Tensor pieces, Tensor piece_offset, Tensor piece_seq, Tensor cu_seqlens_padded, "
+      "int cp_size, int cp_rank, int layout, int capacity, int kernel_size) -> (Tensor, Tensor, Tensor)");
 }
 
 // The host-plan ops take host metadata (their CUDA registration only answers a device tensor with a clear error);
@@ -558,7 +582,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.impl("shard_unshard_index", TORCH_BOX(&packcuda::th::shard_unshard_index));         \
   m.impl("static_shard_plan", TORCH_BOX(&packcuda::th::static_shard_plan));             \
   m.impl("shard_static_unshard_index", TORCH_BOX(&packcuda::th::shard_static_unshard_index)); \
-  m.impl("shard_static_prefix_index", TORCH_BOX(&packcuda::th::shard_static_prefix_index));
+  m.impl("shard_static_exchange_index", TORCH_BOX(&packcuda::th::shard_static_exchange_index));
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_SHARD_IMPLS(m) }
 #ifdef USE_CUDA

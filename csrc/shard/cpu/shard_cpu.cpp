@@ -114,13 +114,11 @@ void static_unshard_index_cpu(int64_t* out, int64_t capacity, const int32_t* cu,
     out[t] = static_unshard_slot(layout, cu, max_seqs, cu_padded, cp, total_local, t);
 }
 
-void static_prefix_index_cpu(int64_t* out, int64_t npieces, int64_t k1, const int64_t* piece_offset,
-                             const int32_t* piece_seq, const int32_t* cu_padded, int64_t max_seqs, int64_t cp,
-                             int64_t rank, int layout, int64_t total_local) {
-  for (int64_t k = 0; k < npieces; ++k)
-    for (int64_t j = 0; j < k1; ++j)
-      out[k * k1 + j] =
-          static_prefix_row(layout, piece_offset, piece_seq, cu_padded, max_seqs, cp, rank, total_local, k1, k, j);
+void static_exchange_cpu(const StaticExchange& e) {
+  const int64_t sq = e.npieces * e.k1;
+  for (int64_t i = 0; i < e.cp * sq; ++i) e.send[i] = static_exchange_item(e, 0, i);
+  for (int64_t i = 0; i < sq; ++i) e.unpack[i] = static_exchange_item(e, 1, i);
+  for (int64_t i = 0; i < e.total_local * e.k1; ++i) e.bwd[i] = static_exchange_item(e, 2, i);
 }
 
 }  // namespace packcuda::shard

@@ -110,15 +110,13 @@ __global__ void static_unshard_index_kernel(int64_t* __restrict__ out, int64_t c
     out[t] = static_unshard_slot(layout, cu, max_seqs, cu_padded, cp, total_local, t);
 }
 
-__global__ void static_prefix_index_kernel(int64_t* __restrict__ out, int64_t npieces, int64_t k1,
-                                           const int64_t* __restrict__ piece_offset,
-                                           const int32_t* __restrict__ piece_seq,
-                                           const int32_t* __restrict__ cu_padded, int64_t max_seqs, int64_t cp,
-                                           int64_t rank, int layout, int64_t total_local) {
-  for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < npieces * k1;
-       q += int64_t(gridDim.x) * blockDim.x)
-    out[q] = static_prefix_row(layout, piece_offset, piece_seq, cu_padded, max_seqs, cp, rank, total_local, k1,
-                               q / k1, q % k1);
+// The three exchange tables in one launch over their concatenation.
+__global__ void static_exchange_kernel(const StaticExchange e, int64_t n_send, int64_t n_unpack, int64_t n_all) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n_all; i += int64_t(gridDim.x) * blockDim.x) {
+    if (i < n_send) e.send[i] = static_exchange_item(e, 0, i);
+    else if (i < n_send + n_unpack) e.unpack[i - n_send] = static_exchange_item(e, 1, i - n_send);
+    else e.bwd[i - n_send - n_unpack] = static_exchange_item(e, 2, i - n_send - n_unpack);
+  }
 }
 
 }  // namespace
@@ -162,13 +160,10 @@ void static_unshard_index_cuda(int64_t* out, int64_t capacity, const int32_t* cu
   PC_CUDA_LAUNCH_CHECK();
 }
 
-void static_prefix_index_cuda(int64_t* out, int64_t npieces, int64_t k1, const int64_t* piece_offset,
-                              const int32_t* piece_seq, const int32_t* cu_padded, int64_t max_seqs, int64_t cp,
-                              int64_t rank, int layout, int64_t total_local, cudaStream_t stream) {
-  const int64_t n = npieces * k1;
-  if (n == 0) return;
-  static_prefix_index_kernel<<<cuda::grid_for(n, kThreads), kThreads, 0, stream>>>(
-      out, npieces, k1, piece_offset, piece_seq, cu_padded, max_seqs, cp, rank, layout, total_local);
+void static_exchange_cuda(const StaticExchange& e, cudaStream_t stream) {
+  const int64_t n_unpack = e.npieces * e.k1, n_send = e.cp * n_unpack, n_all = n_send + n_unpack + e.total_local * e.k1;
+  if (n_all == 0) return;
+  static_exchange_kernel<<<cuda::grid_for(n_all, kThreads), kThreads, 0, stream>>>(e, n_send, n_unpack, n_all);
   PC_CUDA_LAUNCH_CHECK();
 }
 
