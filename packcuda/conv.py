@@ -382,8 +382,6 @@ def conv_prefix(
     host sync per call). Syncs otherwise: none on the nccl path (the schedule is cached on the plan). Run one
     call before capturing a CUDA graph (communicator, peer connections and the check happen there).
     """
-    import torch.distributed as dist
-
     op = "conv_prefix"
     K = _check_schedule_args(op, plan, kernel_size, static_ok=True)
     from .shard import StaticShardPlan
@@ -392,15 +390,8 @@ def conv_prefix(
         # fixed sizes (every rank sends every peer one row per prefix slot): no host read, capturable
         if plan.cp_size == 1:
             return plan._conv_prefix(op, x_local, K, None)
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(f"packcuda.{op}: group: torch.distributed is not initialized (call init_process_group)")
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"packcuda.{op}: group must be a torch.distributed ProcessGroup or None, got "
-                            f"{type(group).__name__}")
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        if world != plan.cp_size or rank != plan.cp_rank:
-            raise ValueError(f"packcuda.{op}: plan is for rank {plan.cp_rank} of {plan.cp_size} but this process "
-                             f"is rank {rank} of {world} in the group")
+        _check_group(op, group)
+        _check_group_matches(plan, group)
         return plan._conv_prefix(op, x_local, K, group, exchange=True)
     _check_tensor(op, "x_local", x_local)
     if x_local.dim() != 2 or x_local.shape[0] != plan.total_local:
@@ -417,11 +408,7 @@ def conv_prefix(
         raise TypeError(f"packcuda.{op}: check must be None or a bool, got {check!r}")
     if not isinstance(backend, str) or backend not in ("auto", "nccl", "torch"):
         raise ValueError(f"packcuda.{op}: backend must be 'auto', 'nccl' or 'torch', got {backend!r}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"packcuda.{op}: group: torch.distributed is not initialized (call init_process_group)")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"packcuda.{op}: group must be a torch.distributed ProcessGroup or None, got "
-                        f"{type(group).__name__}")
+    _check_group(op, group)
     # Everything that depends only on (plan, K, group, device, backend) is resolved once and cached on the plan:
     # group size/rank checks, backend choice, the agreement check, communicator, schedule and its device tensors.
     # The per-call host work is then a dict lookup, the checks above and one op call.
@@ -535,14 +522,30 @@ def _nccl_built() -> bool:
     return _NCCL_BUILT
 
 
-def _resolve_backend(x_local, plan, group, backend) -> str:
-    """The group matches the plan; the exchange backend ("torch" or "nccl") this call uses."""
+def _check_group(op: str, group) -> None:
+    """torch.distributed is initialized and group is a ProcessGroup (or None: the default group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"packcuda.{op}: group: torch.distributed is not initialized (call init_process_group)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"packcuda.{op}: group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(group).__name__}")
+
+
+def _check_group_matches(plan, group) -> None:
+    """This process is rank plan.cp_rank of a group of plan.cp_size ranks (host values, no collective)."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != plan.cp_size or rank != plan.cp_rank:
         raise ValueError(f"packcuda.conv_prefix: plan is for rank {plan.cp_rank} of {plan.cp_size} but this process "
                          f"is rank {rank} of {world} in the group")
+
+
+def _resolve_backend(x_local, plan, group, backend) -> str:
+    """The group matches the plan; the exchange backend ("torch" or "nccl") this call uses."""
+    _check_group_matches(plan, group)
     nccl_ok = x_local.is_cuda and _group_backend(group) == "nccl" and _nccl_built()
     if backend == "auto":
         return "nccl" if nccl_ok else "torch"
