@@ -535,3 +535,81 @@ def test_conv_prefix_exchange_gloo(tmp_path):
     results = mgr.dict()
     mp.spawn(_exchange_worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
     assert dict(results) == {r: sum(12 for cp in (2, 3, 4) if r < cp) for r in range(world)}
+
+
+def _nccl_exchange_worker(rank, world, init, results):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    try:
+        dev = torch.device("cuda", rank)
+        n = 0
+        for layout in ("zigzag", "contiguous"):
+            for lens in ([13, 1, 0, 40, 7, 22], [1, 2, 3, 1, 2], [61]):
+                a = 2 * world if layout == "zigzag" else 1
+                cap = _needed(lens, layout, world, a) + _unit(layout, world, a)
+                M = len(lens) + 2
+                X = torch.randn(cap, 8, generator=torch.Generator().manual_seed(len(lens)), dtype=torch.float64)
+                X = X.to(dev)
+                s = _build(lens, M, world, rank, layout, None, cap, dev)
+                h = packcuda.shard_plan(_cu(lens), world, rank, layout=layout, bucket=cap, device=dev)
+                xs = s.shard(X).requires_grad_()
+                xh = h.shard(X[:sum(lens)]).requires_grad_()
+                ps, ph = packcuda.conv_prefix(xs, s, 4), packcuda.conv_prefix(xh, h, 4, backend="torch")
+                nh = ph.shape[0]
+                assert torch.equal(ps[:nh], ph) and bool((ps[nh:] == 0).all()), (layout, lens, rank)
+                G = torch.randn(ps.shape, device=dev, dtype=torch.float64)
+                G[nh:] = 0
+                gs = torch.autograd.grad(ps, xs, G)[0]
+                gh = torch.autograd.grad(ph, xh, G[:nh])[0]
+                assert torch.allclose(gs, gh, atol=1e-12, rtol=0), (layout, lens, rank)
+                n += 1
+        # one CUDA graph: plan build -> shard -> exchange -> conv, replayed for new batches, no sync
+        cap, M = 4096, 16
+        cu_buf = _static_cu([100, 3, 700], M, device=dev)
+        n_buf = torch.tensor(3, device=dev)
+        x_buf = torch.randn(cap, 64, device=dev)
+        w = torch.randn(64, 4, device=dev)
+
+        def step():
+            p = packcuda.static_shard_plan(cu_buf, n_buf, world, rank, capacity=cap, max_seqs=M)
+            xl = p.shard(x_buf)
+            y = packcuda.causal_conv1d(xl, w, cu_seqlens=p.pieces, prefix=packcuda.conv_prefix(xl, p, 4))
+            return y, p
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        with no_sync():
+            step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_static, _ = step()
+        for lens in ([5, 900, 33], [1] * 16, [2000, 1500]):
+            cu_buf.copy_(_static_cu(lens, M, device=dev))
+            n_buf.fill_(len(lens))
+            x_buf.copy_(torch.randn_like(x_buf))
+            graph.replay()
+            torch.cuda.synchronize()
+            y_eager, p = step()
+            p.check()
+            assert torch.equal(y_static, y_eager), lens
+        results[rank] = n
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
+                    reason="needs 2 CUDA devices, NCCL and a CUDA build of packcuda")
+def test_conv_prefix_exchange_nccl_two_gpus(tmp_path):
+    """cp=2 over NCCL: the static exchange equals the host plan's (values, gradients); plan build, shard, the
+    exchange and the conv capture into one CUDA graph and replay for new batches without a sync."""
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_nccl_exchange_worker, args=(2, f"file://{tmp_path}/init", results), nprocs=2, join=True)
+    assert dict(results) == {0: 6, 1: 6}
