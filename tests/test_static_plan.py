@@ -613,3 +613,17 @@ def test_conv_prefix_exchange_nccl_two_gpus(tmp_path):
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_nccl_exchange_worker, args=(2, f"file://{tmp_path}/init", results), nprocs=2, join=True)
     assert dict(results) == {0: 6, 1: 6}
+
+
+def test_opcheck(device):
+    """Schemas, fake kernels (static shapes) and the autograd registration of the static raw ops."""
+    from torch.library import opcheck
+
+    cu = _static_cu([3, 0, 9], 5, torch.int32, device=device)
+    for layout, align in ((0, 4), (1, 1)):
+        for n in (None, torch.tensor(3, device=device)):
+            opcheck(ops.static_shard_plan.default, (cu, n, 3, 2, 1, layout, align, 32, 5))
+        s = _build([3, 0, 9], 5, 2, 1, ("zigzag", "contiguous")[layout], align, 32, device)
+        opcheck(ops.shard_static_unshard_index.default, (s.cu_seqlens, s.cu_seqlens_padded, 2, layout, 32))
+        opcheck(ops.shard_static_exchange_index.default,
+                (s.pieces, s.piece_offset, s.piece_seq, s.cu_seqlens_padded, 2, 1, layout, 32, 3))
