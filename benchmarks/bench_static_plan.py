@@ -3,7 +3,7 @@
 Workload (full mode): batches of up to 1024 sequences (max_seqs = 1024), lengths uniform in 64..8128
 (random.Random(7 + batch)), at most capacity = 4M tokens (2**22) each; cp = 8 on one GPU, rank 0; model width
 C = 2 heads x 64 (bf16), conv kernel 4. The step, on both paths:
-  plan -> shard input_ids / labels -> embedding -> 1D RoPE at the plan's positions (apply_rope) -> causal_conv1d
+  plan -> shard input_ids / positions / labels -> embedding -> 1D RoPE (apply_rope) -> causal_conv1d
   over the plan's pieces -> unshard of [cp, T_local, C] (this rank's output repeated cp times stands in for the
   all-gather of the other ranks).
   - static: ``static_shard_plan`` from device cu_seqlens / num_seqs (padded to max_seqs + 1 entries), the conv
@@ -51,11 +51,11 @@ def _batches(count: int, max_seqs: int, capacity: int, lo: int, hi: int):
     return out
 
 
-def _tail(plan, ids, emb, w, prefix_fn, cp):
+def _tail(plan, ids, pos, emb, w, prefix_fn, cp):
     local = plan.shard(ids)
     labels = plan.labels(ids)
     h = emb[local].view(-1, H, D)
-    q, k = packcuda.apply_rope(h, h, plan.position_ids, rope_theta=10000.0)
+    q, k = packcuda.apply_rope(h, h, plan.shard_positions(pos), rope_theta=10000.0)
     xc = q.reshape(-1, H * D)
     y = packcuda.causal_conv1d(xc, w, cu_seqlens=plan.pieces, prefix=prefix_fn(xc))
     return plan.unshard(y.repeat(cp, 1)), labels
@@ -90,14 +90,16 @@ def run(quick: bool = False, device=None) -> list[dict]:
     emb = torch.randn(1000, H * D, generator=g).to(dev, dtype)
     w = torch.randn(H * D, K, generator=g).to(dev, dtype)
     ids_all = [torch.randint(0, 1000, (capacity,), generator=g).to(dev) for _ in batches]
+    pos_all = [torch.cat([packcuda.position_ids(_cu(l)), torch.zeros(capacity - sum(l), dtype=torch.int64)]).to(dev)
+               for l in batches]
     cu_all = [torch.tensor(_cu(l) + [sum(l)] * (max_seqs - len(l)), dtype=torch.int32).to(dev) for l in batches]
     n_all = [torch.tensor(len(l)).to(dev) for l in batches]
 
-    cu_buf, n_buf, ids_buf = cu_all[0].clone(), n_all[0].clone(), ids_all[0].clone()
+    cu_buf, n_buf, ids_buf, pos_buf = cu_all[0].clone(), n_all[0].clone(), ids_all[0].clone(), pos_all[0].clone()
 
     def static_step():
         plan = packcuda.static_shard_plan(cu_buf, n_buf, cp, rank, capacity=capacity, max_seqs=max_seqs)
-        return _tail(plan, ids_buf, emb, w, lambda xc: plan.local_conv_prefix(xc, K), cp) + (plan.status,)
+        return _tail(plan, ids_buf, pos_buf, emb, w, lambda xc: plan.local_conv_prefix(xc, K), cp) + (plan.status,)
 
     state = {"b": 0}
 
@@ -106,12 +108,13 @@ def run(quick: bool = False, device=None) -> list[dict]:
         state["b"] += 1
         plan = packcuda.shard_plan(_cu(batches[i]), cp, rank, bucket=capacity, device=dev)
         T = plan.total
-        return _tail(plan, ids_all[i][:T], emb, w, lambda xc: None, cp)
+        return _tail(plan, ids_all[i][:T], pos_all[i][:T], emb, w, lambda xc: None, cp)
 
     def load(i):
         cu_buf.copy_(cu_all[i])
         n_buf.copy_(n_all[i])
         ids_buf.copy_(ids_all[i])
+        pos_buf.copy_(pos_all[i])
 
     # the static plan equals the host plan on every batch
     for i, lens in enumerate(batches):
@@ -179,6 +182,6 @@ def run(quick: bool = False, device=None) -> list[dict]:
 
 if __name__ == "__main__":
     cli(run, "static shard plans: whole step in one CUDA graph (cp=8, rank 0, single GPU)",
-        notes="speedup = baseline_ms / packcuda_ms. Step = plan, shard ids/labels, embedding, apply_rope, "
+        notes="speedup = baseline_ms / packcuda_ms. Step = plan, shard ids/positions/labels, embedding, apply_rope, "
               "causal_conv1d over the pieces (static: local conv prefix), unshard of [cp, T_local, C]. Host time: "
               "perf_counter around one call, device drained between calls.")

@@ -311,30 +311,30 @@ def _params(device):
     return emb, w
 
 
-def _tail(plan, ids, emb, w, conv_cu, prefix_fn):
-    """The data path after the plan: embedding of the local ids, 1D RoPE at the plan's positions, the
+def _tail(plan, ids, pos, emb, w, conv_cu, prefix_fn):
+    """The data path after the plan: embedding of the local ids, 1D RoPE at the local positions, the
     varlen causal conv, unshard of the (single rank's) output, and the local labels."""
     local = plan.shard(ids)
     h = emb[local].view(-1, H, D)
-    q, k = packcuda.apply_rope(h, h * 0.5, plan.position_ids, rope_theta=10000.0)
+    q, k = packcuda.apply_rope(h, h * 0.5, plan.shard_positions(pos), rope_theta=10000.0)
     xc = (q + k).reshape(-1, H * D).contiguous()
     y = packcuda.causal_conv1d(xc, w, cu_seqlens=conv_cu, prefix=prefix_fn(xc), activation="silu")
     return plan.unshard(y[None]), plan.labels(ids)
 
 
-def _static_step(cu, n, ids, emb, w, capacity, max_seqs):
+def _static_step(cu, n, ids, pos, emb, w, capacity, max_seqs):
     plan = packcuda.static_shard_plan(cu, n, 1, 0, capacity=capacity, max_seqs=max_seqs)
-    out, labels = _tail(plan, ids, emb, w, plan.pieces, lambda xc: packcuda.conv_prefix(xc, plan, K))
+    out, labels = _tail(plan, ids, pos, emb, w, plan.pieces, lambda xc: packcuda.conv_prefix(xc, plan, K))
     return out, labels, plan.status
 
 
-def _host_step(lens, ids, emb, w, capacity, device):
+def _host_step(lens, ids, pos, emb, w, capacity, device):
     """The eager host-plan path: a plan per batch from host lengths (cp = 1: each local segment is the whole
     padded sequence, so the conv runs over cu_seqlens_local without a prefix)."""
     cu = _cu(lens)
     plan = packcuda.shard_plan(cu, 1, 0, bucket=capacity, device=device)
     T = cu[-1]
-    return _tail(plan, ids[:T], emb, w, plan.cu_seqlens_local, lambda xc: None)
+    return _tail(plan, ids[:T], pos[:T], emb, w, plan.cu_seqlens_local, lambda xc: None)
 
 
 def _batches(capacity, max_seqs, count, seed=0):
@@ -348,9 +348,9 @@ def _batches(capacity, max_seqs, count, seed=0):
     return out
 
 
-def _check_step(got, lens, ids, emb, w, capacity, device):
+def _check_step(got, lens, ids, pos, emb, w, capacity, device):
     out, labels, status = got
-    want_out, want_labels = _host_step(lens, ids, emb, w, capacity, device)
+    want_out, want_labels = _host_step(lens, ids, pos, emb, w, capacity, device)
     T = sum(lens)
     assert status.tolist()[0] == 0
     assert torch.allclose(out[:T], want_out, atol=1e-5, rtol=1e-5)
@@ -359,9 +359,13 @@ def _check_step(got, lens, ids, emb, w, capacity, device):
 
 
 def _inputs(lens, capacity, max_seqs, device, g):
+    """Device inputs of one batch: cu_seqlens [max_seqs+1], num_seqs (0-dim), input_ids and position ids
+    [capacity] (each sequence's positions from 0; rows past the real tokens are junk the plan never reads)."""
     cu = _static_cu(lens, max_seqs, device=device)
     ids = torch.randint(0, VOCAB, (capacity,), generator=g).to(device)
-    return cu, torch.tensor(len(lens), device=device), ids
+    pos = torch.randint(0, 5, (capacity,), generator=g)
+    pos[:sum(lens)] = packcuda.position_ids(_cu(lens))
+    return cu, torch.tensor(len(lens), device=device), ids, pos.to(device)
 
 
 def test_step_matches_host_path(device):
@@ -369,8 +373,8 @@ def test_step_matches_host_path(device):
     cap, M = 256, 12
     g = torch.Generator().manual_seed(1)
     for lens in _batches(cap, M, 5):
-        cu, n, ids = _inputs(lens, cap, M, device, g)
-        _check_step(_static_step(cu, n, ids, emb, w, cap, M), lens, ids, emb, w, cap, device)
+        cu, n, ids, pos = _inputs(lens, cap, M, device, g)
+        _check_step(_static_step(cu, n, ids, pos, emb, w, cap, M), lens, ids, pos, emb, w, cap, device)
 
 
 def test_compile_once(device):
@@ -381,12 +385,12 @@ def test_compile_once(device):
     emb, w = _params(device)
     cap, M = 128, 6
     cnt = torch._dynamo.testing.CompileCounterWithBackend("aot_eager" if device == "cpu" else "inductor")
-    step = torch.compile(lambda cu, n, ids: _static_step(cu, n, ids, emb, w, cap, M), fullgraph=True,
+    step = torch.compile(lambda cu, n, ids, pos: _static_step(cu, n, ids, pos, emb, w, cap, M), fullgraph=True,
                          dynamic=False, backend=cnt)
     g = torch.Generator().manual_seed(2)
     for lens in _batches(cap, M, 5, seed=4):
-        cu, n, ids = _inputs(lens, cap, M, device, g)
-        _check_step(step(cu, n, ids), lens, ids, emb, w, cap, device)
+        cu, n, ids, pos = _inputs(lens, cap, M, device, g)
+        _check_step(step(cu, n, ids, pos), lens, ids, pos, emb, w, cap, device)
     assert cnt.frame_count == 1
 
 
@@ -426,15 +430,15 @@ def test_cuda_no_sync():
     cap, M = 512, 16
     g = torch.Generator().manual_seed(3)
     lens = _batches(cap, M, 1)[0]
-    cu, n, ids = _inputs(lens, cap, M, "cuda", g)
-    _static_step(cu, n, ids, emb, w, cap, M)  # warm-up (lazy inits outside the checked region)
+    cu, n, ids, pos = _inputs(lens, cap, M, "cuda", g)
+    _static_step(cu, n, ids, pos, emb, w, cap, M)  # warm-up (lazy inits outside the checked region)
     with no_sync():
         for layout in ("zigzag", "contiguous"):
             plan = packcuda.static_shard_plan(cu, n, 8, 3, capacity=cap, max_seqs=M, layout=layout)
             plan.shard(ids), plan.labels(ids), plan.shard_positions(ids), plan.unshard_index
             plan.local_conv_prefix(torch.randn(plan.total_local, 4, device="cuda"), 4)
-        out = _static_step(cu, n, ids, emb, w, cap, M)
-    _check_step(out, lens, ids, emb, w, cap, "cuda")
+        out = _static_step(cu, n, ids, pos, emb, w, cap, M)
+    _check_step(out, lens, ids, pos, emb, w, cap, "cuda")
 
 
 @pytest.mark.gpu
@@ -447,25 +451,26 @@ def test_cuda_graph_whole_step():
     cap, M = 1024, 24
     g = torch.Generator().manual_seed(8)
     batches = _batches(cap, M, 7, seed=8)
-    cu_buf, n_buf, ids_buf = _inputs(batches[0], cap, M, "cuda", g)
+    cu_buf, n_buf, ids_buf, pos_buf = _inputs(batches[0], cap, M, "cuda", g)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            _static_step(cu_buf, n_buf, ids_buf, emb, w, cap, M)
+            _static_step(cu_buf, n_buf, ids_buf, pos_buf, emb, w, cap, M)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = _static_step(cu_buf, n_buf, ids_buf, emb, w, cap, M)
+        got = _static_step(cu_buf, n_buf, ids_buf, pos_buf, emb, w, cap, M)
     for lens in batches:
-        cu, n, ids = _inputs(lens, cap, M, "cuda", g)
+        cu, n, ids, pos = _inputs(lens, cap, M, "cuda", g)
         with no_sync():
             cu_buf.copy_(cu)
             n_buf.copy_(n)
             ids_buf.copy_(ids)
+            pos_buf.copy_(pos)
             graph.replay()
         torch.cuda.synchronize()
-        _check_step(got, lens, ids_buf, emb, w, cap, "cuda")
+        _check_step(got, lens, ids_buf, pos_buf, emb, w, cap, "cuda")
     # a batch over capacity: the replay gives all-pad outputs and a set status
     big = [cap + 1]
     cu_buf.copy_(_static_cu(big, M, device="cuda"))
