@@ -14,6 +14,9 @@ multiple of ``cp`` (and of ``bucket``), rank ``r`` holds padded rows ``[r*Tp/cp,
 ``bucket`` appends one extra trailing pad segment (its own entry in ``cu_seqlens_padded``, positions
 from 0) so that the padded total is a multiple of ``bucket``; it is present only when its length
 (``pad_size``) is non-zero, and it never lengthens a real sequence.
+
+:func:`static_shard_plan` builds the same plan on the device from device ``cu_seqlens`` with shapes fixed by
+``(capacity, max_seqs, cp_size)`` (a :class:`StaticShardPlan`: no host read, capturable in a CUDA graph).
 """
 from __future__ import annotations
 
