@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import packcuda
-from conftest import HAS_CUDA, no_sync
+from conftest import HAS_CUDA, no_sync, requires_two_gpus_nccl, spawn_ranks
 from packcuda._meta import cu_from_lengths as _cu
 
 ops = torch.ops.packcuda
@@ -533,13 +533,9 @@ def _exchange_worker(rank, world, init, results):
 def test_conv_prefix_exchange_gloo(tmp_path):
     """cp in {2, 3, 4} (subgroups of one 4-process gloo job), both layouts, K in {2, 4}, sequences shorter than
     2*cp*(K-1): the static plan's fixed-size exchange gives the host plan's prefix (values and gradients)."""
-    import torch.multiprocessing as mp
-
     world = 4
-    mgr = mp.get_context("spawn").Manager()
-    results = mgr.dict()
-    mp.spawn(_exchange_worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
-    assert dict(results) == {r: sum(12 for cp in (2, 3, 4) if r < cp) for r in range(world)}
+    results = spawn_ranks(_exchange_worker, world, tmp_path)
+    assert results == {r: sum(12 for cp in (2, 3, 4) if r < cp) for r in range(world)}
 
 
 def _nccl_exchange_worker(rank, world, init, results):
@@ -608,16 +604,12 @@ def _nccl_exchange_worker(rank, world, init, results):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
-                    reason="needs 2 CUDA devices, NCCL and a CUDA build of packcuda")
+@requires_two_gpus_nccl
 def test_conv_prefix_exchange_nccl_two_gpus(tmp_path):
     """cp=2 over NCCL: the static exchange equals the host plan's (values, gradients); plan build, shard, the
     exchange and the conv capture into one CUDA graph and replay for new batches without a sync."""
-    import torch.multiprocessing as mp
-
-    results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_nccl_exchange_worker, args=(2, f"file://{tmp_path}/init", results), nprocs=2, join=True)
-    assert dict(results) == {0: 6, 1: 6}
+    results = spawn_ranks(_nccl_exchange_worker, 2, tmp_path)
+    assert results == {0: 6, 1: 6}
 
 
 def test_opcheck(device):
