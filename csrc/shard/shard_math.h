@@ -52,7 +52,7 @@ PC_HD int64_t zigzag_slot_in_segment(int64_t o, int64_t c, int64_t h, int64_t cp
 PC_HD int64_t contiguous_window_begin(int64_t rank, int64_t total_local) { return rank * total_local; }
 
 // ---- one segment of a rank's layout ---------------------------------------------------------------------
-// The host layout (build_layout) and the static device plan (build_static_*) are the same formulas: both
+// The host layout (build_layout) and the static device plan (static_build_cpu / _cuda) are the same formulas: both
 // walk the segments and call these.
 
 // Pad rows the bucket segment adds to a padded stream of seq_total rows (unit: bucket, or lcm(bucket, cp)
