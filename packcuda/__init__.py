@@ -12,7 +12,7 @@ from ._lib import load as _load
 _load()
 
 from .pack import gather_rows, next_token_labels, pad, position_ids, scatter_rows, unpad  # noqa: E402
-from .shard import ShardPlan, shard_plan  # noqa: E402
+from .shard import ShardPlan, StaticShardPlan, shard_plan, static_shard_plan  # noqa: E402
 from .mrope import MRopeSpec, mrope_position_ids  # noqa: E402
 from .rope import (apply_qk_norm_rope, apply_qk_norm_rope_, apply_rope, apply_rope_, default_inv_freq,  # noqa: E402
                    rope_kwargs_from_config)
@@ -27,7 +27,7 @@ __all__ = [
     # packing
     "gather_rows", "scatter_rows", "unpad", "pad", "position_ids", "next_token_labels",
     # shard plans
-    "ShardPlan", "shard_plan",
+    "ShardPlan", "shard_plan", "StaticShardPlan", "static_shard_plan",
     # mRoPE positions and rotary application
     "MRopeSpec", "mrope_position_ids", "apply_rope", "apply_rope_", "apply_qk_norm_rope", "apply_qk_norm_rope_",
     "default_inv_freq", "rope_kwargs_from_config",

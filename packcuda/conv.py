@@ -189,13 +189,17 @@ def _usable_device(op: str, name: str, device) -> torch.device:
     return resolve_device(op, name, device)
 
 
-def _check_schedule_args(op: str, plan, kernel_size) -> int:
-    """The plan must be a ShardPlan and kernel_size an integer in [1, 8]; returns kernel_size."""
-    from .shard import ShardPlan
+def _check_schedule_args(op: str, plan, kernel_size, *, static_ok: bool = False) -> int:
+    """The plan must be a ShardPlan (a StaticShardPlan only where static_ok) and kernel_size an integer in
+    [1, 8]; returns kernel_size."""
+    from .shard import ShardPlan, StaticShardPlan
 
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"packcuda.{op}: plan must be a ShardPlan (from packcuda.shard_plan), got "
                         f"{type(plan).__name__}")
+    if isinstance(plan, StaticShardPlan) and not static_ok:
+        raise ValueError(f"packcuda.{op}: plan is a StaticShardPlan, whose layout lives on the device; the host "
+                         "exchange schedule needs a host plan (packcuda.shard_plan)")
     return check_int(op, "kernel_size", kernel_size, lo=1, hi=8)
 
 
@@ -357,7 +361,10 @@ def conv_prefix(
     zero rows; pieces shorter than K-1 are fine (a prefix may gather rows from several earlier pieces/ranks).
 
     ``x_local`` ``[T_local, C]`` (bf16 / fp16 / fp32 / fp64, cpu or cuda) is this rank's buffer in the plan's
-    layout; ``plan`` a :class:`ShardPlan`; ``kernel_size`` an integer in [1, 8]; ``group`` the CP process group
+    layout; ``plan`` a :class:`ShardPlan` or a :class:`StaticShardPlan` (fixed sizes: every rank sends every
+    peer one row per prefix slot of the peer, ``S*(K-1)`` rows, zero rows where it holds none, in one
+    equal-split ``all_to_all_single``; no host read, no agreement check, capturable; with ``cp_size == 1`` no
+    group is needed); ``kernel_size`` an integer in [1, 8]; ``group`` the CP process group
     (size ``plan.cp_size``, this rank = ``plan.cp_rank``). Every rank of the group must call this, with the
     same kernel size, even when it has nothing to send or receive. Differentiable: the backward sends each
     prefix row's gradient back to its owner and sums it into ``x_local``'s gradient in a fixed order.
@@ -378,10 +385,17 @@ def conv_prefix(
     host sync per call). Syncs otherwise: none on the nccl path (the schedule is cached on the plan). Run one
     call before capturing a CUDA graph (communicator, peer connections and the check happen there).
     """
-    import torch.distributed as dist
-
     op = "conv_prefix"
-    K = _check_schedule_args(op, plan, kernel_size)
+    K = _check_schedule_args(op, plan, kernel_size, static_ok=True)
+    from .shard import StaticShardPlan
+
+    if isinstance(plan, StaticShardPlan):
+        # fixed sizes (every rank sends every peer one row per prefix slot): no host read, capturable
+        if plan.cp_size == 1:
+            return plan._conv_prefix(op, x_local, K, None)
+        _check_group(op, group)
+        _check_group_matches(plan, group)
+        return plan._conv_prefix(op, x_local, K, group, exchange=True)
     _check_tensor(op, "x_local", x_local)
     if x_local.dim() != 2 or x_local.shape[0] != plan.total_local:
         raise ValueError(f"packcuda.{op}: x_local must be [T_local, C] with T_local = {plan.total_local}, "
@@ -397,11 +411,7 @@ def conv_prefix(
         raise TypeError(f"packcuda.{op}: check must be None or a bool, got {check!r}")
     if not isinstance(backend, str) or backend not in ("auto", "nccl", "torch"):
         raise ValueError(f"packcuda.{op}: backend must be 'auto', 'nccl' or 'torch', got {backend!r}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"packcuda.{op}: group: torch.distributed is not initialized (call init_process_group)")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"packcuda.{op}: group must be a torch.distributed ProcessGroup or None, got "
-                        f"{type(group).__name__}")
+    _check_group(op, group)
     # Everything that depends only on (plan, K, group, device, backend) is resolved once and cached on the plan:
     # group size/rank checks, backend choice, the agreement check, communicator, schedule and its device tensors.
     # The per-call host work is then a dict lookup, the checks above and one op call.
@@ -486,14 +496,30 @@ def _nccl_built() -> bool:
     return _NCCL_BUILT
 
 
-def _resolve_backend(x_local, plan, group, backend) -> str:
-    """The group matches the plan; the exchange backend ("torch" or "nccl") this call uses."""
+def _check_group(op: str, group) -> None:
+    """torch.distributed is initialized and group is a ProcessGroup (or None: the default group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"packcuda.{op}: group: torch.distributed is not initialized (call init_process_group)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"packcuda.{op}: group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(group).__name__}")
+
+
+def _check_group_matches(plan, group) -> None:
+    """This process is rank plan.cp_rank of a group of plan.cp_size ranks (host values, no collective)."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != plan.cp_size or rank != plan.cp_rank:
         raise ValueError(f"packcuda.conv_prefix: plan is for rank {plan.cp_rank} of {plan.cp_size} but this process "
                          f"is rank {rank} of {world} in the group")
+
+
+def _resolve_backend(x_local, plan, group, backend) -> str:
+    """The group matches the plan; the exchange backend ("torch" or "nccl") this call uses."""
+    _check_group_matches(plan, group)
     nccl_ok = x_local.is_cuda and _group_backend(group) == "nccl" and _nccl_built()
     if backend == "auto":
         return "nccl" if nccl_ok else "torch"

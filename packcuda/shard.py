@@ -14,6 +14,9 @@ multiple of ``cp`` (and of ``bucket``), rank ``r`` holds padded rows ``[r*Tp/cp,
 ``bucket`` appends one extra trailing pad segment (its own entry in ``cu_seqlens_padded``, positions
 from 0) so that the padded total is a multiple of ``bucket``; it is present only when its length
 (``pad_size``) is non-zero, and it never lengthens a real sequence.
+
+:func:`static_shard_plan` builds the same plan on the device from device ``cu_seqlens`` with shapes fixed by
+``(capacity, max_seqs, cp_size)`` (a :class:`StaticShardPlan`: no host read, capturable in a CUDA graph).
 """
 from __future__ import annotations
 
@@ -301,6 +304,16 @@ class _Gather(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
+def _layout_code(op: str, layout) -> int:
+    """The op code of a layout name ('zigzag' -> 0, 'contiguous' -> 1)."""
+    if not isinstance(layout, str):
+        raise TypeError(f"packcuda.{op}: layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    code = _LAYOUTS.get(layout)
+    if code is None:
+        raise ValueError(f"packcuda.{op}: layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    return code
+
+
 def shard_plan(
     cu_seqlens: IntsLike,
     cp_size: int,
@@ -324,11 +337,7 @@ def shard_plan(
     the host (``.cpu()``), because the layout's sizes depend on its values.
     """
     op = "shard_plan"
-    if not isinstance(layout, str):
-        raise TypeError(f"packcuda.shard_plan: layout must be 'zigzag' or 'contiguous', got {layout!r}")
-    code = _LAYOUTS.get(layout)
-    if code is None:
-        raise ValueError(f"packcuda.shard_plan: layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    code = _layout_code(op, layout)
     # integers that are really integers; their ranges are checked by the op (cp_size here already: the
     # default zigzag align is 2 * cp_size)
     cp_size = check_int(op, "cp_size", cp_size, lo=1, hi=MAX_PADDED_TOTAL)
@@ -354,3 +363,261 @@ _CPU = torch.device("cpu")
 _shard_plan_op = ops.shard_plan.default
 
 
+
+
+# ---------------------------------------------------------------------------------------------------
+# static plans: fixed shapes, built on the device
+# ---------------------------------------------------------------------------------------------------
+@torch.library.register_fake("packcuda::static_shard_plan")
+def _static_shard_plan_fake(cu_seqlens, num_seqs, num_seqs_host, cp_size, cp_rank, layout, align, capacity,
+                            max_seqs):
+    dev = cu_seqlens.device
+    nseg = max_seqs + 1
+    npieces = 2 * nseg if layout == 0 else nseg
+    e = lambda n, dt: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
+    i32, i64 = torch.int32, torch.int64
+    t_local = capacity // cp_size
+    return (e(t_local, i64), e(t_local, i64), e(t_local, i64), e(nseg + 1, i32), e(nseg + 1, i32),
+            e(npieces + 1, i32), e(npieces, i64), e(npieces, i32), e(nseg, i32), e(_N_STATUS, i64))
+
+
+@torch.library.register_fake("packcuda::shard_static_unshard_index")
+def _shard_static_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, layout, capacity):
+    return torch.empty(capacity, dtype=torch.int64, device=cu_seqlens.device)
+
+
+@torch.library.register_fake("packcuda::shard_static_exchange_index")
+def _shard_static_exchange_index_fake(pieces, piece_offset, piece_seq, cu_seqlens_padded, cp_size, cp_rank, layout,
+                                      capacity, kernel_size):
+    sq = piece_offset.shape[0] * (kernel_size - 1)
+    e = lambda *n: torch.empty(n, dtype=torch.int64, device=piece_offset.device)  # noqa: E731
+    return e(cp_size * sq), e(sq), e(capacity // cp_size, kernel_size - 1)
+
+
+# status flags of a static plan (csrc/shard/shard_math.h: StaticStatus) and the status length
+_OVER_CAPACITY, _TOO_MANY_SEQS, _BAD_CU = 1, 2, 4
+_N_STATUS = 4
+
+
+class StaticShardPlan(ShardPlan):
+    """A :class:`ShardPlan` whose every shape is fixed by ``(capacity, max_seqs, cp_size)`` and whose values
+    are built on the device (build it with :func:`static_shard_plan`). Building it reads nothing back and
+    allocates nothing that depends on values, so it can be captured in a CUDA graph or compiled with static
+    shapes, and one capture serves every batch of the same capacity.
+
+    The original stream has ``total = capacity`` rows (a bucketed batch: the real tokens first, then rows the
+    plan never reads); :meth:`shard`, :meth:`labels`, :meth:`shard_positions` take ``[capacity, ...]`` inputs
+    and :meth:`unshard` / :meth:`gather` return ``[capacity, ...]`` with zero rows past the real tokens.
+    ``total_local = capacity / cp_size``. Tables (all on ``device``): ``index`` / ``position_ids`` /
+    ``label_index`` ``[total_local]``, ``cu_seqlens_padded`` / ``cu_seqlens_local`` int32 ``[max_seqs + 2]``
+    (the sequences, the bucket pad segment, then trailing repeats of the end), ``pieces`` int32 ``[S + 1]``,
+    ``piece_offset`` int64 ``[S]``, ``piece_seq`` int32 ``[S]`` with ``S = 2 (max_seqs + 1)`` (zigzag) or
+    ``max_seqs + 1`` (contiguous; extra pieces are empty), ``cu_seqlens`` int32 ``[max_seqs + 1]`` (the
+    batch's boundaries, entries past ``num_seqs`` repeating the total) and ``status`` int64 ``[4]``.
+    On everything the host plan ``shard_plan(cu_seqlens[:num_seqs + 1], ..., bucket=capacity)`` has, the two
+    are equal slot for slot.
+
+    Static bounds for varlen attention: ``max_seqlen_local = total_local`` and ``max_seqlen_padded =
+    capacity`` (no segment is longer; the real maxima are device values). ``pad_size`` and the ``*_host``
+    lists are device values here and are refused.
+
+    A batch that does not fit (padded total above ``capacity``, ``num_seqs`` outside ``[0, max_seqs]``,
+    ``cu_seqlens`` not starting at 0 or decreasing) gives an all-pad plan (every ``index`` is -1; one pad
+    segment covers the stream) and sets ``status``; :meth:`check` reads it (one sync) and raises.
+    """
+
+    def __init__(self, built, *, layout: str, cp_size: int, cp_rank: int, align: int, capacity: int,
+                 max_seqs: int, num_seqs, device: torch.device):
+        (self.index, self.position_ids, self.label_index, self.cu_seqlens_padded, self.cu_seqlens_local,
+         self.pieces, self.piece_offset, self.piece_seq, self.cu_seqlens, self.status) = built
+        self.layout, self.cp_size, self.cp_rank = layout, cp_size, cp_rank
+        self.align, self.bucket, self.device = align, capacity, device
+        self.capacity, self.max_seqs, self.num_seqs = capacity, max_seqs, num_seqs
+        self.total = self.total_padded = self.max_seqlen_padded = capacity
+        self.total_local = self.max_seqlen_local = capacity // cp_size
+        self._unshard_index: Optional[torch.Tensor] = None
+        self._pad_mask_t: Optional[torch.Tensor] = None
+        self._prefix_indices: dict = {}
+
+    def __repr__(self) -> str:
+        return (f"StaticShardPlan(layout={self.layout!r}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "
+                f"align={self.align}, capacity={self.capacity}, max_seqs={self.max_seqs}, "
+                f"total_local={self.total_local}, device={self.device})")
+
+    def _device_value(self, name: str):
+        raise ValueError(f"packcuda.StaticShardPlan.{name}: a static plan keeps this on the device (reading it "
+                         f"would sync); use the device tensors (cu_seqlens, cu_seqlens_padded, "
+                         f"cu_seqlens_local, pieces, ...) or build a host plan with packcuda.shard_plan")
+
+    pad_size = property(lambda self: self._device_value("pad_size"))
+    cu_seqlens_host = property(lambda self: self._device_value("cu_seqlens_host"))
+    cu_seqlens_padded_host = property(lambda self: self._device_value("cu_seqlens_padded_host"))
+    cu_seqlens_local_host = property(lambda self: self._device_value("cu_seqlens_local_host"))
+    pieces_host = property(lambda self: self._device_value("pieces_host"))
+    piece_offset_host = property(lambda self: self._device_value("piece_offset_host"))
+    piece_seq_host = property(lambda self: self._device_value("piece_seq_host"))
+
+    @property
+    def unshard_index(self) -> torch.Tensor:
+        """int64 ``[capacity]``: row of each original token in the rank-major concatenation ``[cp*T_local]``
+        of all ranks' local buffers, -1 past the real tokens. Built on first use (one launch, no sync)."""
+        if self._unshard_index is None:
+            self._unshard_index = ops.shard_static_unshard_index(
+                self.cu_seqlens, self.cu_seqlens_padded, self.cp_size, _LAYOUTS[self.layout], self.capacity)
+        return self._unshard_index
+
+    @property
+    def _pad_mask(self) -> torch.Tensor:
+        if self._pad_mask_t is None:
+            self._pad_mask_t = self.index < 0
+        return self._pad_mask_t
+
+    def check(self) -> "StaticShardPlan":
+        """Reads ``status`` (one device sync) and raises ``ValueError`` naming the sizes when the batch did not
+        fit the plan; returns the plan otherwise. Call it outside captured regions (e.g. every N steps)."""
+        flags, n, total, bad = self.status.tolist()
+        why = []
+        if flags & _TOO_MANY_SEQS:
+            why.append(f"num_seqs={n} is outside [0, max_seqs={self.max_seqs}]")
+        if flags & _BAD_CU:
+            why.append(f"cu_seqlens[0] is not 0" if bad == 0 else
+                       f"cu_seqlens decreases at entry {bad} (cu_seqlens[{bad}] < cu_seqlens[{bad - 1}])")
+        if flags & _OVER_CAPACITY:
+            why.append(f"the padded total of the batch ({'at least ' if total >= 2**31 else ''}{total} rows, "
+                       f"sequences padded to align={self.align}) exceeds capacity={self.capacity}")
+        if why:
+            raise ValueError("packcuda.StaticShardPlan.check: the batch does not fit the static plan (its outputs "
+                             "are all padding): " + "; ".join(why))
+        return self
+
+    def local_conv_prefix(self, x_local: torch.Tensor, kernel_size: int) -> torch.Tensor:
+        """``[S, K-1, C]``: the conv prefix rows of every piece that this rank holds itself (rows at padded
+        offsets ``[o-(K-1), o)`` of the piece's sequence), zero rows before the sequence start and for rows
+        held by other ranks. With ``cp_size == 1`` this is the whole prefix (what :func:`packcuda.conv_prefix`
+        returns): ``causal_conv1d(x_local, w, cu_seqlens=plan.pieces, prefix=plan.local_conv_prefix(x_local,
+        K))`` equals the unsharded conv on every real slot. For ``cp_size > 1`` it is the local part of the
+        exchange (:func:`packcuda.conv_prefix` with a group does the whole exchange). Differentiable
+        (deterministic backward); no sync; capturable."""
+        return self._conv_prefix("StaticShardPlan.local_conv_prefix", x_local, kernel_size, None)
+
+    def _conv_prefix(self, op: str, x_local, kernel_size, group, exchange: bool = False) -> torch.Tensor:
+        from .conv import _check_tensor, _FLOAT_DTYPES
+
+        K = check_int(op, "kernel_size", kernel_size, lo=1, hi=8)
+        _check_tensor(op, "x_local", x_local)
+        if x_local.dim() != 2 or x_local.shape[0] != self.total_local:
+            raise ValueError(f"packcuda.{op}: x_local must be [T_local, C] with T_local = {self.total_local}, got "
+                             f"shape {tuple(x_local.shape)}")
+        if x_local.device != self.device:
+            raise ValueError(f"packcuda.{op}: x_local is on {x_local.device}, but the plan is on {self.device}")
+        if x_local.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"packcuda.{op}: x_local must have dtype bfloat16, float16, float32 or float64, got "
+                             f"{x_local.dtype}")
+        S = self.piece_offset.shape[0]
+        if K == 1:
+            return x_local.new_zeros((S, 0, x_local.shape[1]))
+        return _StaticPrefix.apply(x_local.contiguous(), self, K, group, exchange).view(S, K - 1, x_local.shape[1])
+
+    def _exchange_tables(self, K: int):
+        """(send [cp*SQ], unpack [SQ], bwd [T_local, K-1]) of the conv prefix exchange (SQ = S*(K-1)), made on
+        first use (one launch, no sync)."""
+        cache = self._prefix_indices
+        if K not in cache:
+            cache[K] = ops.shard_static_exchange_index(self.pieces, self.piece_offset, self.piece_seq,
+                                                       self.cu_seqlens_padded, self.cp_size, self.cp_rank,
+                                                       _LAYOUTS[self.layout], self.capacity, K)
+        return cache[K]
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Equal-split all-to-all of the peer-major rows of x (cp blocks) over the CP group."""
+    import torch.distributed as dist
+
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _StaticPrefix(torch.autograd.Function):
+    """Conv prefix rows [S*(K-1), C] of a static plan. Local: the rows this rank holds. Exchange: every rank
+    sends each peer one row per prefix slot of the peer (a zero row where it does not hold it), one equal-split
+    all-to-all, then this rank's slots are gathered from the received buffer. Backward: the mirror all-to-all
+    and a fixed-order sum per local row (ops.conv_gather_sum over the bwd table)."""
+
+    @staticmethod
+    def forward(ctx, x, plan, K, group, exchange):
+        send, unpack, bwd = plan._exchange_tables(K)
+        sq = unpack.shape[0]
+        ctx.plan, ctx.K, ctx.group, ctx.exchange = plan, K, group, exchange
+        if exchange:
+            return ops.gather_rows(_all_to_all(ops.gather_rows(x, send, 0.0), group), unpack, 0.0)
+        r = plan.cp_rank
+        return ops.gather_rows(x, send[r * sq:(r + 1) * sq], 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, K = ctx.plan, ctx.K
+        send, unpack, bwd = plan._exchange_tables(K)
+        sq = unpack.shape[0]
+        g = grad.contiguous()
+        if ctx.exchange:
+            g_send = _all_to_all(ops.scatter_rows(g, unpack, plan.cp_size * sq), ctx.group)
+            return ops.conv_gather_sum(g_send, g_send[:0], bwd), None, None, None, None
+        lo = plan.cp_rank * sq
+        own = torch.where((bwd >= lo) & (bwd < lo + sq), bwd - lo, -1)
+        return ops.conv_gather_sum(g, g[:0], own), None, None, None, None
+
+
+def static_shard_plan(
+    cu_seqlens: torch.Tensor,
+    num_seqs: Union[int, torch.Tensor],
+    cp_size: int,
+    cp_rank: int,
+    *,
+    capacity: int,
+    max_seqs: int,
+    layout: str = "zigzag",
+    align: Optional[int] = None,
+) -> StaticShardPlan:
+    """Static-shape plan of CP rank ``cp_rank`` of ``cp_size``, built on ``cu_seqlens``'s device without a
+    host read (a :class:`StaticShardPlan`; capturable in a CUDA graph, ``torch.compile(dynamic=False)``
+    compiles it once per ``(capacity, max_seqs, cp_size)``).
+
+    ``cu_seqlens``: int32/int64 ``[max_seqs + 1]`` tensor (cpu or cuda) whose first ``num_seqs + 1`` entries
+    are the batch's boundaries (entries past ``num_seqs`` are not read). ``num_seqs``: a host int in
+    ``[0, max_seqs]`` (baked into a capture) or a 0-dim int32/int64 tensor on the same device (read by the
+    kernel; use this for graphs and compiled steps). ``capacity``: the static padded total (bucket size);
+    zigzag: a multiple of ``align`` (``align`` defaults to ``2*cp_size`` and must be a multiple of it);
+    contiguous: a multiple of ``cp_size`` (``align`` defaults to 1). The plan equals
+    ``shard_plan(cu_seqlens[:num_seqs + 1], cp_size, cp_rank, layout=layout, align=align, bucket=capacity)``
+    on every slot that plan has.
+
+    A batch that does not fit is not an exception here (that would need a host read): the plan is all
+    padding and :meth:`StaticShardPlan.check` raises (one sync). Syncs: none."""
+    op = "static_shard_plan"
+    code = _layout_code(op, layout)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"packcuda.{op}: cu_seqlens must be an int32/int64 tensor of max_seqs + 1 entries, got "
+                        f"{type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"packcuda.{op}: cu_seqlens must be an int32/int64 tensor, got {cu_seqlens.dtype}")
+    device = resolve_device(op, "cu_seqlens", cu_seqlens.device)
+    cp_size = check_int(op, "cp_size", cp_size, lo=1, hi=MAX_PADDED_TOTAL)
+    cp_rank = check_int(op, "cp_rank", cp_rank)
+    capacity = check_int(op, "capacity", capacity)
+    max_seqs = check_int(op, "max_seqs", max_seqs)
+    align = (2 * cp_size if code == 0 else 1) if align is None else check_int(op, "align", align)
+    if isinstance(num_seqs, torch.Tensor):
+        if num_seqs.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"packcuda.{op}: num_seqs must be a host int or a 0-dim int32/int64 tensor, got "
+                            f"{num_seqs.dtype}")
+        n_dev, n_host = num_seqs, 0
+    else:
+        n_dev, n_host = None, check_int(op, "num_seqs", num_seqs)
+    built = ops.static_shard_plan.default(cu_seqlens, n_dev, n_host, cp_size, cp_rank, code, align, capacity,
+                                          max_seqs)
+    return StaticShardPlan(built, layout=layout, cp_size=cp_size, cp_rank=cp_rank, align=align, capacity=capacity,
+                           max_seqs=max_seqs, num_seqs=num_seqs, device=device)
+
+
+__all__ += ["StaticShardPlan", "static_shard_plan"]

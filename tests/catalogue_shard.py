@@ -308,3 +308,203 @@ CASES = [
     Case("ops.shard_unshard_index", "cu_2d", lambda: _unshard_index(cu_seqlens=_t([CU])), arg="cu_seqlens"),
     Case("ops.shard_unshard_index", "device_meta", lambda: _unshard_index(device=torch.device("meta")), arg="device"),
 ]
+
+
+# ---- static plans ---------------------------------------------------------------------------------------------
+SCU = [0, 3, 5, 9, 9]  # 3 sequences, max_seqs = 4
+
+
+def _static(cu=None, n=3, cp=2, rank=0, **kw):
+    kw.setdefault("capacity", 32)
+    kw.setdefault("max_seqs", 4)
+    return call(packcuda.static_shard_plan, _t(SCU) if cu is None else cu, n, cp, rank, **kw)
+
+
+def _static_plan(**kw):
+    return packcuda.static_shard_plan(_t(SCU), 3, 2, 0, capacity=32, max_seqs=4, **kw)
+
+
+def _static_op(**change):
+    args = dict(cu_seqlens=_t(SCU), num_seqs=None, num_seqs_host=3, cp_size=2, cp_rank=0, layout=0, align=4,
+                capacity=32, max_seqs=4)
+    args.update(change)
+    return call(ops.static_shard_plan, *args.values())
+
+
+def _static_unshard(**change):
+    p = _static_plan()
+    args = dict(cu_seqlens=p.cu_seqlens, cu_seqlens_padded=p.cu_seqlens_padded, cp_size=2, layout=0, capacity=32)
+    args.update(change)
+    return call(ops.shard_static_unshard_index, *args.values())
+
+
+def _static_exchange(**change):
+    p = _static_plan()
+    args = dict(pieces=p.pieces, piece_offset=p.piece_offset, piece_seq=p.piece_seq,
+                cu_seqlens_padded=p.cu_seqlens_padded, cp_size=2, cp_rank=0, layout=0, capacity=32, kernel_size=4)
+    args.update(change)
+    return call(ops.shard_static_exchange_index, *args.values())
+
+
+def _static_conv_prefix(make_args):
+    """conv_prefix of a static plan in a single-process gloo group (the case runs in a child process)."""
+    import torch.distributed as dist
+
+    def fn(*args, **kwargs):
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        try:
+            x, plan, group = make_args()
+            return packcuda.conv_prefix(x, plan, 4, group)
+        finally:
+            dist.destroy_process_group()
+
+    return call(fn)
+
+
+def _overflowed_plan():
+    return packcuda.static_shard_plan(_t([0, 30, 40, 40, 40]), 2, 2, 0, capacity=32, max_seqs=4)
+
+
+SSP = "packcuda.static_shard_plan"
+STATIC_CASES = [
+    # ---- packcuda.static_shard_plan -----------------------------------------------------------------------------
+    Case(SSP, "cu_list", lambda: _static(cu=SCU), exc=TypeError, arg="cu_seqlens"),
+    Case(SSP, "cu_float", lambda: _static(cu=torch.zeros(5)), exc=TypeError, arg="cu_seqlens"),
+    Case(SSP, "cu_2d", lambda: _static(cu=_t([SCU])), arg="cu_seqlens"),
+    Case(SSP, "cu_wrong_length", lambda: _static(cu=_t(SCU[:-1])), arg="cu_seqlens"),
+    Case(SSP, "cu_meta", lambda: _static(cu=torch.tensor(SCU, device="meta")), arg="cu_seqlens"),
+    Case(SSP, "num_seqs_float", lambda: _static(n=2.0), exc=TypeError, arg="num_seqs"),
+    Case(SSP, "num_seqs_bool", lambda: _static(n=True), exc=TypeError, arg="num_seqs"),
+    Case(SSP, "num_seqs_above_max", lambda: _static(n=5), arg="num_seqs"),
+    Case(SSP, "num_seqs_negative", lambda: _static(n=-1), arg="num_seqs"),
+    Case(SSP, "num_seqs_float_tensor", lambda: _static(n=torch.tensor(3.0)), exc=TypeError, arg="num_seqs"),
+    Case(SSP, "num_seqs_1d_tensor", lambda: _static(n=_t([3])), arg="num_seqs"),
+    Case(SSP, "num_seqs_other_device", cuda=True, arg="num_seqs",
+         make=lambda: _static(n=torch.tensor(3, device="cuda"))),
+    Case(SSP, "cp_size_zero", lambda: _static(cp=0), arg="cp_size"),
+    Case(SSP, "cp_size_float", lambda: _static(cp=2.0), exc=TypeError, arg="cp_size"),
+    Case(SSP, "cp_rank_out_of_range", lambda: _static(rank=2), arg="cp_rank"),
+    Case(SSP, "layout_unknown", lambda: _static(layout="ring"), arg="layout"),
+    Case(SSP, "layout_not_str", lambda: _static(layout=0), exc=TypeError, arg="layout"),
+    Case(SSP, "align_not_multiple", lambda: _static(align=6), arg="align"),
+    Case(SSP, "align_zero", lambda: _static(layout="contiguous", align=0), arg="align"),
+    Case(SSP, "capacity_zero", lambda: _static(capacity=0), arg="capacity"),
+    Case(SSP, "capacity_above_int32", lambda: _static(capacity=BIG), arg="capacity"),
+    Case(SSP, "capacity_not_multiple_of_align", lambda: _static(capacity=30), arg="capacity"),
+    Case(SSP, "capacity_not_multiple_of_cp", lambda: _static(cp=3, layout="contiguous", capacity=31),
+         arg="capacity"),
+    Case(SSP, "capacity_float", lambda: _static(capacity=32.0), exc=TypeError, arg="capacity"),
+    Case(SSP, "max_seqs_zero", lambda: _static(cu=_t([0]), n=0, max_seqs=0), arg="max_seqs"),
+    Case(SSP, "max_seqs_huge", lambda: _static(max_seqs=2**40), arg="max_seqs"),
+    # ---- StaticShardPlan -------------------------------------------------------------------------------------
+    Case("StaticShardPlan.check", "over_capacity", lambda: call(_overflowed_plan().check), arg="capacity",
+         op="StaticShardPlan.check"),
+    Case("StaticShardPlan.check", "num_seqs_above_max", op="StaticShardPlan.check", arg="max_seqs",
+         make=lambda: call(packcuda.static_shard_plan(_t(SCU), torch.tensor(7), 2, 0, capacity=32,
+                                                      max_seqs=4).check)),
+    Case("StaticShardPlan.check", "cu_decreasing", op="StaticShardPlan.check", arg="cu_seqlens",
+         make=lambda: call(packcuda.static_shard_plan(_t([0, 5, 3, 9, 9]), 3, 2, 0, capacity=32,
+                                                      max_seqs=4).check)),
+    Case("StaticShardPlan.local_conv_prefix", "x_wrong_rows", op="StaticShardPlan.local_conv_prefix",
+         arg="x_local", make=lambda: call(_static_plan().local_conv_prefix, torch.zeros(15, 2), 4)),
+    Case("StaticShardPlan.local_conv_prefix", "x_1d", op="StaticShardPlan.local_conv_prefix", arg="x_local",
+         make=lambda: call(_static_plan().local_conv_prefix, torch.zeros(16), 4)),
+    Case("StaticShardPlan.local_conv_prefix", "x_int", op="StaticShardPlan.local_conv_prefix", arg="x_local",
+         make=lambda: call(_static_plan().local_conv_prefix, torch.zeros(16, 2, dtype=torch.int64), 4)),
+    Case("StaticShardPlan.local_conv_prefix", "x_not_tensor", op="StaticShardPlan.local_conv_prefix",
+         arg="x_local", exc=TypeError, make=lambda: call(_static_plan().local_conv_prefix, [[0.0]] * 16, 4)),
+    Case("StaticShardPlan.local_conv_prefix", "kernel_size_zero", op="StaticShardPlan.local_conv_prefix",
+         arg="kernel_size", make=lambda: call(_static_plan().local_conv_prefix, torch.zeros(16, 2), 0)),
+    Case("StaticShardPlan.local_conv_prefix", "kernel_size_nine", op="StaticShardPlan.local_conv_prefix",
+         arg="kernel_size", make=lambda: call(_static_plan().local_conv_prefix, torch.zeros(16, 2), 9)),
+    Case("StaticShardPlan.local_conv_prefix", "x_on_cuda", op="StaticShardPlan.local_conv_prefix", cuda=True,
+         arg="x_local", make=lambda: call(_static_plan().local_conv_prefix, torch.zeros(16, 2, device="cuda"), 4)),
+    # ---- ops.static_shard_plan ----------------------------------------------------------------------------------
+    Case("ops.static_shard_plan", "cu_float", lambda: _static_op(cu_seqlens=torch.zeros(5)), arg="cu_seqlens"),
+    Case("ops.static_shard_plan", "cu_wrong_length", lambda: _static_op(cu_seqlens=_t(SCU[:3])), arg="cu_seqlens"),
+    Case("ops.static_shard_plan", "num_seqs_host_above_max", lambda: _static_op(num_seqs_host=5), arg="num_seqs"),
+    Case("ops.static_shard_plan", "num_seqs_tensor_1d", lambda: _static_op(num_seqs=_t([3])), arg="num_seqs"),
+    Case("ops.static_shard_plan", "num_seqs_tensor_float", lambda: _static_op(num_seqs=torch.tensor(3.0)),
+         arg="num_seqs"),
+    Case("ops.static_shard_plan", "cp_size_zero", lambda: _static_op(cp_size=0), arg="cp_size"),
+    Case("ops.static_shard_plan", "cp_size_huge", lambda: _static_op(cp_size=2**62), arg="cp_size"),
+    Case("ops.static_shard_plan", "cp_rank_negative", lambda: _static_op(cp_rank=-1), arg="cp_rank"),
+    Case("ops.static_shard_plan", "layout_code", lambda: _static_op(layout=3), arg="layout"),
+    Case("ops.static_shard_plan", "align_zero", lambda: _static_op(layout=1, align=0), arg="align"),
+    Case("ops.static_shard_plan", "align_huge", lambda: _static_op(layout=1, align=2**62), arg="align"),
+    Case("ops.static_shard_plan", "zigzag_align", lambda: _static_op(align=6), arg="align"),
+    Case("ops.static_shard_plan", "capacity_negative", lambda: _static_op(capacity=-32), arg="capacity"),
+    Case("ops.static_shard_plan", "capacity_int64_max", lambda: _static_op(capacity=I64_MAX), arg="capacity"),
+    Case("ops.static_shard_plan", "capacity_zigzag_multiple", lambda: _static_op(capacity=36 + 2), arg="capacity"),
+    Case("ops.static_shard_plan", "capacity_contiguous_multiple", lambda: _static_op(layout=1, align=1, capacity=31),
+         arg="capacity"),
+    Case("ops.static_shard_plan", "max_seqs_negative", lambda: _static_op(max_seqs=-1), arg="max_seqs"),
+    Case("ops.static_shard_plan", "max_seqs_int64_max", lambda: _static_op(max_seqs=I64_MAX), arg="max_seqs"),
+    # ---- ops.shard_static_unshard_index ---------------------------------------------------------------------------
+    Case("ops.shard_static_unshard_index", "cp_size_zero", lambda: _static_unshard(cp_size=0), arg="cp_size"),
+    Case("ops.shard_static_unshard_index", "layout_code", lambda: _static_unshard(layout=2), arg="layout"),
+    Case("ops.shard_static_unshard_index", "capacity_zero", lambda: _static_unshard(capacity=0), arg="capacity"),
+    Case("ops.shard_static_unshard_index", "capacity_not_multiple", lambda: _static_unshard(capacity=33),
+         arg="capacity"),
+    Case("ops.shard_static_unshard_index", "cu_int64", lambda: _static_unshard(cu_seqlens=_t(SCU)),
+         arg="cu_seqlens"),
+    Case("ops.shard_static_unshard_index", "cu_one_entry", lambda: _static_unshard(cu_seqlens=_t([0], torch.int32)),
+         arg="cu_seqlens"),
+    Case("ops.shard_static_unshard_index", "cu_2d", lambda: _static_unshard(cu_seqlens=_t([SCU], torch.int32)),
+         arg="cu_seqlens"),
+    Case("ops.shard_static_unshard_index", "padded_wrong_length",
+         lambda: _static_unshard(cu_seqlens_padded=_t([0, 4, 8, 12, 32], torch.int32)), arg="cu_seqlens_padded"),
+    Case("ops.shard_static_unshard_index", "padded_float",
+         lambda: _static_unshard(cu_seqlens_padded=torch.zeros(6)), arg="cu_seqlens_padded"),
+    Case("ops.shard_static_unshard_index", "padded_other_device", cuda=True, arg="cu_seqlens_padded",
+         make=lambda: _static_unshard(cu_seqlens_padded=torch.zeros(6, dtype=torch.int32, device="cuda"))),
+    # ---- ops.shard_static_exchange_index -------------------------------------------------------------------------
+    Case("ops.shard_static_exchange_index", "kernel_size_one", lambda: _static_exchange(kernel_size=1),
+         arg="kernel_size"),
+    Case("ops.shard_static_exchange_index", "kernel_size_nine", lambda: _static_exchange(kernel_size=9),
+         arg="kernel_size"),
+    Case("ops.shard_static_exchange_index", "cp_rank_out_of_range", lambda: _static_exchange(cp_rank=2),
+         arg="cp_rank"),
+    Case("ops.shard_static_exchange_index", "cp_size_zero", lambda: _static_exchange(cp_size=0), arg="cp_size"),
+    Case("ops.shard_static_exchange_index", "layout_code", lambda: _static_exchange(layout=-1), arg="layout"),
+    Case("ops.shard_static_exchange_index", "capacity_not_multiple", lambda: _static_exchange(capacity=31),
+         arg="capacity"),
+    Case("ops.shard_static_exchange_index", "capacity_huge", lambda: _static_exchange(capacity=I64_MAX),
+         arg="capacity"),
+    Case("ops.shard_static_exchange_index", "pieces_wrong_length",
+         lambda: _static_exchange(pieces=torch.zeros(10, dtype=torch.int32)), arg="pieces"),
+    Case("ops.shard_static_exchange_index", "pieces_int64",
+         lambda: _static_exchange(pieces=torch.zeros(11, dtype=torch.int64)), arg="pieces"),
+    Case("ops.shard_static_exchange_index", "piece_offset_int32",
+         lambda: _static_exchange(piece_offset=torch.zeros(10, dtype=torch.int32)), arg="piece_offset"),
+    Case("ops.shard_static_exchange_index", "piece_offset_wrong_length",
+         lambda: _static_exchange(piece_offset=torch.zeros(9, dtype=torch.int64)), arg="piece_offset"),
+    Case("ops.shard_static_exchange_index", "piece_seq_wrong_length",
+         lambda: _static_exchange(piece_seq=torch.zeros(11, dtype=torch.int32)), arg="piece_seq"),
+    Case("ops.shard_static_exchange_index", "piece_seq_2d",
+         lambda: _static_exchange(piece_seq=torch.zeros(1, 10, dtype=torch.int32)), arg="piece_seq"),
+    Case("ops.shard_static_exchange_index", "padded_too_short",
+         lambda: _static_exchange(cu_seqlens_padded=_t([0, 32], torch.int32)), arg="cu_seqlens_padded"),
+    Case("ops.shard_static_exchange_index", "padded_int64",
+         lambda: _static_exchange(cu_seqlens_padded=_t([0, 4, 8, 12, 32, 32])), arg="cu_seqlens_padded"),
+    Case("ops.shard_static_exchange_index", "layout_mismatch_piece_count", lambda: _static_exchange(layout=1),
+         arg="pieces"),
+    Case("ops.shard_static_exchange_index", "padded_other_device", cuda=True, arg="pieces",
+         make=lambda: _static_exchange(cu_seqlens_padded=torch.zeros(6, dtype=torch.int32, device="cuda"))),
+    # ---- packcuda.conv_prefix with a static plan -------------------------------------------------------------------
+    Case("packcuda.conv_prefix", "static_no_process_group", arg="group",
+         make=lambda: call(packcuda.conv_prefix, torch.zeros(16, 2), _static_plan(), 4)),
+    Case("packcuda.conv_prefix", "static_x_wrong_rows", arg="x_local",
+         make=lambda: call(packcuda.conv_prefix, torch.zeros(8, 2),
+                           packcuda.static_shard_plan(_t(SCU), 3, 1, 0, capacity=32, max_seqs=4), 4)),
+    Case("packcuda.conv_prefix", "static_kernel_size_zero", arg="kernel_size",
+         make=lambda: call(packcuda.conv_prefix, torch.zeros(32, 2),
+                           packcuda.static_shard_plan(_t(SCU), 3, 1, 0, capacity=32, max_seqs=4), 0)),
+    Case("packcuda.conv_prefix", "static_group_size_mismatch", risky=True, arg="rank",
+         make=lambda: _static_conv_prefix(lambda: (torch.zeros(16, 2), _static_plan(), None))),
+    Case("packcuda.conv_prefix", "static_group_wrong_type", risky=True, exc=TypeError, arg="group",
+         make=lambda: _static_conv_prefix(lambda: (torch.zeros(16, 2), _static_plan(), "world"))),
+    Case("packcuda.conv_prefix_schedule", "static_plan", arg="plan",
+         make=lambda: call(packcuda.conv_prefix_schedule, _static_plan(), 4)),
+]
+CASES += STATIC_CASES

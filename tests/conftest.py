@@ -25,6 +25,19 @@ def _skip_missing_cuda(request):
 
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of packcuda")
+requires_two_gpus_nccl = pytest.mark.skipif(
+    not HAS_CUDA or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
+    reason="needs 2 CUDA devices, NCCL and a CUDA build of packcuda")
+
+
+def spawn_ranks(worker, world: int, tmp_path) -> dict:
+    """Runs worker(rank, world, init_method, results) in `world` spawned processes (a file:// rendezvous under
+    tmp_path); returns what the ranks put into `results` (a shared dict)."""
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    return dict(results)
 
 
 class no_sync:

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, no_sync, requires_cuda
+from conftest import HAS_CUDA, no_sync, requires_cuda, requires_two_gpus_nccl, spawn_ranks
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
@@ -382,15 +382,11 @@ def test_conv_prefix_gloo_equivalence(tmp_path):
     """cp in {2, 3, 4} (subgroups of one 4-process gloo job), zigzag and contiguous, K in {2, 3, 4}, random
     packs with a bucket segment, sequences shorter than 2*cp*(K-1), one long sequence, many short ones: the
     sharded conv equals the unsharded one on this rank's slots, outputs and all gradients."""
-    import torch.multiprocessing as mp
-
     world = 4
-    mgr = mp.get_context("spawn").Manager()
-    results = mgr.dict()
-    mp.spawn(_dist_worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    results = spawn_ranks(_dist_worker, world, tmp_path)
     n_cases = len(_exchange_cases())
     per_rank = {r: sum(1 for c in _exchange_cases() if r < c[0]) for r in range(world)}
-    assert dict(results) == per_rank and n_cases == 72
+    assert results == per_rank and n_cases == 72
 
 
 def _mismatch_worker(rank, world, init, results):
@@ -445,11 +441,8 @@ def test_conv_prefix_mismatch_gloo(tmp_path):
     """cp = 2 and 3 over gloo: different plans, different kernel sizes, one rank with another channel count:
     every rank raises the same ValueError naming conv_prefix and what differs (no hang, no abort); a rank that
     does not call makes the others raise after the process group's timeout."""
-    import torch.multiprocessing as mp
-
     world = 3
-    results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_mismatch_worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    results = spawn_ranks(_mismatch_worker, world, tmp_path)
     res = dict(results)
     words = {"plan": "the plan (cu_seqlens", "kernel_size": "kernel_size per rank is", "C": "channel count"}
     for cp in (2, 3):
@@ -717,13 +710,9 @@ def _nccl_worker(rank, world, init, results):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
-                    reason="needs 2 CUDA devices, NCCL and a CUDA build of packcuda")
+@requires_two_gpus_nccl
 def test_conv_prefix_nccl_two_gpus(tmp_path):
     """cp=2 over NCCL: both the raw-NCCL path and the torch.distributed path equal the unsharded conv (outputs
     and gradients); the NCCL path does not sync; exchange + conv capture into a CUDA graph and replay."""
-    import torch.multiprocessing as mp
-
-    results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_nccl_worker, args=(2, f"file://{tmp_path}/init", results), nprocs=2, join=True)
-    assert dict(results) == {0: 48, 1: 48}
+    results = spawn_ranks(_nccl_worker, 2, tmp_path)
+    assert results == {0: 48, 1: 48}

@@ -81,4 +81,22 @@ void unshard_index_cpu(int64_t* out, int64_t total, const int64_t* cu, int64_t n
 void unshard_index_cuda(int64_t* out, int64_t total, const int64_t* cu, int64_t nseq, const int64_t* cu_padded,
                         int64_t cp, int layout, int64_t total_local, cudaStream_t stream);
 
+// Static plans (shard_math.h, "static plans"): the layout of a StaticBuild from device inputs, with no host
+// read (CUDA: one single-block launch, a deterministic scan over the max_seqs + 1 segments). The per-slot
+// tables then come from plan_tables_* over its outputs.
+void static_build_cpu(const StaticBuild& b);
+void static_build_cuda(const StaticBuild& b, cudaStream_t stream);
+
+// out[t] for t < capacity: static_unshard_slot (cu [max_seqs+1], cu_padded [max_seqs+2], int32).
+void static_unshard_index_cpu(int64_t* out, int64_t capacity, const int32_t* cu, int64_t max_seqs,
+                              const int32_t* cu_padded, int64_t cp, int layout, int64_t total_local);
+void static_unshard_index_cuda(int64_t* out, int64_t capacity, const int32_t* cu, int64_t max_seqs,
+                               const int32_t* cu_padded, int64_t cp, int layout, int64_t total_local,
+                               cudaStream_t stream);
+
+// The conv prefix exchange tables of a static plan (StaticExchange in shard_math.h). One pass (one launch on
+// CUDA) over send, unpack and bwd.
+void static_exchange_cpu(const StaticExchange& e);
+void static_exchange_cuda(const StaticExchange& e, cudaStream_t stream);
+
 }  // namespace packcuda::shard

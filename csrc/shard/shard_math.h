@@ -51,6 +51,54 @@ PC_HD int64_t zigzag_slot_in_segment(int64_t o, int64_t c, int64_t h, int64_t cp
 // Global padded rows [window_begin, window_begin + total_local) held by `rank`.
 PC_HD int64_t contiguous_window_begin(int64_t rank, int64_t total_local) { return rank * total_local; }
 
+// ---- one segment of a rank's layout ---------------------------------------------------------------------
+// The host layout (build_layout) and the static device plan (static_build_cpu / _cuda) are the same formulas: both
+// walk the segments and call these.
+
+// Pad rows the bucket segment adds to a padded stream of seq_total rows (unit: bucket, or lcm(bucket, cp)
+// for the contiguous layout).
+PC_HD int64_t bucket_pad_length(int64_t seq_total, int64_t unit) { return round_up(seq_total, unit) - seq_total; }
+
+// Most pieces a rank can have with nseg segments (zigzag: two per segment; contiguous: one per segment
+// that meets the rank's window).
+PC_HD int64_t max_pieces(int layout, int64_t nseg) { return layout == kZigzag ? 2 * nseg : nseg; }
+
+// Pieces segment [pb, pe) of the padded stream gives `rank` (zigzag: 2, possibly empty; contiguous: 1
+// when it meets the rank's window, else 0).
+PC_HD int64_t segment_piece_count(int layout, int64_t pb, int64_t pe, int64_t rank, int64_t total_local) {
+  if (layout == kZigzag) return 2;
+  const int64_t lo = contiguous_window_begin(rank, total_local), hi = lo + total_local;
+  return (pb > lo ? pb : lo) < (pe < hi ? pe : hi) ? 1 : 0;
+}
+
+// Writes what segment seg = [pb, pe) of the padded stream contributes to `rank`'s layout: its local end
+// cu_local[seg + 1] and its pieces at entries np.. (pieces[np + 1..], piece_offset[np..], piece_seq[np..];
+// pieces[np] is the previous piece's end). Returns the number of pieces written (segment_piece_count).
+template <typename T, typename O>
+PC_HD int64_t write_segment_layout(int layout, int64_t seg, int64_t pb, int64_t pe, int64_t cp, int64_t rank,
+                                   int64_t total_local, int64_t np, T* cu_local, T* pieces, O* piece_offset,
+                                   T* piece_seq) {
+  if (layout == kZigzag) {
+    // segment i holds 2*h_i local rows starting at cu_padded[i] / cp
+    const int64_t hc = zigzag_half_chunk(pe - pb, cp), lb = div_nonneg(pb, cp);
+    cu_local[seg + 1] = static_cast<T>(lb + 2 * hc);
+    piece_offset[np] = static_cast<O>(zigzag_rank_chunk(rank, cp, 0) * hc);
+    piece_offset[np + 1] = static_cast<O>(zigzag_rank_chunk(rank, cp, 1) * hc);
+    piece_seq[np] = piece_seq[np + 1] = static_cast<T>(seg);
+    pieces[np + 1] = static_cast<T>(lb + hc);
+    pieces[np + 2] = static_cast<T>(lb + 2 * hc);
+    return 2;
+  }
+  const int64_t lo = contiguous_window_begin(rank, total_local), hi = lo + total_local;
+  cu_local[seg + 1] = static_cast<T>((pe < lo ? lo : pe > hi ? hi : pe) - lo);
+  const int64_t a = pb > lo ? pb : lo, b = pe < hi ? pe : hi;
+  if (a >= b) return 0;
+  piece_offset[np] = static_cast<O>(a - pb);
+  piece_seq[np] = static_cast<T>(seg);
+  pieces[np + 1] = static_cast<T>(b - lo);
+  return 1;
+}
+
 // ---- what a local slot holds ----------------------------------------------------------------------------
 
 struct SlotSource {
@@ -123,6 +171,263 @@ PC_HD int64_t unshard_slot(int layout, const I* cu, int64_t nseq, const J* cu_pa
   const int64_t seg = find_segment(cu, nseq, t);
   const Location loc = locate(layout, cu_padded, cp, total_local, seg, t - static_cast<int64_t>(cu[seg]));
   return loc.rank * total_local + loc.slot;
+}
+
+// ---- static plans (fixed shapes, built on the device) ---------------------------------------------------
+// A static plan of max_seqs sequences and `capacity` padded rows has max_seqs + 1 segments: sequence i < n
+// (n = num_seqs), then the bucket pad segment (index n, capacity - padded total rows, possibly empty), then
+// empty segments at the end. It equals the host plan of the n sequences with bucket = capacity on
+// everything the host plan has; its extra pieces are empty.
+
+enum StaticStatus : int64_t {
+  kStaticOverCapacity = 1,  // padded total > capacity
+  kStaticTooManySeqs = 2,   // num_seqs outside [0, max_seqs]
+  kStaticBadCu = 4,         // cu_seqlens[0] != 0 or decreasing within the first num_seqs + 1 entries
+};
+// status[4] of a static plan: flags, num_seqs as given, the padded total the sequences need (exact while every
+// sequence is shorter than 2**31 rows, a lower bound otherwise), first bad cu entry (-1: none).
+constexpr int kStaticStatusLen = 4;
+
+// Segment count and piece count of a static plan.
+PC_HD int64_t static_segments(int64_t max_seqs) { return max_seqs + 1; }
+PC_HD int64_t static_pieces(int layout, int64_t max_seqs) { return max_pieces(layout, static_segments(max_seqs)); }
+
+// int32 or int64 values on either side (the static plan's inputs keep the caller's dtype).
+struct IntView {
+  const int32_t* p32 = nullptr;
+  const int64_t* p64 = nullptr;
+  PC_HD int64_t operator[](int64_t i) const { return p64 != nullptr ? p64[i] : static_cast<int64_t>(p32[i]); }
+};
+
+// One static plan build: inputs, sizes and the layout outputs (the per-slot tables then come from
+// plan_tables over these outputs, with nseq = max_seqs and cu = cu_clean).
+struct StaticBuild {
+  IntView cu;              // [max_seqs + 1] the caller's cu_seqlens (entries past num_seqs are not read)
+  IntView num_seqs;        // device num_seqs (0-dim), or both null: num_seqs_host
+  int64_t num_seqs_host = 0;
+  int64_t max_seqs = 0, cp = 1, rank = 0, align = 1, capacity = 0, total_local = 0, npieces = 0;
+  int layout = kZigzag;
+  int32_t* cu_clean = nullptr;      // [max_seqs + 1] cu[min(i, n)] (all 0 when the batch is refused)
+  int32_t* cu_padded = nullptr;     // [max_seqs + 2]
+  int32_t* cu_local = nullptr;      // [max_seqs + 2]
+  int32_t* pieces = nullptr;        // [npieces + 1]
+  int32_t* piece_offset = nullptr;  // [npieces]
+  int32_t* piece_seq = nullptr;     // [npieces]
+  int64_t* status = nullptr;        // [kStaticStatusLen]
+};
+
+PC_HD int64_t static_num_seqs(const StaticBuild& b) {
+  return b.num_seqs.p32 != nullptr || b.num_seqs.p64 != nullptr ? b.num_seqs[0] : b.num_seqs_host;
+}
+
+// Saturating sum of non-negative padded lengths (order-independent: min(true sum, kStaticSumCap)).
+constexpr int64_t kStaticSumCap = int64_t(1) << 62;
+PC_HD int64_t static_sum(int64_t a, int64_t b) { return a >= kStaticSumCap - b ? kStaticSumCap : a + b; }
+
+// Padded length sequence i contributes to the capacity check (its length clamped to kStaticLenCap, past any
+// capacity), or -1 when cu decreases there.
+constexpr int64_t kStaticLenCap = int64_t(1) << 31;
+PC_HD int64_t static_checked_length(const StaticBuild& b, int64_t i) {
+  const int64_t lo = b.cu[i], hi = b.cu[i + 1];
+  if (hi < lo) return -1;
+  // hi - lo is compared without overflowing: for lo <= 0, hi - lo > cap iff hi > lo + cap
+  const bool big = lo > 0 ? hi - lo > kStaticLenCap : hi > lo + kStaticLenCap;
+  return padded_length(big ? kStaticLenCap : hi - lo, b.align);
+}
+
+// The outcome of the checks: flags (StaticStatus) from num_seqs as given, the saturated padded total and the
+// first bad cu entry (-1: none).
+struct StaticCheck {
+  int64_t flags, n, seq_total;
+  PC_HD bool ok() const { return flags == 0; }
+  PC_HD int64_t n_eff() const { return ok() ? n : 0; }            // sequences the plan lays out
+  PC_HD int64_t total_eff() const { return ok() ? seq_total : 0; }  // their padded total
+};
+PC_HD bool static_num_seqs_ok(const StaticBuild& b, int64_t n) { return n >= 0 && n <= b.max_seqs; }
+PC_HD StaticCheck static_check(const StaticBuild& b, int64_t n_in, int64_t sum, int64_t first_bad) {
+  int64_t flags = static_num_seqs_ok(b, n_in) ? 0 : kStaticTooManySeqs;
+  if (first_bad >= 0) flags |= kStaticBadCu;
+  if (sum > b.capacity) flags |= kStaticOverCapacity;
+  return StaticCheck{flags, n_in, sum};
+}
+// status[0..3] and the first entry of every boundary table (one writer).
+PC_HD void static_write_head(const StaticBuild& b, const StaticCheck& c, int64_t first_bad) {
+  b.status[0] = c.flags;
+  b.status[1] = c.n;
+  b.status[2] = c.seq_total;
+  b.status[3] = first_bad;
+  b.cu_padded[0] = b.cu_local[0] = b.pieces[0] = 0;
+}
+
+// Padded length of segment i of the static plan (sequence, bucket pad segment, or an empty trailing one).
+PC_HD int64_t static_segment_length(const StaticBuild& b, const StaticCheck& c, int64_t i) {
+  const int64_t n = c.n_eff();
+  if (i < n) return padded_length(b.cu[i + 1] - b.cu[i], b.align);
+  return i == n ? b.capacity - c.total_eff() : 0;
+}
+
+// Writes segment i = [pb, pe) of the static plan (its first piece is np): cu_clean[i], cu_padded[i + 1] and
+// the segment's local layout. Returns its piece count.
+PC_HD int64_t static_write_segment(const StaticBuild& b, const StaticCheck& c, int64_t i, int64_t pb, int64_t pe,
+                                   int64_t np) {
+  const int64_t n = c.n_eff();
+  b.cu_clean[i] = c.ok() ? static_cast<int32_t>(b.cu[i < n ? i : n]) : 0;
+  b.cu_padded[i + 1] = static_cast<int32_t>(pe);
+  return write_segment_layout(b.layout, i, pb, pe, b.cp, b.rank, b.total_local, np, b.cu_local, b.pieces,
+                              b.piece_offset, b.piece_seq);
+}
+
+// Piece k past the last real one: an empty piece at the end of the local buffer (of the last segment).
+PC_HD void static_fill_piece(const StaticBuild& b, int64_t k) {
+  b.pieces[k + 1] = static_cast<int32_t>(b.total_local);
+  b.piece_offset[k] = 0;
+  b.piece_seq[k] = static_cast<int32_t>(b.max_seqs);
+}
+
+// Row of original token t (t < capacity) in the rank-major concatenation of all local buffers of a static
+// plan (cu [max_seqs + 1], cu_padded [max_seqs + 2]), -1 past the real tokens. Values are not trusted: any
+// input gives -1 or a row in [0, capacity).
+template <typename I>
+PC_HD int64_t static_unshard_slot(int layout, const I* cu, int64_t max_seqs, const I* cu_padded, int64_t cp,
+                                  int64_t total_local, int64_t t) {
+  if (t < static_cast<int64_t>(cu[0]) || t >= static_cast<int64_t>(cu[max_seqs])) return -1;
+  const int64_t seg = find_segment(cu, max_seqs, t);
+  const int64_t o = t - static_cast<int64_t>(cu[seg]);
+  const int64_t pb = cu_padded[seg], pe = cu_padded[seg + 1];
+  if (o < 0 || pb < 0 || o >= pe - pb || (layout == kZigzag && (pe - pb) % (2 * cp) != 0)) return -1;
+  const Location loc = locate(layout, cu_padded, cp, total_local, seg, o);
+  const int64_t row = loc.rank * total_local + loc.slot;
+  return loc.slot >= 0 && loc.slot < total_local && row >= 0 && row < cp * total_local ? row : -1;
+}
+
+// ---- conv prefix exchange of a static plan ---------------------------------------------------------------
+// Prefix slot q = k*(K-1) + j of piece k is padded offset off_k - (K-1) + j of the piece's segment (zero rows
+// before the segment start). Sizes are fixed: every rank sends every peer one row per prefix slot of the
+// peer's S pieces, SQ = S*(K-1) rows (the worst case; rows it does not hold are zero rows), with one equal-split
+// all-to-all. Every rank knows every peer's pieces from the global cu_seqlens_padded:
+//   zigzag: piece k = 2*seg + w of rank p starts at offset zigzag_rank_chunk(p, cp, w) * h_seg;
+//   contiguous: piece 0 of rank p starts at its window start p*total_local (mid-segment or not); every other
+//     piece starts at a segment start, where its prefix is all zero rows.
+// Values are not trusted: any input gives -1 or an in-range row.
+
+// Segment and start offset of piece k of rank p whose prefix may hold rows; false when it is all zero rows.
+template <typename I>
+PC_HD bool static_peer_piece(int layout, const I* cu_padded, int64_t max_seqs, int64_t cp, int64_t p,
+                             int64_t total_local, int64_t k, int64_t* seg, int64_t* off) {
+  if (layout == kZigzag) {
+    const int64_t sg = k / 2;
+    if (sg > max_seqs) return false;
+    const int64_t len = static_cast<int64_t>(cu_padded[sg + 1]) - static_cast<int64_t>(cu_padded[sg]);
+    *seg = sg;
+    *off = zigzag_rank_chunk(p, cp, static_cast<int>(k % 2)) * zigzag_half_chunk(len < 0 ? 0 : len, cp);
+    return true;
+  }
+  const int64_t nseg = static_segments(max_seqs), g0 = p * total_local;
+  if (k != 0 || g0 < static_cast<int64_t>(cu_padded[0]) || g0 >= static_cast<int64_t>(cu_padded[nseg])) return false;
+  *seg = find_segment(cu_padded, nseg, g0);
+  *off = g0 - static_cast<int64_t>(cu_padded[*seg]);
+  return true;
+}
+
+// Where padded offset o of segment seg lives (rank, slot), or false when o is outside the segment (or the
+// tables are inconsistent).
+template <typename I>
+PC_HD bool static_locate(int layout, const I* cu_padded, int64_t cp, int64_t total_local, int64_t seg, int64_t o,
+                         Location* loc) {
+  const int64_t pb = cu_padded[seg], pe = cu_padded[seg + 1];
+  if (o < 0 || pb < 0 || o >= pe - pb || (layout == kZigzag && (pe - pb) % (2 * cp) != 0)) return false;
+  *loc = locate(layout, cu_padded, cp, total_local, seg, o);
+  return loc->rank >= 0 && loc->rank < cp && loc->slot >= 0 && loc->slot < total_local;
+}
+
+// Owner (rank, slot) of prefix row j of piece k of rank p; false for a zero row.
+template <typename I>
+PC_HD bool static_prefix_source(int layout, const I* cu_padded, int64_t max_seqs, int64_t cp, int64_t p,
+                                int64_t total_local, int64_t k1, int64_t k, int64_t j, Location* loc) {
+  int64_t seg = 0, off = 0;
+  if (!static_peer_piece(layout, cu_padded, max_seqs, cp, p, total_local, k, &seg, &off)) return false;
+  return off - k1 + j >= 0 && static_locate(layout, cu_padded, cp, total_local, seg, off - k1 + j, loc);
+}
+
+// send[p*SQ + q]: this rank's local row that fills prefix slot q of peer p (-1: a zero row from this rank).
+template <typename I>
+PC_HD int64_t static_send_row(int layout, const I* cu_padded, int64_t max_seqs, int64_t cp, int64_t rank,
+                              int64_t total_local, int64_t k1, int64_t npieces, int64_t i) {
+  const int64_t sq = npieces * k1, p = i / sq, q = i - p * sq;
+  Location loc{0, 0};
+  return static_prefix_source(layout, cu_padded, max_seqs, cp, p, total_local, k1, q / k1, q % k1, &loc) &&
+                 loc.rank == rank
+             ? loc.slot
+             : -1;
+}
+
+// unpack[q]: the row of the received buffer ([cp*SQ], peer-major) that is this rank's prefix slot q (-1: zero).
+template <typename I>
+PC_HD int64_t static_unpack_row(int layout, const I* cu_padded, int64_t max_seqs, int64_t cp, int64_t rank,
+                                int64_t total_local, int64_t k1, int64_t npieces, int64_t q) {
+  Location loc{0, 0};
+  return static_prefix_source(layout, cu_padded, max_seqs, cp, rank, total_local, k1, q / k1, q % k1, &loc)
+             ? loc.rank * npieces * k1 + q
+             : -1;
+}
+
+// bwd[s*(K-1) + d-1] (1 <= d <= K-1): the row of the gradient buffer sent back by the peers ([cp*SQ],
+// peer-major, in the layout of send) that holds the gradient of the prefix slot reading local slot s as the
+// row d before its piece's start (-1: none). Local slot s is padded offset o of segment seg (from this rank's
+// pieces); the reader is the piece of some rank starting at offset o + d of seg.
+template <typename I>
+PC_HD int64_t static_bwd_row(int layout, const I* pieces, const int64_t* piece_offset, const I* piece_seq,
+                             const I* cu_padded, int64_t max_seqs, int64_t cp, int64_t rank, int64_t total_local,
+                             int64_t k1, int64_t npieces, int64_t s, int64_t d) {
+  const int64_t k = find_segment(pieces, npieces, s);
+  if (k < 0 || k >= npieces) return -1;
+  const int64_t seg = piece_seq[k], po = piece_offset[k];
+  if (seg < 0 || seg > max_seqs || po < 0 || po > (int64_t(1) << 40)) return -1;
+  const int64_t t = po + (s - static_cast<int64_t>(pieces[k])) + d;  // offset of the reading piece's start
+  const int64_t pb = cu_padded[seg], len = static_cast<int64_t>(cu_padded[seg + 1]) - pb;
+  if (t <= 0 || t >= len) return -1;
+  int64_t p = 0, kp = 0;
+  if (layout == kZigzag) {
+    const int64_t h = zigzag_half_chunk(len, cp);
+    if (h <= 0 || t % h != 0) return -1;
+    const int64_t c = t / h;
+    p = zigzag_chunk_rank(c, cp);
+    kp = 2 * seg + (c < cp ? 0 : 1);
+  } else {
+    const int64_t g = pb + t;
+    if (total_local <= 0 || g % total_local != 0) return -1;
+    p = g / total_local, kp = 0;
+  }
+  if (p < 0 || p >= cp || kp >= npieces) return -1;
+  // the reader's prefix slot must read this very slot (consistent tables only)
+  Location loc{0, 0};
+  if (!static_prefix_source(layout, cu_padded, max_seqs, cp, p, total_local, k1, kp, k1 - d, &loc) ||
+      loc.rank != rank || loc.slot != s)
+    return -1;
+  return p * npieces * k1 + kp * k1 + (k1 - d);
+}
+
+// The three tables of one static plan's exchange (k1 = K-1 >= 1): send [cp * npieces * k1], unpack
+// [npieces * k1], bwd [total_local * k1].
+struct StaticExchange {
+  const int32_t* pieces = nullptr;        // [npieces + 1] this rank's
+  const int64_t* piece_offset = nullptr;  // [npieces]
+  const int32_t* piece_seq = nullptr;     // [npieces]
+  const int32_t* cu_padded = nullptr;     // [max_seqs + 2]
+  int64_t max_seqs = 0, cp = 1, rank = 0, total_local = 0, k1 = 1, npieces = 0;
+  int layout = kZigzag;
+  int64_t* send = nullptr;
+  int64_t* unpack = nullptr;
+  int64_t* bwd = nullptr;
+};
+// Entry i of table 0 (send), 1 (unpack) or 2 (bwd).
+PC_HD int64_t static_exchange_item(const StaticExchange& e, int table, int64_t i) {
+  if (table == 0)
+    return static_send_row(e.layout, e.cu_padded, e.max_seqs, e.cp, e.rank, e.total_local, e.k1, e.npieces, i);
+  if (table == 1)
+    return static_unpack_row(e.layout, e.cu_padded, e.max_seqs, e.cp, e.rank, e.total_local, e.k1, e.npieces, i);
+  return static_bwd_row(e.layout, e.pieces, e.piece_offset, e.piece_seq, e.cu_padded, e.max_seqs, e.cp, e.rank,
+                        e.total_local, e.k1, e.npieces, i / e.k1, i % e.k1 + 1);
 }
 
 }  // namespace packcuda::shard

@@ -125,6 +125,25 @@ std::vector<Tensor> shard_layout(Tensor cu_seqlens, int64_t cp_size, int64_t cp_
           host_i64(h.piece_offset), host_i64(h.piece_seq), info};
 }
 
+// The per-slot table job of one plan (shard_plan and static_shard_plan): int32 layout inputs, int64 outputs.
+shard::PlanTables plan_tables(const int32_t* cu, int64_t nseq, const int32_t* pieces, const int32_t* piece_offset,
+                              const int32_t* piece_seq, int64_t npieces, int64_t total_local, Tensor& index,
+                              Tensor& position, Tensor& label, Tensor& piece_offset_wide) {
+  shard::PlanTables t;
+  t.cu = cu;
+  t.nseq = nseq;
+  t.pieces = pieces;
+  t.piece_offset = piece_offset;
+  t.piece_seq = piece_seq;
+  t.npieces = npieces;
+  t.total_local = total_local;
+  t.index = index.mutable_data_ptr<int64_t>();
+  t.position = position.mutable_data_ptr<int64_t>();
+  t.label_index = label.mutable_data_ptr<int64_t>();
+  t.piece_offset_wide = piece_offset_wide.mutable_data_ptr<int64_t>();
+  return t;
+}
+
 // Number of info values shard_plan returns (see kInfo* below).
 constexpr int64_t kInfoCount = 9;
 
@@ -190,18 +209,8 @@ PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int6
   Tensor piece_seq = new_tensor({sizes[3]}, ST::Int, target);
   Tensor piece_offset = new_tensor({np}, ST::Long, target);
 
-  shard::PlanTables t;
-  t.cu = base + offs[5];
-  t.nseq = nseq;
-  t.pieces = base + offs[2];
-  t.piece_seq = base + offs[3];
-  t.piece_offset = base + offs[4];
-  t.npieces = np;
-  t.total_local = h.total_local;
-  t.index = index.mutable_data_ptr<int64_t>();
-  t.position = position.mutable_data_ptr<int64_t>();
-  t.label_index = label.mutable_data_ptr<int64_t>();
-  t.piece_offset_wide = piece_offset.mutable_data_ptr<int64_t>();
+  shard::PlanTables t = plan_tables(base + offs[5], nseq, base + offs[2], base + offs[4], base + offs[3], np,
+                                    h.total_local, index, position, label, piece_offset);
   Tensor* copies[shard::PlanTables::kCopies] = {&cu_padded, &cu_local, &pieces, &piece_seq};
   for (int k = 0; k < shard::PlanTables::kCopies; ++k) {
     t.copy_dst[k] = copies[k]->mutable_data_ptr<int32_t>();
@@ -299,6 +308,232 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
   return out;
 }
 
+// ---- static plans -----------------------------------------------------------------------------------------
+// Shapes fixed by (capacity, max_seqs, cp_size); values only on the device (no host read, no value-dependent
+// allocation: capturable in a CUDA graph). See shard_math.h "static plans".
+
+constexpr int64_t kMaxStaticSeqs = kMax / 2 - 1;  // 2 * (max_seqs + 1) pieces fit int32 tables
+
+// A 1-D int tensor of `len` entries of an allowed dtype on ref's device (its values stay on the device).
+void check_static_table(const char* op, const char* name, const Tensor& t, std::initializer_list<ST> dtypes,
+                        int64_t len, const char* len_what, const Tensor& ref, const char* ref_name) {
+  check_dim(op, name, t, 1);
+  check_dtype(op, name, t, dtypes);
+  PC_ARG(t.numel() == len, op, name, " must have ", len_what, " = ", len, " entries, got ", t.numel());
+  if (&t != &ref) check_same_device(op, name, t, ref_name, ref);
+  check_device_kind(op, name, t.device());
+}
+
+// cp_size, cp_rank, layout, align and capacity of a static plan (the rules of shard_plan with bucket = capacity:
+// zigzag: align % (2*cp_size) == 0, capacity % align == 0; contiguous: capacity % cp_size == 0).
+void check_static_args(const char* op, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
+                       int64_t capacity) {
+  check_layout_args(op, cp_size, layout);
+  PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
+  PC_ARG(align >= 1 && align <= kMax, op, "align must be in [1, ", kMax, "], got ", align);
+  PC_ARG(capacity >= 1 && capacity <= kMax, op, "capacity must be in [1, ", kMax,
+         "] (the plan's boundaries are int32), got ", capacity);
+  if (layout == kZigzag) {
+    PC_ARG(align % (2 * cp_size) == 0, op, "zigzag align must be a multiple of 2*cp_size=", 2 * cp_size, ", got ",
+           align);
+    PC_ARG(capacity % align == 0, op, "zigzag capacity must be a multiple of align=", align, ", got ", capacity);
+  } else {
+    PC_ARG(capacity % cp_size == 0, op, "contiguous capacity must be a multiple of cp_size=", cp_size, ", got ",
+           capacity);
+  }
+}
+
+void check_max_seqs(const char* op, int64_t max_seqs) {
+  PC_ARG(max_seqs >= 1 && max_seqs <= kMaxStaticSeqs, op, "max_seqs must be in [1, ", kMaxStaticSeqs,
+         "] (its piece tables are int32), got ", max_seqs);
+}
+
+shard::IntView int_view(const Tensor& t) {
+  shard::IntView v;
+  if (t.scalar_type() == ST::Int) v.p32 = t.const_data_ptr<int32_t>();
+  else v.p64 = t.const_data_ptr<int64_t>();
+  return v;
+}
+
+// Static plan of one rank. Returns
+//   index, position, label_index  int64 [capacity / cp_size]
+//   cu_seqlens_padded             int32 [max_seqs + 2]   (trailing entries repeat capacity)
+//   cu_seqlens_local              int32 [max_seqs + 2]
+//   pieces                        int32 [S + 1]          S = 2 (max_seqs + 1) zigzag, max_seqs + 1 contiguous
+//   piece_offset                  int64 [S]
+//   piece_seq                     int32 [S]
+//   cu_seqlens                    int32 [max_seqs + 1]   cu_seqlens[min(i, num_seqs)] (all 0 when refused)
+//   status                        int64 [4]              flags, num_seqs, padded total, first bad cu entry
+// all on cu_seqlens's device. Two launches on CUDA (layout, then per-slot tables), no sync.
+using StaticOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+StaticOutputs static_shard_plan(Tensor cu_seqlens, std::optional<Tensor> num_seqs, int64_t num_seqs_host,
+                                int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align, int64_t capacity,
+                                int64_t max_seqs) {
+  const char* op = "static_shard_plan";
+  check_static_args(op, cp_size, cp_rank, layout, align, capacity);
+  check_max_seqs(op, max_seqs);
+  check_static_table(op, "cu_seqlens", cu_seqlens, {ST::Int, ST::Long}, max_seqs + 1, "max_seqs + 1", cu_seqlens,
+                     "cu_seqlens");
+  if (num_seqs) {
+    PC_ARG(num_seqs->dim() == 0, op, "num_seqs must be a 0-dim tensor (or a host int), got shape ",
+           shape_str(*num_seqs));
+    check_dtype(op, "num_seqs", *num_seqs, {ST::Int, ST::Long});
+    check_same_device(op, "num_seqs", *num_seqs, "cu_seqlens", cu_seqlens);
+  } else {
+    PC_ARG(num_seqs_host >= 0 && num_seqs_host <= max_seqs, op, "num_seqs must be in [0, max_seqs=", max_seqs,
+           "], got ", num_seqs_host);
+  }
+  const Tensor cu = dense(cu_seqlens);
+  const Device dev = cu.device();
+  const int64_t nseg = shard::static_segments(max_seqs);
+  const int64_t np = shard::static_pieces(static_cast<int>(layout), max_seqs);
+  shard::StaticBuild b;
+  b.cu = int_view(cu);
+  if (num_seqs) b.num_seqs = int_view(*num_seqs);  // 0-dim: contiguous
+  b.num_seqs_host = num_seqs_host;
+  b.max_seqs = max_seqs;
+  b.cp = cp_size;
+  b.rank = cp_rank;
+  b.align = align;
+  b.capacity = capacity;
+  b.total_local = capacity / cp_size;
+  b.npieces = np;
+  b.layout = static_cast<int>(layout);
+
+  Tensor index = new_tensor({b.total_local}, ST::Long, dev);
+  Tensor position = new_tensor({b.total_local}, ST::Long, dev);
+  Tensor label = new_tensor({b.total_local}, ST::Long, dev);
+  Tensor cu_padded = new_tensor({nseg + 1}, ST::Int, dev);
+  Tensor cu_local = new_tensor({nseg + 1}, ST::Int, dev);
+  Tensor pieces = new_tensor({np + 1}, ST::Int, dev);
+  Tensor piece_offset = new_tensor({np}, ST::Long, dev);
+  Tensor piece_seq = new_tensor({np}, ST::Int, dev);
+  Tensor cu_clean = new_tensor({nseg}, ST::Int, dev);
+  Tensor status = new_tensor({shard::kStaticStatusLen}, ST::Long, dev);
+  Tensor offset32 = new_tensor({np}, ST::Int, dev);  // scratch: plan_tables reads int32 and widens it
+  b.cu_clean = cu_clean.mutable_data_ptr<int32_t>();
+  b.cu_padded = cu_padded.mutable_data_ptr<int32_t>();
+  b.cu_local = cu_local.mutable_data_ptr<int32_t>();
+  b.pieces = pieces.mutable_data_ptr<int32_t>();
+  b.piece_offset = offset32.mutable_data_ptr<int32_t>();
+  b.piece_seq = piece_seq.mutable_data_ptr<int32_t>();
+  b.status = status.mutable_data_ptr<int64_t>();
+
+  const shard::PlanTables t = plan_tables(b.cu_clean, max_seqs, b.pieces, b.piece_offset, b.piece_seq, np,
+                                          b.total_local, index, position, label, piece_offset);
+  if (dev.is_cpu()) {
+    shard::static_build_cpu(b);
+    shard::plan_tables_cpu(t);
+  } else {
+    PC_CUDA_ONLY({
+      CudaScope cs(cu);
+      shard::static_build_cuda(b, cs.stream);
+      shard::plan_tables_cuda(t, cs.stream);
+    });
+  }
+  return {index, position, label, cu_padded, cu_local, pieces, piece_offset, piece_seq, cu_clean, status};
+}
+
+// Row of each original token t < capacity in the rank-major concatenation of all local buffers of a static
+// plan (-1 past the real tokens), from the plan's cu_seqlens [max_seqs+1] and cu_seqlens_padded [max_seqs+2].
+Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t cp_size, int64_t layout,
+                                  int64_t capacity) {
+  const char* op = "shard_static_unshard_index";
+  check_layout_args(op, cp_size, layout);
+  PC_ARG(capacity >= 1 && capacity <= kMax, op, "capacity must be in [1, ", kMax, "], got ", capacity);
+  PC_ARG(capacity % cp_size == 0, op, "capacity must be a multiple of cp_size=", cp_size, ", got ", capacity);
+  check_dim(op, "cu_seqlens", cu_seqlens, 1);
+  const int64_t max_seqs = cu_seqlens.numel() - 1;
+  PC_ARG(max_seqs >= 1 && max_seqs <= kMaxStaticSeqs, op, "cu_seqlens must have max_seqs + 1 entries with max_seqs in [1, ",
+         kMaxStaticSeqs, "], got ", cu_seqlens.numel(), " entries");
+  check_static_table(op, "cu_seqlens", cu_seqlens, {ST::Int}, max_seqs + 1, "max_seqs + 1", cu_seqlens,
+                     "cu_seqlens");
+  check_static_table(op, "cu_seqlens_padded", cu_seqlens_padded, {ST::Int}, max_seqs + 2, "max_seqs + 2",
+                     cu_seqlens, "cu_seqlens");
+  const Tensor cu = dense(cu_seqlens), cp = dense(cu_seqlens_padded);
+  Tensor out = new_tensor({capacity}, ST::Long, cu.device());
+  const int64_t total_local = capacity / cp_size;
+  if (out.is_cuda()) {
+    PC_CUDA_ONLY({
+      CudaScope cs(out);
+      shard::static_unshard_index_cuda(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
+                                       max_seqs, cp.const_data_ptr<int32_t>(), cp_size, static_cast<int>(layout),
+                                       total_local, cs.stream);
+    });
+  } else {
+    shard::static_unshard_index_cpu(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
+                                    max_seqs, cp.const_data_ptr<int32_t>(), cp_size, static_cast<int>(layout),
+                                    total_local);
+  }
+  return out;
+}
+
+// The conv prefix exchange of a static plan on rank cp_rank, for kernel size K (k1 = K-1, SQ = S*k1):
+//   send    int64 [cp_size * SQ]       local row filling prefix slot q of peer p at p*SQ + q (-1: zero row)
+//   unpack  int64 [SQ]                 row of the received [cp_size * SQ] buffer that is this rank's slot q
+//   bwd     int64 [T_local, k1]        rows of the gradient buffer sent back ([cp_size * SQ]) that each local
+//                                      row sums (-1: none), in a fixed order
+// from the plan's own pieces / piece_offset / piece_seq and the global cu_seqlens_padded; one launch, no sync.
+std::tuple<Tensor, Tensor, Tensor> shard_static_exchange_index(Tensor pieces, Tensor piece_offset, Tensor piece_seq,
+                                                               Tensor cu_seqlens_padded, int64_t cp_size,
+                                                               int64_t cp_rank, int64_t layout, int64_t capacity,
+                                                               int64_t kernel_size) {
+  const char* op = "shard_static_exchange_index";
+  check_layout_args(op, cp_size, layout);
+  PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
+  PC_ARG(capacity >= 1 && capacity <= kMax, op, "capacity must be in [1, ", kMax, "], got ", capacity);
+  PC_ARG(capacity % cp_size == 0, op, "capacity must be a multiple of cp_size=", cp_size, ", got ", capacity);
+  PC_ARG(kernel_size >= 2 && kernel_size <= 8, op, "kernel_size must be in [2, 8] (K = 1 has no prefix), got ",
+         kernel_size);
+  check_dim(op, "cu_seqlens_padded", cu_seqlens_padded, 1);
+  const int64_t max_seqs = cu_seqlens_padded.numel() - 2;
+  PC_ARG(max_seqs >= 1 && max_seqs <= kMaxStaticSeqs, op,
+         "cu_seqlens_padded must have max_seqs + 2 entries with max_seqs in [1, ", kMaxStaticSeqs, "], got ",
+         cu_seqlens_padded.numel(), " entries");
+  check_static_table(op, "cu_seqlens_padded", cu_seqlens_padded, {ST::Int}, max_seqs + 2, "max_seqs + 2",
+                     cu_seqlens_padded, "cu_seqlens_padded");
+  const int64_t np = shard::static_pieces(static_cast<int>(layout), max_seqs);
+  check_static_table(op, "pieces", pieces, {ST::Int}, np + 1, "the plan's piece count + 1", cu_seqlens_padded,
+                     "cu_seqlens_padded");
+  check_static_table(op, "piece_offset", piece_offset, {ST::Long}, np, "the plan's piece count", cu_seqlens_padded,
+                     "cu_seqlens_padded");
+  check_static_table(op, "piece_seq", piece_seq, {ST::Int}, np, "the plan's piece count", cu_seqlens_padded,
+                     "cu_seqlens_padded");
+  const int64_t k1 = kernel_size - 1, total_local = capacity / cp_size;
+  // cp_size * S * k1 rows: the worst case, checked (cp_size and S are each below 2**31)
+  const int64_t n_send = checked::mul(op, "cp_size * pieces * (kernel_size - 1)", cp_size, np * k1);
+  const Tensor pc = dense(pieces), po = dense(piece_offset), ps = dense(piece_seq), cp = dense(cu_seqlens_padded);
+  const Device dev = cp.device();
+  Tensor send = new_tensor({n_send}, ST::Long, dev);
+  Tensor unpack = new_tensor({np * k1}, ST::Long, dev);
+  Tensor bwd = new_tensor({total_local, k1}, ST::Long, dev);
+  shard::StaticExchange e;
+  e.pieces = pc.const_data_ptr<int32_t>();
+  e.piece_offset = po.const_data_ptr<int64_t>();
+  e.piece_seq = ps.const_data_ptr<int32_t>();
+  e.cu_padded = cp.const_data_ptr<int32_t>();
+  e.max_seqs = max_seqs;
+  e.cp = cp_size;
+  e.rank = cp_rank;
+  e.total_local = total_local;
+  e.k1 = k1;
+  e.npieces = np;
+  e.layout = static_cast<int>(layout);
+  e.send = send.mutable_data_ptr<int64_t>();
+  e.unpack = unpack.mutable_data_ptr<int64_t>();
+  e.bwd = bwd.mutable_data_ptr<int64_t>();
+  if (dev.is_cpu()) {
+    shard::static_exchange_cpu(e);
+  } else {
+    PC_CUDA_ONLY({
+      CudaScope cs(cp);
+      shard::static_exchange_cuda(e, cs.stream);
+    });
+  }
+  return {send, unpack, bwd};
+}
+
 }  // namespace
 }  // namespace packcuda::th
 
@@ -313,14 +548,28 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def(
       "shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, int layout, int total_local, "
       "Device? device=None) -> Tensor");
+  m.def(
+      "static_shard_plan(Tensor cu_seqlens, Tensor? num_seqs, int num_seqs_host, int cp_size, int cp_rank, "
+      "int layout, int align, int capacity, int max_seqs) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, int layout, "
+      "int capacity) -> Tensor");
+  m.def(
+      "shard_static_exchange_index(Tensor pieces, Tensor piece_offset, Tensor piece_seq, Tensor cu_seqlens_padded, "
+      "int cp_size, int cp_rank, int layout, int capacity, int kernel_size) -> (Tensor, Tensor, Tensor)");
 }
 
-// The ops take host metadata; the CUDA registration only exists to answer a device tensor with a clear error.
+// The host-plan ops take host metadata (their CUDA registration only answers a device tensor with a clear error);
+// the static-plan ops run on the device of their inputs.
 #define PC_SHARD_IMPLS(m)                                                       \
   m.impl("shard_layout", TORCH_BOX(&packcuda::th::shard_layout));               \
   m.impl("shard_plan", TORCH_BOX(&packcuda::th::shard_plan));                   \
   m.impl("shard_plan_index", TORCH_BOX(&packcuda::th::shard_plan_index));       \
-  m.impl("shard_unshard_index", TORCH_BOX(&packcuda::th::shard_unshard_index));
+  m.impl("shard_unshard_index", TORCH_BOX(&packcuda::th::shard_unshard_index));         \
+  m.impl("static_shard_plan", TORCH_BOX(&packcuda::th::static_shard_plan));             \
+  m.impl("shard_static_unshard_index", TORCH_BOX(&packcuda::th::shard_static_unshard_index)); \
+  m.impl("shard_static_exchange_index", TORCH_BOX(&packcuda::th::shard_static_exchange_index));
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_SHARD_IMPLS(m) }
 #ifdef USE_CUDA

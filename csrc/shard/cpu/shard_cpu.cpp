@@ -41,8 +41,8 @@ HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t ran
   }
   const int64_t unit = layout == kContiguous ? std::lcm(bucket, cp) : bucket;
   const int64_t seq_total = h.cu_padded[nseq];
-  h.total_padded = round_up(seq_total, unit);
-  h.pad_size = h.total_padded - seq_total;
+  h.pad_size = bucket_pad_length(seq_total, unit);
+  h.total_padded = seq_total + h.pad_size;
   if (h.pad_size > 0) {
     h.cu_padded.push_back(h.total_padded);
     h.max_seqlen_padded = std::max(h.max_seqlen_padded, h.pad_size);
@@ -51,46 +51,19 @@ HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t ran
   h.total_local = h.total_padded / cp;
   h.cu_local.resize(nseg + 1);
   // sized up front and written by index (push_back costs several times more on this per-batch host path)
-  const int64_t max_pieces = layout == kZigzag ? 2 * nseg : nseg;
-  h.pieces.resize(max_pieces + 1);
-  h.piece_offset.resize(max_pieces);
-  h.piece_seq.resize(max_pieces);
-  int64_t* pieces = h.pieces.data();
-  int64_t* piece_offset = h.piece_offset.data();
-  int64_t* piece_seq = h.piece_seq.data();
-  const int64_t* cu_padded = h.cu_padded.data();
-  int64_t* cu_local = h.cu_local.data();
-  pieces[0] = 0;
+  const int64_t np_max = max_pieces(layout, nseg);
+  h.pieces.resize(np_max + 1);
+  h.piece_offset.resize(np_max);
+  h.piece_seq.resize(np_max);
+  h.pieces[0] = 0;
+  h.cu_local[0] = 0;
   int64_t np = 0;
-  if (layout == kZigzag) {
-    // segment i holds 2*h_i local rows, so cu_local[i] = cu_padded[i] / cp accumulates without dividing
-    const int64_t first = zigzag_rank_chunk(rank, cp, 0), second = zigzag_rank_chunk(rank, cp, 1);
-    cu_local[0] = 0;
-    for (int64_t i = 0; i < nseg; ++i) {
-      const int64_t hc = zigzag_half_chunk(cu_padded[i + 1] - cu_padded[i], cp);
-      cu_local[i + 1] = cu_local[i] + 2 * hc;
-      piece_offset[np] = first * hc;
-      piece_offset[np + 1] = second * hc;
-      piece_seq[np] = piece_seq[np + 1] = i;
-      pieces[np + 1] = cu_local[i] + hc;
-      pieces[np + 2] = cu_local[i + 1];
-      np += 2;
-    }
-  } else {
-    const int64_t lo = contiguous_window_begin(rank, h.total_local), hi = lo + h.total_local;
-    for (int64_t i = 0; i <= nseg; ++i) cu_local[i] = std::clamp(cu_padded[i], lo, hi) - lo;
-    for (int64_t i = 0; i < nseg; ++i) {
-      const int64_t a = std::max(cu_padded[i], lo), b = std::min(cu_padded[i + 1], hi);
-      if (a >= b) continue;
-      piece_offset[np] = a - cu_padded[i];
-      piece_seq[np] = i;
-      pieces[np + 1] = pieces[np] + (b - a);
-      ++np;
-    }
-    h.pieces.resize(np + 1);
-    h.piece_offset.resize(np);
-    h.piece_seq.resize(np);
-  }
+  for (int64_t i = 0; i < nseg; ++i)
+    np += write_segment_layout(layout, i, h.cu_padded[i], h.cu_padded[i + 1], cp, rank, h.total_local, np,
+                               h.cu_local.data(), h.pieces.data(), h.piece_offset.data(), h.piece_seq.data());
+  h.pieces.resize(np + 1);
+  h.piece_offset.resize(np);
+  h.piece_seq.resize(np);
   return h;
 }
 
@@ -113,6 +86,39 @@ void plan_tables_cpu(const PlanTables& p) {
 void unshard_index_cpu(int64_t* out, int64_t total, const int64_t* cu, int64_t nseq, const int64_t* cu_padded,
                        int64_t cp, int layout, int64_t total_local) {
   for (int64_t t = 0; t < total; ++t) out[t] = unshard_slot(layout, cu, nseq, cu_padded, cp, total_local, t);
+}
+
+void static_build_cpu(const StaticBuild& b) {
+  const int64_t n_in = static_num_seqs(b);
+  const int64_t n = static_num_seqs_ok(b, n_in) ? n_in : 0;
+  int64_t sum = 0, first_bad = b.cu[0] != 0 ? 0 : -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = static_checked_length(b, i);
+    if (p >= 0) sum = static_sum(sum, p);
+    else if (first_bad < 0) first_bad = i + 1;
+  }
+  const StaticCheck c = static_check(b, n_in, sum, first_bad);
+  static_write_head(b, c, first_bad);
+  int64_t pb = 0, np = 0;
+  for (int64_t i = 0; i < static_segments(b.max_seqs); ++i) {
+    const int64_t pe = pb + static_segment_length(b, c, i);
+    np += static_write_segment(b, c, i, pb, pe, np);
+    pb = pe;
+  }
+  for (int64_t k = np; k < b.npieces; ++k) static_fill_piece(b, k);
+}
+
+void static_unshard_index_cpu(int64_t* out, int64_t capacity, const int32_t* cu, int64_t max_seqs,
+                              const int32_t* cu_padded, int64_t cp, int layout, int64_t total_local) {
+  for (int64_t t = 0; t < capacity; ++t)
+    out[t] = static_unshard_slot(layout, cu, max_seqs, cu_padded, cp, total_local, t);
+}
+
+void static_exchange_cpu(const StaticExchange& e) {
+  const int64_t sq = e.npieces * e.k1;
+  for (int64_t i = 0; i < e.cp * sq; ++i) e.send[i] = static_exchange_item(e, 0, i);
+  for (int64_t i = 0; i < sq; ++i) e.unpack[i] = static_exchange_item(e, 1, i);
+  for (int64_t i = 0; i < e.total_local * e.k1; ++i) e.bwd[i] = static_exchange_item(e, 2, i);
 }
 
 }  // namespace packcuda::shard

@@ -1,3 +1,6 @@
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
 #include "common/cuda_utils.cuh"
 #include "shard/shard.h"
 #include "shard/shard_math.h"
@@ -40,6 +43,82 @@ __global__ void unshard_index_kernel(int64_t* __restrict__ out, int64_t total, c
     out[t] = unshard_slot(layout, cu, nseq, cu_padded, cp, total_local, t);
 }
 
+// Static plan layout in one block: a reduction over the sequences (padded total, first bad cu entry), then
+// tiles of segments with two block-wide exclusive scans (padded starts, then piece starts). Integer sums in a
+// fixed tree: deterministic.
+constexpr int kBuildThreads = 512;
+
+struct MinOp {
+  __device__ int64_t operator()(int64_t a, int64_t b) const { return a < b ? a : b; }
+};
+struct SatSumOp {
+  __device__ int64_t operator()(int64_t a, int64_t b) const { return static_sum(a, b); }
+};
+
+__global__ void __launch_bounds__(kBuildThreads) static_build_kernel(const StaticBuild b) {
+  using Reduce = cub::BlockReduce<int64_t, kBuildThreads>;
+  using Scan = cub::BlockScan<int64_t, kBuildThreads>;
+  __shared__ union {
+    typename Reduce::TempStorage reduce;
+    typename Scan::TempStorage scan;
+  } tmp;
+  __shared__ int64_t shared[2];
+  constexpr int64_t kNone = INT64_MAX;
+  const int64_t n_in = static_num_seqs(b);
+  const int64_t n = static_num_seqs_ok(b, n_in) ? n_in : 0;
+  int64_t sum = 0, bad = threadIdx.x == 0 && b.cu[0] != 0 ? 0 : kNone;
+  for (int64_t i = threadIdx.x; i < n; i += kBuildThreads) {
+    const int64_t p = static_checked_length(b, i);
+    if (p >= 0) sum = static_sum(sum, p);
+    else bad = bad < i + 1 ? bad : i + 1;
+  }
+  sum = Reduce(tmp.reduce).Reduce(sum, SatSumOp());
+  __syncthreads();
+  bad = Reduce(tmp.reduce).Reduce(bad, MinOp());
+  if (threadIdx.x == 0) shared[0] = sum, shared[1] = bad;
+  __syncthreads();
+  sum = shared[0];
+  bad = shared[1] == kNone ? -1 : shared[1];
+  const StaticCheck c = static_check(b, n_in, sum, bad);
+  if (threadIdx.x == 0) static_write_head(b, c, bad);
+  const int64_t nseg = static_segments(b.max_seqs);
+  int64_t carry_rows = 0, carry_pieces = 0;
+  for (int64_t base = 0; base < nseg; base += kBuildThreads) {
+    const int64_t i = base + threadIdx.x;
+    const int64_t len = i < nseg ? static_segment_length(b, c, i) : 0;
+    int64_t pb, rows;
+    Scan(tmp.scan).ExclusiveSum(len, pb, rows);
+    __syncthreads();
+    pb += carry_rows;
+    const int64_t cnt = i < nseg ? segment_piece_count(b.layout, pb, pb + len, b.rank, b.total_local) : 0;
+    int64_t np, pieces;
+    Scan(tmp.scan).ExclusiveSum(cnt, np, pieces);
+    __syncthreads();
+    if (i < nseg) static_write_segment(b, c, i, pb, pb + len, carry_pieces + np);
+    carry_rows += rows;
+    carry_pieces += pieces;
+  }
+  for (int64_t k = carry_pieces + threadIdx.x; k < b.npieces; k += kBuildThreads) static_fill_piece(b, k);
+}
+
+__global__ void static_unshard_index_kernel(int64_t* __restrict__ out, int64_t capacity,
+                                            const int32_t* __restrict__ cu, int64_t max_seqs,
+                                            const int32_t* __restrict__ cu_padded, int64_t cp, int layout,
+                                            int64_t total_local) {
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < capacity;
+       t += int64_t(gridDim.x) * blockDim.x)
+    out[t] = static_unshard_slot(layout, cu, max_seqs, cu_padded, cp, total_local, t);
+}
+
+// The three exchange tables in one launch over their concatenation.
+__global__ void static_exchange_kernel(const StaticExchange e, int64_t n_send, int64_t n_unpack, int64_t n_all) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n_all; i += int64_t(gridDim.x) * blockDim.x) {
+    if (i < n_send) e.send[i] = static_exchange_item(e, 0, i);
+    else if (i < n_send + n_unpack) e.unpack[i - n_send] = static_exchange_item(e, 1, i - n_send);
+    else e.bwd[i - n_send - n_unpack] = static_exchange_item(e, 2, i - n_send - n_unpack);
+  }
+}
+
 }  // namespace
 
 void plan_index_cuda(int64_t* index, int64_t* position, int64_t* label_index, int64_t total_local,
@@ -64,6 +143,27 @@ void unshard_index_cuda(int64_t* out, int64_t total, const int64_t* cu, int64_t 
   if (total == 0) return;
   unshard_index_kernel<<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(out, total, cu, nseq, cu_padded,
                                                                                  cp, layout, total_local);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+void static_build_cuda(const StaticBuild& b, cudaStream_t stream) {
+  static_build_kernel<<<1, kBuildThreads, 0, stream>>>(b);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+void static_unshard_index_cuda(int64_t* out, int64_t capacity, const int32_t* cu, int64_t max_seqs,
+                               const int32_t* cu_padded, int64_t cp, int layout, int64_t total_local,
+                               cudaStream_t stream) {
+  if (capacity == 0) return;
+  static_unshard_index_kernel<<<cuda::grid_for(capacity, kThreads), kThreads, 0, stream>>>(
+      out, capacity, cu, max_seqs, cu_padded, cp, layout, total_local);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+void static_exchange_cuda(const StaticExchange& e, cudaStream_t stream) {
+  const int64_t n_unpack = e.npieces * e.k1, n_send = e.cp * n_unpack, n_all = n_send + n_unpack + e.total_local * e.k1;
+  if (n_all == 0) return;
+  static_exchange_kernel<<<cuda::grid_for(n_all, kThreads), kThreads, 0, stream>>>(e, n_send, n_unpack, n_all);
   PC_CUDA_LAUNCH_CHECK();
 }
 
