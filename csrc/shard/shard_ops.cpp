@@ -422,16 +422,13 @@ StaticOutputs static_shard_plan(Tensor cu_seqlens, std::optional<Tensor> num_seq
 
   const shard::PlanTables t = plan_tables(b.cu_clean, max_seqs, b.pieces, b.piece_offset, b.piece_seq, np,
                                           b.total_local, index, position, label, piece_offset);
-  if (dev.is_cpu()) {
+  run_kernel(cu, [&] {
     shard::static_build_cpu(b);
     shard::plan_tables_cpu(t);
-  } else {
-    PC_CUDA_ONLY({
-      CudaScope cs(cu);
-      shard::static_build_cuda(b, cs.stream);
-      shard::plan_tables_cuda(t, cs.stream);
-    });
-  }
+  }, [&](auto stream) {
+    shard::static_build_cuda(b, stream);
+    shard::plan_tables_cuda(t, stream);
+  });
   return {index, position, label, cu_padded, cu_local, pieces, piece_offset, piece_seq, cu_clean, status};
 }
 
@@ -454,18 +451,15 @@ Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, i
   const Tensor cu = dense(cu_seqlens), cp = dense(cu_seqlens_padded);
   Tensor out = new_tensor({capacity}, ST::Long, cu.device());
   const int64_t total_local = capacity / cp_size;
-  if (out.is_cuda()) {
-    PC_CUDA_ONLY({
-      CudaScope cs(out);
-      shard::static_unshard_index_cuda(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
-                                       max_seqs, cp.const_data_ptr<int32_t>(), cp_size, static_cast<int>(layout),
-                                       total_local, cs.stream);
-    });
-  } else {
+  run_kernel(out, [&] {
     shard::static_unshard_index_cpu(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
                                     max_seqs, cp.const_data_ptr<int32_t>(), cp_size, static_cast<int>(layout),
                                     total_local);
-  }
+  }, [&](auto stream) {
+    shard::static_unshard_index_cuda(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
+                                     max_seqs, cp.const_data_ptr<int32_t>(), cp_size, static_cast<int>(layout),
+                                     total_local, stream);
+  });
   return out;
 }
 
@@ -523,14 +517,7 @@ std::tuple<Tensor, Tensor, Tensor> shard_static_exchange_index(Tensor pieces, Te
   e.send = send.mutable_data_ptr<int64_t>();
   e.unpack = unpack.mutable_data_ptr<int64_t>();
   e.bwd = bwd.mutable_data_ptr<int64_t>();
-  if (dev.is_cpu()) {
-    shard::static_exchange_cpu(e);
-  } else {
-    PC_CUDA_ONLY({
-      CudaScope cs(cp);
-      shard::static_exchange_cuda(e, cs.stream);
-    });
-  }
+  run_kernel(cp, [&] { shard::static_exchange_cpu(e); }, [&](auto stream) { shard::static_exchange_cuda(e, stream); });
   return {send, unpack, bwd};
 }
 
