@@ -9,7 +9,6 @@
 // is rotated and stored (the register walk).
 #include <cuda_bf16.h>
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 #include <cuda_fp16.h>
 
@@ -465,170 +464,13 @@ __device__ __forceinline__ F group_sum(F v, int G) {
   return v;
 }
 
-// The math of one head row, shared by the three norm kernels: a group of G lanes holds the row, lane `lane` its
-// units lane, lane + G, ... (a unit: VE channels, plus their partners VE channels later for neox rotary units).
-// Rows are read from global or shared memory (the staged kernels) alike.
-template <typename T, int VE, int ALIGN, int UPL, bool GPTJ>
-struct NormRow {
+template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, bool BWD>
+__global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 1 ? 3 : 2)) qk_norm_kernel(const NParams p) {
   using V = Vec<T, VE, ALIGN>;
   using F = typename Cvt<T>::F;
   // the weights' vector of a unit: 16-byte loads on the vector path (the weights are 16-byte aligned, see the
   // ops layer, and a unit's first channel is a multiple of VE), element loads otherwise
   using WV = Vec<F, VE, (ALIGN == 16 ? 16 : alignof(F))>;
-  using Regs = F[UPL][2][VE];
-  int lane, G, P, U, n, rd, D, kind;
-  F eps;
-
-  __device__ __forceinline__ NormRow(const NParams& p, int lane_)
-      : lane(lane_), G(p.G), P(p.P), U(p.U), n(p.n), rd(static_cast<int>(p.a.r.rotary_dim)),
-        D(static_cast<int>(p.a.r.head_dim)), kind(p.a.norm), eps(static_cast<F>(p.a.eps)) {}
-  __device__ __forceinline__ static F round(F v) { return Cvt<T>::load(Cvt<T>::store(v)); }
-  // first channel of unit u
-  __device__ __forceinline__ int unit_lo(int u) const { return u < P ? u * VE : rd + (u - P) * VE; }
-
-  // x (and, WITH_G, g) of the row into the compute type (zeros where the lane has no unit); the row's rstd
-  template <bool WITH_G>
-  __device__ __forceinline__ F load(const T* xs, const T* gs, bool active, Regs& x, Regs& g) const {
-    F ss = F(0);
-#pragma unroll
-    for (int i = 0; i < UPL; ++i) {
-      const int u = lane + i * G;
-      const bool pair = !GPTJ && u < P;
-      const int lo = unit_lo(u);
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const bool ld = active && u < U && (s == 0 || pair);
-        V xv, gv;
-        if (ld) {
-          const int c = s == 0 ? lo : lo + n;
-          xv = *reinterpret_cast<const V*>(xs + c);
-          if constexpr (WITH_G) gv = *reinterpret_cast<const V*>(gs + c);
-        }
-#pragma unroll
-        for (int m = 0; m < VE; ++m) {
-          x[i][s][m] = ld ? Cvt<T>::load(xv.v[m]) : F(0);
-          if constexpr (WITH_G) g[i][s][m] = ld ? Cvt<T>::load(gv.v[m]) : F(0);
-          ss += x[i][s][m] * x[i][s][m];
-        }
-      }
-    }
-    return norm_rstd(group_sum(ss, G), D, eps);
-  }
-
-  // forward: normalize, rotate the rotary units, round once, store the row
-  __device__ __forceinline__ void forward(const Regs& x, F rstd, const F* w, const CosSin<F>* cst, T* yout,
-                                          bool active) const {
-#pragma unroll
-    for (int i = 0; i < UPL; ++i) {
-      const int u = lane + i * G;
-      if (!(active && u < U)) continue;
-      const bool rot = u < P;
-      const int lo = unit_lo(u);
-      // the unit's weights (cached reads of the [D] weights), after the reduction: fewer live registers
-      const WV w0 = *reinterpret_cast<const WV*>(w + lo);
-      WV w1;
-      if (!GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
-      // normalized value of element (s, m) of the unit, computed where it is consumed
-      auto nval = [&](int s, int m) {
-        return norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s][m], rstd, kind, round);
-      };
-      V y0, y1;
-      if (rot && GPTJ) {
-#pragma unroll
-        for (int m = 0; m < VE / 2; ++m) {
-          const CosSin<F> cw = cst[lo / 2 + m];
-          F o0, o1;
-          rotate_pair<F>(nval(0, 2 * m), nval(0, 2 * m + 1), cw.c, cw.s, &o0, &o1);
-          y0.v[2 * m] = Cvt<T>::store(o0);
-          y0.v[2 * m + 1] = Cvt<T>::store(o1);
-        }
-      } else if (rot) {
-#pragma unroll
-        for (int m = 0; m < VE; ++m) {
-          const CosSin<F> cw = cst[lo + m];
-          F o0, o1;
-          rotate_pair<F>(nval(0, m), nval(1, m), cw.c, cw.s, &o0, &o1);
-          y0.v[m] = Cvt<T>::store(o0);
-          y1.v[m] = Cvt<T>::store(o1);
-        }
-      } else {
-#pragma unroll
-        for (int m = 0; m < VE; ++m) y0.v[m] = Cvt<T>::store(nval(0, m));
-      }
-      *reinterpret_cast<V*>(yout + lo) = y0;
-      if (!GPTJ && rot) *reinterpret_cast<V*>(yout + lo + n) = y1;
-    }
-  }
-
-  // backward (cst holds the inverse rotation): gn = R(-a) g on the rotary pairs; dxh = gn * gain,
-  // dot = sum(dxh * xhat), dx stored; acc(i, s, m, v) receives each live channel's weight-gradient term v
-  template <typename Acc>
-  __device__ __forceinline__ void backward(const Regs& x, Regs& g, F rstd, const F* w, const CosSin<F>* cst,
-                                           T* yout, bool active, Acc acc) const {
-    F dot = F(0);
-#pragma unroll
-    for (int i = 0; i < UPL; ++i) {
-      const int u = lane + i * G;
-      const bool ok = active && u < U;
-      const bool rot = u < P;
-      const int lo = unit_lo(u);
-      WV w0, w1;
-      if (ok) w0 = *reinterpret_cast<const WV*>(w + lo);
-      if (ok && !GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
-      if (ok && rot && GPTJ) {
-#pragma unroll
-        for (int m = 0; m < VE / 2; ++m) {
-          const CosSin<F> cw = cst[lo / 2 + m];
-          F o0, o1;
-          rotate_pair<F>(g[i][0][2 * m], g[i][0][2 * m + 1], cw.c, cw.s, &o0, &o1);
-          g[i][0][2 * m] = o0;
-          g[i][0][2 * m + 1] = o1;
-        }
-      } else if (ok && rot) {
-#pragma unroll
-        for (int m = 0; m < VE; ++m) {
-          const CosSin<F> cw = cst[lo + m];
-          F o0, o1;
-          rotate_pair<F>(g[i][0][m], g[i][1][m], cw.c, cw.s, &o0, &o1);
-          g[i][0][m] = o0;
-          g[i][1][m] = o1;
-        }
-      }
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-#pragma unroll
-        for (int m = 0; m < VE; ++m) {
-          const bool live = ok && (s == 0 || (!GPTJ && rot));
-          const F xh = norm_xhat(x[i][s][m], rstd, kind, round);
-          acc(i, s, m, live ? g[i][s][m] * xh : F(0));
-          g[i][s][m] = live ? g[i][s][m] * norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) : F(0);  // dxh
-          dot += g[i][s][m] * (x[i][s][m] * rstd);
-        }
-    }
-    dot = group_sum(dot, G);
-#pragma unroll
-    for (int i = 0; i < UPL; ++i) {
-      const int u = lane + i * G;
-      if (!(active && u < U)) continue;
-      const bool pair = !GPTJ && u < P;
-      const int lo = unit_lo(u);
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        if (s == 1 && !pair) continue;
-        V y;
-#pragma unroll
-        for (int m = 0; m < VE; ++m)
-          y.v[m] = Cvt<T>::store(norm_dx(g[i][s][m], x[i][s][m], rstd, dot, static_cast<int64_t>(D)));
-        *reinterpret_cast<V*>(yout + (s == 0 ? lo : lo + n)) = y;
-      }
-    }
-  }
-};
-
-template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, bool BWD>
-__global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 1 ? 3 : 2)) qk_norm_kernel(const NParams p) {
-  using Row = NormRow<T, VE, ALIGN, UPL, GPTJ>;
-  using F = typename Row::F;
   const NormArgs& a = p.a;
   const RopeArgs& r = a.r;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -636,10 +478,13 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
   __shared__ NBase base[kNMaxTok];
 
   const int G = p.G, n = p.n, P = p.P, U = p.U, hq = p.hq, H = p.H;
-  const int D = static_cast<int>(r.head_dim);
+  const int D = static_cast<int>(r.head_dim), rd = static_cast<int>(r.rotary_dim);
   const int lane = threadIdx.x % G, grp = threadIdx.x / G, gpb = kNThreads / G;
-  const Row nr(p, lane);
-  auto unit_lo = [&](int u) { return nr.unit_lo(u); };
+  const F eps = static_cast<F>(a.eps);
+  const int kind = a.norm;
+  auto round = [](F v) { return Cvt<T>::load(Cvt<T>::store(v)); };
+  // first channel of unit u, and whether it has a partner vector (neox rotary units)
+  auto unit_lo = [&](int u) { return u < P ? u * VE : rd + (u - P) * VE; };
 
   // backward: this lane's weight gradients of the current phase (registers), flushed at the end of each phase
   // into its group's slot of wacc [groups][q, k][D] (shared memory, after the cos/sin table)
@@ -707,12 +552,135 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
                    : static_cast<const T*>(a.g_k.in) + base[tl].g[1] + hh * a.g_k.in_sh;
       const CosSin<F>* cst = cs + tl * n;
 
-      typename Row::Regs x, g;
-      const F rstd = nr.template load<BWD>(xin, gin, active, x, g);
-      if constexpr (!BWD)
-        nr.forward(x, rstd, w, cst, yout, active);
-      else
-        nr.backward(x, g, rstd, w, cst, yout, active, [&](int i, int s, int m, F v) { acc[i][s][m] += v; });
+      F x[UPL][2][VE], g[UPL][2][VE];
+      F ss = F(0);
+#pragma unroll
+      for (int i = 0; i < UPL; ++i) {
+        const int u = lane + i * G;
+        const bool ok = active && u < U;
+        const bool pair = !GPTJ && u < P;
+        const int lo = unit_lo(u);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          V xv, gv;
+          const bool load = ok && (s == 0 || pair);
+          if (load) {
+            const int c = s == 0 ? lo : lo + n;
+            xv = *reinterpret_cast<const V*>(xin + c);
+            if constexpr (BWD) gv = *reinterpret_cast<const V*>(gin + c);
+          }
+#pragma unroll
+          for (int m = 0; m < VE; ++m) {
+            x[i][s][m] = load ? Cvt<T>::load(xv.v[m]) : F(0);
+            if constexpr (BWD) g[i][s][m] = load ? Cvt<T>::load(gv.v[m]) : F(0);
+            ss += x[i][s][m] * x[i][s][m];
+          }
+        }
+      }
+      ss = group_sum(ss, G);
+      const F rstd = norm_rstd(ss, D, eps);
+
+      if constexpr (!BWD) {
+#pragma unroll
+        for (int i = 0; i < UPL; ++i) {
+          const int u = lane + i * G;
+          if (!(active && u < U)) continue;
+          const bool rot = u < P;
+          const int lo = unit_lo(u);
+          // the unit's weights (cached reads of the [D] weights), after the reduction: fewer live registers
+          const WV w0 = *reinterpret_cast<const WV*>(w + lo);
+          WV w1;
+          if (!GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
+          // normalized value of element (s, m) of the unit, computed where it is consumed
+          auto nval = [&](int s, int m) {
+            return norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s][m], rstd, kind, round);
+          };
+          V y0, y1;
+          if (rot && GPTJ) {
+#pragma unroll
+            for (int m = 0; m < VE / 2; ++m) {
+              const CosSin<F> cw = cst[lo / 2 + m];
+              F o0, o1;
+              rotate_pair<F>(nval(0, 2 * m), nval(0, 2 * m + 1), cw.c, cw.s, &o0, &o1);
+              y0.v[2 * m] = Cvt<T>::store(o0);
+              y0.v[2 * m + 1] = Cvt<T>::store(o1);
+            }
+          } else if (rot) {
+#pragma unroll
+            for (int m = 0; m < VE; ++m) {
+              const CosSin<F> cw = cst[lo + m];
+              F o0, o1;
+              rotate_pair<F>(nval(0, m), nval(1, m), cw.c, cw.s, &o0, &o1);
+              y0.v[m] = Cvt<T>::store(o0);
+              y1.v[m] = Cvt<T>::store(o1);
+            }
+          } else {
+#pragma unroll
+            for (int m = 0; m < VE; ++m) y0.v[m] = Cvt<T>::store(nval(0, m));
+          }
+          *reinterpret_cast<V*>(yout + lo) = y0;
+          if (!GPTJ && rot) *reinterpret_cast<V*>(yout + lo + n) = y1;
+        }
+      } else {
+        // gn = R(-a) g on the rotary pairs; then dxh = gn * gain, dot = sum(dxh * xhat), weight gradients
+        F dot = F(0);
+#pragma unroll
+        for (int i = 0; i < UPL; ++i) {
+          const int u = lane + i * G;
+          const bool ok = active && u < U;
+          const bool rot = u < P;
+          const int lo = unit_lo(u);
+          WV w0, w1;
+          if (ok) w0 = *reinterpret_cast<const WV*>(w + lo);
+          if (ok && !GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
+          if (ok && rot && GPTJ) {
+#pragma unroll
+            for (int m = 0; m < VE / 2; ++m) {
+              const CosSin<F> cw = cst[lo / 2 + m];
+              F o0, o1;
+              rotate_pair<F>(g[i][0][2 * m], g[i][0][2 * m + 1], cw.c, cw.s, &o0, &o1);
+              g[i][0][2 * m] = o0;
+              g[i][0][2 * m + 1] = o1;
+            }
+          } else if (ok && rot) {
+#pragma unroll
+            for (int m = 0; m < VE; ++m) {
+              const CosSin<F> cw = cst[lo + m];
+              F o0, o1;
+              rotate_pair<F>(g[i][0][m], g[i][1][m], cw.c, cw.s, &o0, &o1);
+              g[i][0][m] = o0;
+              g[i][1][m] = o1;
+            }
+          }
+#pragma unroll
+          for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int m = 0; m < VE; ++m) {
+              const bool live = ok && (s == 0 || (!GPTJ && rot));
+              const F xh = norm_xhat(x[i][s][m], rstd, kind, round);
+              acc[i][s][m] += live ? g[i][s][m] * xh : F(0);
+              g[i][s][m] = live ? g[i][s][m] * norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) : F(0);  // dxh
+              dot += g[i][s][m] * (x[i][s][m] * rstd);
+            }
+        }
+        dot = group_sum(dot, G);
+#pragma unroll
+        for (int i = 0; i < UPL; ++i) {
+          const int u = lane + i * G;
+          if (!(active && u < U)) continue;
+          const bool pair = !GPTJ && u < P;
+          const int lo = unit_lo(u);
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            if (s == 1 && !pair) continue;
+            V y;
+#pragma unroll
+            for (int m = 0; m < VE; ++m) y.v[m] = Cvt<T>::store(norm_dx(g[i][s][m], x[i][s][m], rstd, dot,
+                                                                        static_cast<int64_t>(D)));
+            *reinterpret_cast<V*>(yout + (s == 0 ? lo : lo + n)) = y;
+          }
+        }
+      }
     }
     if constexpr (BWD) {
       // this phase's weight gradients of the tile into the group's own slot (lanes own disjoint channels)
@@ -746,227 +714,6 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
     }
   }
 }
-
-// Forward on the 16-byte vector path: persistent blocks walk tiles of `tok` tokens; the q and k rows of the next
-// tile are staged into shared memory with cp.async (double buffer) while the current tile's cos/sin table is
-// computed and its rows normalized, rotated and stored, so the loads of a tile overlap the work of the one
-// before. Rows of a tile are token-major (token, then its q heads, then its k heads); the math is the one of
-// qk_norm_kernel.
-template <typename T, int VE, int UPL, bool GPTJ>
-__global__ void __launch_bounds__(kNThreads, UPL == 1 ? 3 : 2) qk_norm_fwd_staged(const NParams p) {
-  using Row = NormRow<T, VE, 16, UPL, GPTJ>;
-  using F = typename Row::F;
-  const NormArgs& a = p.a;
-  const RopeArgs& r = a.r;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  CosSin<F>* cs = reinterpret_cast<CosSin<F>*>(smem_raw);  // [tok][n]
-  T* stage = reinterpret_cast<T*>(smem_raw + p.cs_bytes);   // [2][tok * H][D]
-
-  const int G = p.G, n = p.n, hq = p.hq, H = p.H;
-  const int D = static_cast<int>(r.head_dim);
-  const int lane = threadIdx.x % G, grp = threadIdx.x / G, gpb = kNThreads / G;
-  const int cpr = D / VE;  // 16-byte chunks of a row
-  const int buf_elems = p.tok * H * D;
-  const Row nr(p, lane);
-  auto tile_tokens = [&](int64_t tile) {
-    return static_cast<int>(min(static_cast<int64_t>(p.tok), r.tokens - tile * p.tok));
-  };
-  auto issue = [&](int64_t tile, int buf) {
-    const int64_t t0 = tile * p.tok;
-    const int nch = tile_tokens(tile) * H * cpr;
-    T* dst = stage + buf * buf_elems;
-    for (int c = threadIdx.x; c < nch; c += kNThreads) {
-      const int row = c / cpr, ch = c - row * cpr;
-      const int tl = row / H, h = row - tl * H;
-      const TokenIndex ti(t0 + tl, r.seq);
-      const T* src = h < hq ? static_cast<const T*>(r.q.in) + ti.offset(r.q.in_sb, r.q.in_ss) + h * r.q.in_sh
-                            : static_cast<const T*>(r.k.in) + ti.offset(r.k.in_sb, r.k.in_ss) + (h - hq) * r.k.in_sh;
-      cp_async16(dst + row * D + ch * VE, src + ch * VE);
-    }
-    cp_async_commit();
-  };
-
-  int64_t tile = blockIdx.x;
-  if (tile < p.tiles) issue(tile, 0);
-  for (int it = 0; tile < p.tiles; tile += gridDim.x, ++it) {
-    const int buf = it & 1;
-    const int64_t next = tile + gridDim.x;
-    if (next < p.tiles) issue(next, buf ^ 1);
-    else cp_async_commit();  // an empty group: the wait below always leaves exactly the next tile in flight
-    const int64_t t0 = tile * p.tok;
-    const int ntok = tile_tokens(tile);
-    for (int i = threadIdx.x; i < ntok * n; i += kNThreads) {
-      const int tl = i / n, j = i - tl * n;
-      const int ax = slot_axis(j, r.layout, r.section[0], r.section[1], r.section[2]);
-      const int64_t off = ax * r.pos_row_stride + token_offset(t0 + tl, r.seq, r.pos_sb, r.pos_ss);
-      const int64_t pos = r.pos_int64 ? __ldg(static_cast<const long long*>(r.pos) + off)
-                                      : __ldg(static_cast<const int*>(r.pos) + off);
-      CosSin<F> w;
-      rope_cos_sin(rope_angle(pos, __ldg(r.inv_freq + j)), static_cast<F>(r.scaling), false, &w.c, &w.s);
-      cs[tl * n + j] = w;
-    }
-    cp_async_wait<1>();
-    __syncthreads();  // this tile's rows and cos/sin are in shared memory
-
-    const T* rows_s = stage + buf * buf_elems;
-    const int rows = ntok * H;
-    for (int rb = 0; rb < rows; rb += gpb) {  // uniform trip count: every lane reaches the shuffles
-      const int row = rb + grp;
-      const bool active = row < rows;
-      const int tl = active ? row / H : 0;
-      const int h = active ? row - tl * H : 0;
-      const bool is_q = h < hq;
-      const T* xs = rows_s + row * D;
-      const TokenIndex ti(t0 + tl, r.seq);
-      T* yout = is_q ? static_cast<T*>(r.q.out) + ti.offset(r.q.out_sb, r.q.out_ss) + h * r.q.out_sh
-                     : static_cast<T*>(r.k.out) + ti.offset(r.k.out_sb, r.k.out_ss) + (h - hq) * r.k.out_sh;
-      const F* w = static_cast<const F*>(is_q ? a.w_q : a.w_k);
-      const CosSin<F>* cst = cs + tl * n;
-
-      typename Row::Regs x;
-      const F rstd = nr.template load<false>(xs, nullptr, active, x, x);
-      nr.forward(x, rstd, w, cst, yout, active);
-    }
-    __syncthreads();  // the tile's buffer and cos/sin table are free
-  }
-  cp_async_wait<0>();
-}
-
-// Backward on the 16-byte vector path, staged like qk_norm_fwd_staged: the x and incoming-gradient rows of the
-// next tile arrive by cp.async while the current tile is computed. Each thread keeps its weight-gradient sums of
-// q and k rows in registers for the whole walk; at the end the block's groups are summed in group order into the
-// block's [2, D] partial (reduce_partials then sums the blocks in order): no atomics.
-template <typename T, int VE, int UPL, bool GPTJ>
-__global__ void __launch_bounds__(kNThreads, 2) qk_norm_bwd_staged(const NParams p) {
-  using Row = NormRow<T, VE, 16, UPL, GPTJ>;
-  using F = typename Row::F;
-  const NormArgs& a = p.a;
-  const RopeArgs& r = a.r;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  CosSin<F>* cs = reinterpret_cast<CosSin<F>*>(smem_raw);  // [tok][n]
-  T* stage = reinterpret_cast<T*>(smem_raw + p.cs_bytes);   // [2][x, g][tok * H][D]
-
-  const int G = p.G, n = p.n, P = p.P, U = p.U, hq = p.hq, H = p.H;
-  const int D = static_cast<int>(r.head_dim);
-  const int lane = threadIdx.x % G, grp = threadIdx.x / G, gpb = kNThreads / G;
-  const int cpr = D / VE;
-  const int buf_elems = p.tok * H * D;  // one of x / g of a tile
-  const Row nr(p, lane);
-  auto unit_lo = [&](int u) { return nr.unit_lo(u); };
-  auto tile_tokens = [&](int64_t tile) {
-    return static_cast<int>(min(static_cast<int64_t>(p.tok), r.tokens - tile * p.tok));
-  };
-  auto issue = [&](int64_t tile, int buf) {
-    const int64_t t0 = tile * p.tok;
-    const int nch = tile_tokens(tile) * H * cpr;
-    T* dst = stage + buf * 2 * buf_elems;
-    for (int c = threadIdx.x; c < 2 * nch; c += kNThreads) {
-      const int which = c >= nch ? 1 : 0;  // 0: x, 1: incoming gradient
-      const int cc = c - which * nch;
-      const int row = cc / cpr, ch = cc - row * cpr;
-      const int tl = row / H, h = row - tl * H;
-      const TokenIndex ti(t0 + tl, r.seq);
-      const T* src;
-      if (h < hq)
-        src = which ? static_cast<const T*>(a.g_q.in) + ti.offset(a.g_q.in_sb, a.g_q.in_ss) + h * a.g_q.in_sh
-                    : static_cast<const T*>(r.q.in) + ti.offset(r.q.in_sb, r.q.in_ss) + h * r.q.in_sh;
-      else
-        src = which ? static_cast<const T*>(a.g_k.in) + ti.offset(a.g_k.in_sb, a.g_k.in_ss) + (h - hq) * a.g_k.in_sh
-                    : static_cast<const T*>(r.k.in) + ti.offset(r.k.in_sb, r.k.in_ss) + (h - hq) * r.k.in_sh;
-      cp_async16(dst + which * buf_elems + row * D + ch * VE, src + ch * VE);
-    }
-    cp_async_commit();
-  };
-
-  F acc_q[UPL][2][VE], acc_k[UPL][2][VE];
-#pragma unroll
-  for (int i = 0; i < UPL; ++i)
-#pragma unroll
-    for (int s2 = 0; s2 < 2; ++s2)
-#pragma unroll
-      for (int m = 0; m < VE; ++m) acc_q[i][s2][m] = acc_k[i][s2][m] = F(0);
-
-  int64_t tile = blockIdx.x;
-  if (tile < p.tiles) issue(tile, 0);
-  for (int it = 0; tile < p.tiles; tile += gridDim.x, ++it) {
-    const int buf = it & 1;
-    const int64_t next = tile + gridDim.x;
-    if (next < p.tiles) issue(next, buf ^ 1);
-    else cp_async_commit();
-    const int64_t t0 = tile * p.tok;
-    const int ntok = tile_tokens(tile);
-    for (int i = threadIdx.x; i < ntok * n; i += kNThreads) {
-      const int tl = i / n, j = i - tl * n;
-      const int ax = slot_axis(j, r.layout, r.section[0], r.section[1], r.section[2]);
-      const int64_t off = ax * r.pos_row_stride + token_offset(t0 + tl, r.seq, r.pos_sb, r.pos_ss);
-      const int64_t pos = r.pos_int64 ? __ldg(static_cast<const long long*>(r.pos) + off)
-                                      : __ldg(static_cast<const int*>(r.pos) + off);
-      CosSin<F> w;
-      rope_cos_sin(rope_angle(pos, __ldg(r.inv_freq + j)), static_cast<F>(r.scaling), true, &w.c, &w.s);
-      cs[tl * n + j] = w;
-    }
-    cp_async_wait<1>();
-    __syncthreads();
-
-    const T* xs_tile = stage + buf * 2 * buf_elems;
-    const int rows = ntok * H;
-    for (int rb = 0; rb < rows; rb += gpb) {
-      const int row = rb + grp;
-      const bool active = row < rows;
-      const int tl = active ? row / H : 0;
-      const int h = active ? row - tl * H : 0;
-      const bool is_q = h < hq;
-      const T* xs = xs_tile + row * D;
-      const T* gs = xs + buf_elems;
-      const TokenIndex ti(t0 + tl, r.seq);
-      T* yout = is_q ? static_cast<T*>(r.q.out) + ti.offset(r.q.out_sb, r.q.out_ss) + h * r.q.out_sh
-                     : static_cast<T*>(r.k.out) + ti.offset(r.k.out_sb, r.k.out_ss) + (h - hq) * r.k.out_sh;
-      const F* w = static_cast<const F*>(is_q ? a.w_q : a.w_k);
-      const CosSin<F>* cst = cs + tl * n;
-
-      typename Row::Regs x, g;
-      const F rstd = nr.template load<true>(xs, gs, active, x, g);
-      nr.backward(x, g, rstd, w, cst, yout, active, [&](int i, int s2, int m, F v) {
-        acc_q[i][s2][m] += is_q ? v : F(0);
-        acc_k[i][s2][m] += is_q ? F(0) : v;
-      });
-    }
-    __syncthreads();
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-
-  // the block's partial: every group's sums (its lanes own disjoint channels covering all D) into its slot of
-  // wacc [groups][q, k][D] (the stage memory), then the slots summed in group order
-  F* wacc = reinterpret_cast<F*>(stage);
-#pragma unroll
-  for (int i = 0; i < UPL; ++i) {
-    const int u = lane + i * G;
-    if (u >= U) continue;
-    const bool pair = !GPTJ && u < P;
-#pragma unroll
-    for (int s2 = 0; s2 < 2; ++s2) {
-      if (s2 == 1 && !pair) continue;
-      const int c = (s2 == 0 ? unit_lo(u) : unit_lo(u) + n);
-#pragma unroll
-      for (int m = 0; m < VE; ++m) {
-        wacc[(grp * 2 + 0) * D + c + m] = acc_q[i][s2][m];
-        wacc[(grp * 2 + 1) * D + c + m] = acc_k[i][s2][m];
-      }
-    }
-  }
-  __syncthreads();
-  F* part = static_cast<F*>(a.workspace) + static_cast<int64_t>(blockIdx.x) * 2 * D;
-  for (int c = threadIdx.x; c < 2 * D; c += kNThreads) {
-    F sum = F(0);
-    for (int gi = 0; gi < gpb; ++gi) sum += wacc[gi * 2 * D + c];
-    part[c] = sum;
-  }
-}
-
-// Shared memory of qk_norm_fwd_staged: the cos/sin table of a tile plus two tiles of rows.
-constexpr size_t kNStagedSmemMax = 200 * 1024;
-constexpr size_t kNStagedTileBytes = 32 * 1024;  // target bytes of one staged tile
 
 // dw[c] = sum over blocks b (in order) of part[b][c], c over the 2 * D channels of q and k.
 template <typename F>
@@ -1008,55 +755,6 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
   const size_t cs_bytes = (static_cast<size_t>(tok) * p.n * sizeof(CosSin<F>) + 15) / 16 * 16;
   p.cs_bytes = static_cast<int>(cs_bytes);
   const int D = static_cast<int>(a.r.head_dim);
-  // the staged kernels on 16-byte rows (the backward keeps two sets of weight sums: one unit per lane only)
-  if constexpr (ALIGN == 16 && VE * sizeof(T) == 16 && UPL <= 4) {
-    // tiles of about kNStagedTileBytes, cos/sin table first
-    const size_t row_bytes = static_cast<size_t>(p.H) * D * sizeof(T);
-    const size_t stok = std::max<size_t>(1, std::min<size_t>(kNStagedTileBytes / row_bytes,
-                                                             static_cast<size_t>(smem_tok)));
-    const size_t st_cs = (stok * p.n * sizeof(CosSin<F>) + 15) / 16 * 16;
-    const size_t st_smem = st_cs + 2 * stok * row_bytes;
-    if constexpr (UPL == 1) if (bwd && std::getenv("PACKCUDA_QKN_UNSTAGED") == nullptr) {
-      // x and g rows of a tile: the tile about kNStagedTileBytes in all
-      const size_t btok = std::max<size_t>(1, std::min<size_t>(kNStagedTileBytes / (2 * row_bytes),
-                                                               static_cast<size_t>(smem_tok)));
-      const size_t b_cs = (btok * p.n * sizeof(CosSin<F>) + 15) / 16 * 16;
-      const size_t wacc_bytes = static_cast<size_t>(kNThreads / G) * 2 * D * sizeof(F);
-      const size_t b_smem = b_cs + std::max(4 * btok * row_bytes, wacc_bytes);
-      if (b_smem <= kNStagedSmemMax) {
-        auto kern = qk_norm_bwd_staged<T, VE, UPL, GPTJ>;
-        p.tok = static_cast<int>(btok);
-        p.tiles = (a.r.tokens + p.tok - 1) / p.tok;
-        p.cs_bytes = static_cast<int>(b_cs);
-        if (b_smem > 48 * 1024)
-          PC_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(b_smem)));
-        int per_sm = 0;
-        PC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kNThreads, b_smem));
-        const int blocks = static_cast<int>(std::min<int64_t>(
-            {p.tiles, kNormBwdBlocks, static_cast<int64_t>(cuda::sm_count()) * std::max(1, per_sm)}));
-        kern<<<static_cast<unsigned>(blocks), kNThreads, b_smem, stream>>>(p);
-        PC_CUDA_LAUNCH_CHECK();
-        reduce_partials<F><<<static_cast<unsigned>((2 * D + 31) / 32), kNThreads, 0, stream>>>(
-            static_cast<const F*>(a.workspace), blocks, D, static_cast<F*>(a.dw_q), static_cast<F*>(a.dw_k));
-        PC_CUDA_LAUNCH_CHECK();
-        return;
-      }
-    }
-    if (!bwd && st_smem <= kNStagedSmemMax && std::getenv("PACKCUDA_QKN_UNSTAGED") == nullptr) {
-      auto kern = qk_norm_fwd_staged<T, VE, UPL, GPTJ>;
-      p.tok = static_cast<int>(stok);
-      p.tiles = (a.r.tokens + p.tok - 1) / p.tok;
-      p.cs_bytes = static_cast<int>(st_cs);
-      if (st_smem > 48 * 1024)
-        PC_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(st_smem)));
-      int per_sm = 0;
-      PC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kNThreads, st_smem));
-      const int64_t blocks = std::min<int64_t>(p.tiles, static_cast<int64_t>(cuda::sm_count()) * std::max(1, per_sm));
-      kern<<<static_cast<unsigned>(blocks), kNThreads, st_smem, stream>>>(p);
-      PC_CUDA_LAUNCH_CHECK();
-      return;
-    }
-  }
   if (!bwd) {
     auto kern = qk_norm_kernel<T, VE, ALIGN, UPL, GPTJ, false>;
     if (cs_bytes + sizeof(NBase) * kNMaxTok > 48 * 1024)
