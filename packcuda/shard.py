@@ -55,22 +55,6 @@ def _shard_plan_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket=None, d
             e(npieces + 1, i32), e(npieces, i64), e(npieces, i32), e(n_meta, i32, cpu), e(_N_INFO, i64, cpu))
 
 
-@torch.library.register_fake("packcuda::shard_layout")
-def _shard_layout_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket=None):
-    ctx = torch.library.get_ctx()
-    nseg = ctx.new_dynamic_size()
-    npieces = ctx.new_dynamic_size()
-    e = lambda n: torch.empty(n, dtype=torch.int64, device=cu_seqlens.device)  # noqa: E731
-    n = cu_seqlens.shape[0]
-    return [e(n), e(nseg + 1), e(nseg + 1), e(npieces + 1), e(npieces), e(npieces), e(5)]
-
-
-@torch.library.register_fake("packcuda::shard_plan_index")
-def _shard_plan_index_fake(cu_seqlens, pieces, piece_offset, piece_seq, total_local, device=None):
-    dev = device if device is not None else cu_seqlens.device
-    return tuple(torch.empty(total_local, dtype=torch.int64, device=dev) for _ in range(3))
-
-
 @torch.library.register_fake("packcuda::shard_unshard_index")
 def _shard_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, layout, total_local, device=None):
     dev = device if device is not None else cu_seqlens.device

@@ -157,6 +157,8 @@ CASES = [
     Case(SCH, "cp_size_huge", risky=True, arg="cp_size",
          make=lambda: call(ops.conv_prefix_schedule, _cu(0, 5, 9), 2**40, 0, 1, 1, None, 4)),
     Case(SCH, "cp_size_zero", lambda: call(ops.conv_prefix_schedule, _cu(0, 5), 0, 0, 1, 1, None, 4), arg="cp_size"),
+    Case(SCH, "cp_size_above_schedule_bound",
+         lambda: call(ops.conv_prefix_schedule, _cu(0, 5), 70000, 0, 1, 1, None, 4), arg="cp_size must be <= 65536"),
     Case(SCH, "cp_size_zigzag_overflow", risky=True, arg="cp_size",
          make=lambda: call(ops.conv_prefix_schedule, _cu(0, 5), 2**62, 0, 0, 4, None, 4)),
     Case(SCH, "align_huge", risky=True, arg="align",

@@ -20,22 +20,9 @@ def _plan(cp=2, rank=0, **kw):
     return packcuda.shard_plan(CU, cp, rank, **kw)
 
 
-def _layout(cp=2, rank=0, layout=0, align=4, bucket=None):
-    """(cu, cu_padded, cu_local, pieces, piece_offset, piece_seq, info) of a valid layout."""
-    return ops.shard_layout(_t(CU), cp, rank, layout, align, bucket)
-
-
-def _plan_index(**change):
-    lay = _layout()
-    args = dict(cu_seqlens=lay[0], pieces=lay[3], piece_offset=lay[4], piece_seq=lay[5],
-                total_local=int(lay[6][2]), device=None)
-    args.update(change)
-    return call(ops.shard_plan_index, *args.values())
-
-
 def _unshard_index(**change):
-    lay = _layout()
-    args = dict(cu_seqlens=lay[0], cu_seqlens_padded=lay[1], cp_size=2, layout=0, total_local=int(lay[6][2]),
+    plan = ops.shard_plan(_t(CU), 2, 0, 0, 4, None, None)
+    args = dict(cu_seqlens=_t(CU), cu_seqlens_padded=plan[3], cp_size=2, layout=0, total_local=int(plan[9][2]),
                 device=None)
     args.update(change)
     return call(ops.shard_unshard_index, *args.values())
@@ -216,28 +203,32 @@ CASES = [
     Case("transformers.shard_position_ids", "plan_not_a_plan",
          lambda: call(hf.shard_position_ids, torch.zeros(3, 1, 9, dtype=torch.int64), None), exc=TypeError,
          arg="plan"),
-    # ---- ops.shard_layout ------------------------------------------------------------------------------------
-    Case("ops.shard_layout", "cp_size_zero", lambda: call(ops.shard_layout, _t(CU), 0, 0, 1, 1, None), arg="cp_size"),
-    Case("ops.shard_layout", "cp_size_huge", lambda: call(ops.shard_layout, _t(CU), 2**62, 0, 1, 1, None),
+    # ---- ops.shard_plan: the layout arguments ------------------------------------------------------------------
+    Case("ops.shard_plan", "cp_size_zero", lambda: call(ops.shard_plan, _t(CU), 0, 0, 1, 1, None, None),
          arg="cp_size"),
-    Case("ops.shard_layout", "cp_rank_out_of_range", lambda: call(ops.shard_layout, _t(CU), 2, 2, 0, 4, None),
+    Case("ops.shard_plan", "cp_size_huge", lambda: call(ops.shard_plan, _t(CU), 2**62, 0, 1, 1, None, None),
+         arg="cp_size"),
+    Case("ops.shard_plan", "cp_rank_out_of_range", lambda: call(ops.shard_plan, _t(CU), 2, 2, 0, 4, None, None),
          arg="cp_rank"),
-    Case("ops.shard_layout", "layout_code", lambda: call(ops.shard_layout, _t(CU), 2, 0, 2, 4, None), arg="layout"),
-    Case("ops.shard_layout", "align_huge", lambda: call(ops.shard_layout, _t(CU), 1, 0, 1, 2**62, None), arg="align"),
-    Case("ops.shard_layout", "align_zero", lambda: call(ops.shard_layout, _t(CU), 1, 0, 1, 0, None), arg="align"),
-    Case("ops.shard_layout", "bucket_int64_max", lambda: call(ops.shard_layout, _t(CU), 1, 0, 1, 1, I64_MAX),
+    Case("ops.shard_plan", "layout_code", lambda: call(ops.shard_plan, _t(CU), 2, 0, 2, 4, None, None), arg="layout"),
+    Case("ops.shard_plan", "align_huge", lambda: call(ops.shard_plan, _t(CU), 1, 0, 1, 2**62, None, None),
+         arg="align"),
+    Case("ops.shard_plan", "align_zero", lambda: call(ops.shard_plan, _t(CU), 1, 0, 1, 0, None, None), arg="align"),
+    Case("ops.shard_plan", "bucket_int64_max", lambda: call(ops.shard_plan, _t(CU), 1, 0, 1, 1, I64_MAX, None),
          arg="bucket"),
-    Case("ops.shard_layout", "bucket_negative", lambda: call(ops.shard_layout, _t(CU), 1, 0, 1, 1, -3), arg="bucket"),
-    Case("ops.shard_layout", "padded_total_above_int32",
-         lambda: call(ops.shard_layout, _t([0, BIG - 1, BIG]), 1, 0, 1, 2, None), arg="padded stream"),
-    Case("ops.shard_layout", "padded_length_overflow",
-         lambda: call(ops.shard_layout, _t([0, I64_MAX]), 1, 0, 1, 2, None), arg="padded"),
-    Case("ops.shard_layout", "cu_float", lambda: call(ops.shard_layout, torch.tensor([0.0, 4.0]), 1, 0, 1, 1, None),
+    Case("ops.shard_plan", "bucket_negative", lambda: call(ops.shard_plan, _t(CU), 1, 0, 1, 1, -3, None), arg="bucket"),
+    Case("ops.shard_plan", "padded_total_above_int32_aligned",
+         lambda: call(ops.shard_plan, _t([0, BIG - 1, BIG]), 1, 0, 1, 2, None, None), arg="padded stream"),
+    Case("ops.shard_plan", "padded_length_overflow",
+         lambda: call(ops.shard_plan, _t([0, I64_MAX]), 1, 0, 1, 2, None, None), arg="padded"),
+    Case("ops.shard_plan", "cu_float", lambda: call(ops.shard_plan, torch.tensor([0.0, 4.0]), 1, 0, 1, 1, None, None),
          arg="cu_seqlens"),
-    Case("ops.shard_layout", "cu_2d", lambda: call(ops.shard_layout, _t([[0, 4]]), 1, 0, 1, 1, None), arg="cu_seqlens"),
-    Case("ops.shard_layout", "cu_decreasing", lambda: call(ops.shard_layout, _t([0, 5, 3]), 1, 0, 1, 1, None),
+    Case("ops.shard_plan", "cu_2d", lambda: call(ops.shard_plan, _t([[0, 4]]), 1, 0, 1, 1, None, None),
          arg="cu_seqlens"),
-    Case("ops.shard_layout", "cu_empty", lambda: call(ops.shard_layout, _t([]), 1, 0, 1, 1, None), arg="cu_seqlens"),
+    Case("ops.shard_plan", "cu_decreasing", lambda: call(ops.shard_plan, _t([0, 5, 3]), 1, 0, 1, 1, None, None),
+         arg="cu_seqlens"),
+    Case("ops.shard_plan", "cu_empty", lambda: call(ops.shard_plan, _t([]), 1, 0, 1, 1, None, None),
+         arg="cu_seqlens"),
     # ---- ops.shard_plan --------------------------------------------------------------------------------------
     Case("ops.shard_plan", "device_meta",
          lambda: call(ops.shard_plan, _t(CU), 2, 0, 0, 4, None, torch.device("meta")), arg="device"),
@@ -253,36 +244,6 @@ CASES = [
          arg="cu_seqlens"),
     Case("ops.shard_plan", "cu_device_tensor", cuda=True, arg="cu_seqlens",
          make=lambda: call(ops.shard_plan, torch.tensor(CU, device="cuda"), 2, 0, 0, 4, None, None)),
-    # ---- ops.shard_plan_index --------------------------------------------------------------------------------
-    Case("ops.shard_plan_index", "total_local_huge", risky=True, arg="total_local",
-         make=lambda: _plan_index(pieces=_t([0, 2**40]), piece_offset=_t([0]), piece_seq=_t([0]),
-                                  total_local=2**40)),
-    Case("ops.shard_plan_index", "total_local_negative", lambda: _plan_index(total_local=-1), arg="total_local"),
-    Case("ops.shard_plan_index", "total_local_mismatch", lambda: _plan_index(total_local=99), arg="total_local"),
-    Case("ops.shard_plan_index", "pieces_float", lambda: _plan_index(pieces=_layout()[3].double()), arg="pieces"),
-    Case("ops.shard_plan_index", "pieces_2d", lambda: _plan_index(pieces=_layout()[3][None]), arg="pieces"),
-    Case("ops.shard_plan_index", "pieces_empty", lambda: _plan_index(pieces=_t([])), arg="pieces"),
-    Case("ops.shard_plan_index", "pieces_not_from_zero", lambda: _plan_index(pieces=_layout()[3] + 1), arg="pieces"),
-    Case("ops.shard_plan_index", "pieces_decreasing", arg="pieces",
-         make=lambda: _plan_index(pieces=_t([0, 4, 2, 4, 6, 6, 6]), piece_offset=_t([0] * 6),
-                                  piece_seq=_t([0] * 6))),
-    Case("ops.shard_plan_index", "pieces_past_total_local", arg="pieces",
-         make=lambda: _plan_index(pieces=_t([0, 99, 8]), piece_offset=_t([0, 0]), piece_seq=_t([0, 0]),
-                                  total_local=8)),
-    Case("ops.shard_plan_index", "piece_offset_negative", arg="piece_offset",
-         make=lambda: _plan_index(piece_offset=_layout()[4] - 5)),
-    Case("ops.shard_plan_index", "piece_offset_overflow", arg="piece_offset",
-         make=lambda: _plan_index(piece_offset=torch.full_like(_layout()[4], I64_MAX))),
-    Case("ops.shard_plan_index", "piece_offset_length", arg="piece_offset",
-         make=lambda: _plan_index(piece_offset=_layout()[4][:-1])),
-    Case("ops.shard_plan_index", "piece_seq_out_of_range", arg="piece_seq",
-         make=lambda: _plan_index(piece_seq=torch.full_like(_layout()[5], 7))),
-    Case("ops.shard_plan_index", "piece_seq_negative", arg="piece_seq",
-         make=lambda: _plan_index(piece_seq=_layout()[5] - 1)),
-    Case("ops.shard_plan_index", "piece_seq_length", arg="piece_seq",
-         make=lambda: _plan_index(piece_seq=_layout()[5][1:])),
-    Case("ops.shard_plan_index", "cu_decreasing", lambda: _plan_index(cu_seqlens=_t([0, 5, 3, 9])), arg="cu_seqlens"),
-    Case("ops.shard_plan_index", "device_meta", lambda: _plan_index(device=torch.device("meta")), arg="device"),
     # ---- ops.shard_unshard_index -----------------------------------------------------------------------------
     Case("ops.shard_unshard_index", "concat_overflow", arg="total_local",
          make=lambda: _unshard_index(cu_seqlens=_t([0, 4]), cu_seqlens_padded=_t([0, 2**62]), cp_size=2**30,
@@ -302,7 +263,7 @@ CASES = [
     Case("ops.shard_unshard_index", "padded_too_many_entries", arg="cu_seqlens_padded",
          make=lambda: _unshard_index(cu_seqlens_padded=_t([0, 4, 8, 12, 12, 12]))),
     Case("ops.shard_unshard_index", "padded_float", arg="cu_seqlens_padded",
-         make=lambda: _unshard_index(cu_seqlens_padded=_layout()[1].double())),
+         make=lambda: _unshard_index(cu_seqlens_padded=_t([0, 4, 8, 12]).double())),
     Case("ops.shard_unshard_index", "padded_decreasing", arg="cu_seqlens_padded",
          make=lambda: _unshard_index(cu_seqlens_padded=_t([0, 8, 4, 12]))),
     Case("ops.shard_unshard_index", "cu_2d", lambda: _unshard_index(cu_seqlens=_t([CU])), arg="cu_seqlens"),

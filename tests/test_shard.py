@@ -182,12 +182,10 @@ def test_gradients(device):
 
 def test_opcheck(device):
     cu = torch.tensor(_cu([5, 0, 8, 3]))
-    lay = ops.shard_layout(cu, 2, 1, 0, 4, 16)
+    plan = ops.shard_plan(cu, 2, 1, 0, 4, 16, None)
     dev = torch.device(device)
-    torch.library.opcheck(ops.shard_plan_index, (lay[0], lay[3], lay[4], lay[5], int(lay[6][2]), dev))
-    torch.library.opcheck(ops.shard_unshard_index, (lay[0], lay[1], 2, 0, int(lay[6][2]), dev),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    torch.library.opcheck(ops.shard_layout, (cu, 2, 1, 0, 4, 16),
+    total_local = int(plan[9][2])
+    torch.library.opcheck(ops.shard_unshard_index, (cu, plan[3], 2, 0, total_local, dev),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
@@ -271,22 +269,18 @@ def test_bad_tensors(device):
 @pytest.mark.gpu
 def test_op_rejects_device_metadata():
     with pytest.raises(ValueError, match="must be host metadata"):
-        ops.shard_layout(torch.tensor([0, 5], device="cuda"), 2, 0, 0, 4, None)
+        ops.shard_plan(torch.tensor([0, 5], device="cuda"), 2, 0, 0, 4, None, None)
 
 
 def test_bad_op_metadata():
     cu = torch.tensor([0, 5, 13])
-    lay = ops.shard_layout(cu, 2, 0, 0, 4, None)
-    with pytest.raises(ValueError, match="pieces\\[-1\\]=.* does not match total_local"):
-        ops.shard_plan_index(lay[0], lay[3], lay[4], lay[5], 99, None)
-    with pytest.raises(ValueError, match="piece_seq\\[0\\]=7 is out of range"):
-        ops.shard_plan_index(lay[0], lay[3], lay[4], torch.full_like(lay[5], 7), int(lay[6][2]), None)
+    cu_padded = ops.shard_plan(cu, 2, 0, 0, 4, None, None)[3]
     with pytest.raises(ValueError, match="does not match the number of tokens"):
-        ops.shard_unshard_index(lay[0], lay[1], 2, 0, 5, None)
+        ops.shard_unshard_index(cu, cu_padded, 2, 0, 5, None)
     with pytest.raises(ValueError, match="padded segment 0 has 4 rows, fewer than its 5 tokens"):
-        ops.shard_unshard_index(lay[0], torch.tensor([0, 4, 16]), 2, 0, 8, None)
+        ops.shard_unshard_index(cu, torch.tensor([0, 4, 16]), 2, 0, 8, None)
     with pytest.raises(ValueError, match="not a multiple of 2\\*cp_size=4"):
-        ops.shard_unshard_index(lay[0], torch.tensor([0, 6, 16]), 2, 0, 8, None)
+        ops.shard_unshard_index(cu, torch.tensor([0, 6, 16]), 2, 0, 8, None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -627,21 +621,22 @@ def test_indexless_cuda_means_current_device():
     rank_seed=st.integers(0, 100),
 )
 def test_raw_ops_match_reference(lens, cp, layout, align_mult, bucket_mult, rank_seed):
-    """shard_layout + shard_plan_index + shard_unshard_index (the raw ops) against the plain reference."""
+    """shard_plan + shard_unshard_index (the raw ops) against the plain reference."""
     cu = _cu(lens)
     rank = rank_seed % cp
     align = (2 * cp if layout == 0 else 1) * align_mult
     bucket = None if bucket_mult is None else (align * bucket_mult if layout == 0 else 4 * bucket_mult)
     name = "zigzag" if layout == 0 else "contiguous"
     want = ref.shard_layout(cu, cp, rank, name, align, bucket)
-    lay = ops.shard_layout(torch.tensor(cu), cp, rank, layout, align, bucket)
-    assert lay[1].tolist() == want["cu_padded"] and lay[2].tolist() == want["cu_local"]
-    tl = int(lay[6][2])
-    assert tl == want["total_local"] and int(lay[6][3]) == want["pad_size"]
-    index, position, label = ops.shard_plan_index(lay[0], lay[3], lay[4], lay[5], tl, None)
+    cu_t = torch.tensor(cu)
+    index, position, label, cu_padded, cu_local, *_, info = ops.shard_plan(cu_t, cp, rank, layout, align, bucket,
+                                                                            None)
+    assert cu_padded.tolist() == want["cu_padded"] and cu_local.tolist() == want["cu_local"]
+    tl = int(info[2])
+    assert tl == want["total_local"] and int(info[3]) == want["pad_size"]
     assert index.tolist() == want["index"] and position.tolist() == want["position"]
     assert label.tolist() == want["label_index"]
-    un = ops.shard_unshard_index(lay[0], lay[1], cp, layout, tl, None)
+    un = ops.shard_unshard_index(cu_t, cu_padded, cp, layout, tl, None)
     # row of token t in the rank-major concatenation: slot of t in its rank's reference index
     where = {}
     for r in range(cp):

@@ -187,18 +187,20 @@ Tensor host_i64(const std::vector<int64_t>& v) {
 // per-peer lists (O(cp) memory, O(cp * pieces * K) host work).
 constexpr int64_t kMaxScheduleCp = 1 << 16;
 
-// The layout arguments of a schedule: the shard layout's rules (the schedule is built from the same
-// shard::build_layout), plus a bound on cp_size (the schedule keeps lists for every peer). Returns the validated
-// host cu_seqlens.
+// The layout arguments of a schedule: the shard layout's own validation (the schedule is built from the same
+// shard::build_layout, so a bad value gets shard_plan's message), then a bound on cp_size (the schedule keeps
+// lists for every peer). Returns the validated host cu_seqlens.
 std::vector<int64_t> checked_schedule_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size,
                                              int64_t cp_rank, int64_t layout, int64_t align,
                                              std::optional<int64_t> bucket) {
-  PC_ARG(cp_size <= kMaxScheduleCp, op, "cp_size must be <= ", kMaxScheduleCp, ", got ", cp_size);
   check_given(op, "cu_seqlens", cu_seqlens);
-  return checked_layout_args(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket);
+  std::vector<int64_t> cu = checked_layout_args(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket);
+  PC_ARG(cp_size <= kMaxScheduleCp, op, "cp_size must be <= ", kMaxScheduleCp,
+         " (a schedule keeps lists for every peer), got ", cp_size);
+  return cu;
 }
 
-// Host schedule of the conv-prefix exchange for rank cp_rank of a shard plan (parameters as shard_layout):
+// Host schedule of the conv-prefix exchange for rank cp_rank of a shard plan (parameters as shard_plan):
 // [send_index, send_counts, recv_counts, unpack, bwd_send_index, bwd_unpack [n_local, bwd_m],
 //  (n_pieces, n_local), send_first, bwd_send_first] (conv::Schedule).
 std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout,

@@ -1,6 +1,7 @@
 // packcuda core: context-parallel shard plans on raw pointers (no torch). The layout (host part) is built on
-// the host from host cu_seqlens in O(number of sequences); the per-slot tables (device part) come from one
-// kernel over the local slots. CUDA functions enqueue on `stream` and never synchronize.
+// the host from host cu_seqlens in O(number of sequences) (build_layout); the per-slot tables (device part)
+// come from one kernel over the local slots (plan_tables). CUDA functions enqueue on `stream` and never
+// synchronize.
 // See shard_math.h for the vocabulary and the two layouts.
 #pragma once
 #include <cstdint>
@@ -40,18 +41,12 @@ int64_t checked_padded_total(const char* op, const int64_t* cu, int64_t nseq, in
 HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t rank, int layout, int64_t align,
                         int64_t bucket);
 
-// Per local slot s in [0, total_local): index[s] (original row or -1), position[s], label_index[s]
-// (original row of the next token or -1). `pieces` has npieces + 1 entries.
-void plan_index_cpu(int64_t* index, int64_t* position, int64_t* label_index, int64_t total_local,
-                    const int64_t* cu, int64_t nseq, const int64_t* pieces, const int64_t* piece_offset,
-                    const int64_t* piece_seq, int64_t npieces);
-void plan_index_cuda(int64_t* index, int64_t* position, int64_t* label_index, int64_t total_local,
-                     const int64_t* cu, int64_t nseq, const int64_t* pieces, const int64_t* piece_offset,
-                     const int64_t* piece_seq, int64_t npieces, cudaStream_t stream);
-
-// Everything the plan needs on the device, from the int32 metadata of one packed upload (every value of a
-// layout fits int32 once its padded total does): the per-slot tables above, piece_offset widened to int64,
-// and plain copies of int32 sections into their own tensors (the boundary arrays the plan hands out).
+// The per-slot tables of one rank, from its layout (build_layout, or static_build on the device) narrowed to
+// int32 (every value of a layout fits int32 once its padded total does): for each local slot s in
+// [0, total_local), index[s] (original row or -1), position[s] and label_index[s] (original row of the next
+// token or -1); piece_offset widened to int64; and plain int32 copies (copy_n[c] == 0: none), with which the
+// torch op hands out the plan's boundary arrays from the same upload. This is the one route to a plan's tables:
+// a C++ caller fills the inputs from a HostLayout (see examples/cpp/main.cpp) and calls plan_tables_cpu/_cuda.
 struct PlanTables {
   // inputs (sections of the packed metadata)
   const int32_t* cu = nullptr;  // [nseq+1]

@@ -1,8 +1,5 @@
 // Torch layer of the shard-plan ops: schemas, argument checks, dispatch to the core functions.
 //  - shard_plan: the whole plan of one rank in one call (layout on the host, one packed upload, one launch);
-//  - shard_layout: host metadata in, host tensors out (the layout is O(number of sequences) host work);
-//  - shard_plan_index: the per-slot tables of one rank, one kernel launch, host metadata uploaded without a
-//    device sync;
 //  - shard_unshard_index: each original row's row in the rank-major concatenation of all local buffers.
 #include <algorithm>
 #include <cstring>
@@ -44,27 +41,6 @@ Device checked_target(const char* op, const Tensor& meta, const std::optional<De
   return target;
 }
 
-Tensor host_i64(const std::vector<int64_t>& v) {
-  return upload_i64(v, Device(torch::headeronly::DeviceType::CPU));
-}
-
-// Host int64 values of a 1-D integer CPU tensor (metadata that must live on the host).
-std::vector<int64_t> host_values(const char* op, const char* name, const Tensor& t) {
-  check_dim(op, name, t, 1);
-  check_dtype(op, name, t, {ST::Int, ST::Long});
-  PC_ARG(t.is_cpu(), op, name, " must be host metadata (a CPU tensor), got a tensor on ", device_str(t));
-  std::vector<int64_t> v(t.numel());
-  const int64_t stride = t.stride(0);
-  if (t.scalar_type() == ST::Int) {
-    const int32_t* p = t.const_data_ptr<int32_t>();
-    for (int64_t i = 0; i < t.numel(); ++i) v[i] = p[i * stride];
-  } else {
-    const int64_t* p = t.const_data_ptr<int64_t>();
-    for (int64_t i = 0; i < t.numel(); ++i) v[i] = p[i * stride];
-  }
-  return v;
-}
-
 }  // namespace
 
 std::vector<int64_t> checked_layout_args(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank,
@@ -100,7 +76,7 @@ std::vector<int64_t> checked_layout_args(const char* op, const Tensor& cu_seqlen
 
 namespace {
 
-// Host cu_seqlens and the layout of one rank, after every argument check (shared by shard_layout and shard_plan).
+// Host cu_seqlens and the layout of one rank, after every argument check (shard_plan).
 struct CheckedLayout {
   std::vector<int64_t> cu;
   shard::HostLayout h;
@@ -114,15 +90,6 @@ CheckedLayout checked_layout(const char* op, const Tensor& cu_seqlens, int64_t c
   out.h = shard::build_layout(out.cu.data(), nseq, cp_size, cp_rank, static_cast<int>(layout), align,
                               bucket_opt.value_or(1));
   return out;
-}
-
-std::vector<Tensor> shard_layout(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
-                                 std::optional<int64_t> bucket_opt) {
-  const CheckedLayout c = checked_layout("shard_layout", cu_seqlens, cp_size, cp_rank, layout, align, bucket_opt);
-  const shard::HostLayout& h = c.h;
-  Tensor info = host_i64({h.total, h.total_padded, h.total_local, h.pad_size, h.max_seqlen_padded});
-  return {host_i64(c.cu), host_i64(h.cu_padded), host_i64(h.cu_local), host_i64(h.pieces),
-          host_i64(h.piece_offset), host_i64(h.piece_seq), info};
 }
 
 // The per-slot table job of one plan (shard_plan and static_shard_plan): int32 layout inputs, int64 outputs.
@@ -219,53 +186,6 @@ PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int6
   }
   run_kernel(index, [&] { shard::plan_tables_cpu(t); }, [&](auto stream) { shard::plan_tables_cuda(t, stream); });
   return {index, position, label, cu_padded, cu_local, pieces, piece_offset, piece_seq, host_meta, info};
-}
-
-std::tuple<Tensor, Tensor, Tensor> shard_plan_index(Tensor cu_seqlens, Tensor pieces, Tensor piece_offset,
-                                                    Tensor piece_seq, int64_t total_local,
-                                                    std::optional<Device> device) {
-  const char* op = "shard_plan_index";
-  check_total_local(op, total_local);
-  const Device target = checked_target(op, cu_seqlens, device);
-  PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
-         device_str(cu_seqlens));
-  Segments cu = segments(op, "cu_seqlens", cu_seqlens, target, -1);
-  std::vector<int64_t> pc = host_values(op, "pieces", pieces);
-  std::vector<int64_t> po = host_values(op, "piece_offset", piece_offset);
-  std::vector<int64_t> ps = host_values(op, "piece_seq", piece_seq);
-  const int64_t np = static_cast<int64_t>(po.size());
-  PC_ARG(pc.size() == po.size() + 1, op, "pieces must have one more entry than piece_offset (", np + 1,
-         "), got ", pc.size());
-  PC_ARG(ps.size() == po.size(), op, "piece_seq must have as many entries as piece_offset (", np, "), got ",
-         ps.size());
-  PC_ARG(pc[0] == 0, op, "pieces[0] must be 0, got ", pc[0]);
-  for (int64_t k = 0; k < np; ++k) {
-    PC_ARG(pc[k + 1] >= pc[k], op, "pieces must be non-decreasing, but pieces[", k + 1, "]=", pc[k + 1],
-           " < pieces[", k, "]=", pc[k]);
-    PC_ARG(pc[k + 1] <= total_local, op, "pieces[", k + 1, "]=", pc[k + 1], " exceeds total_local=", total_local);
-    PC_ARG(po[k] >= 0 && po[k] <= kMax - (pc[k + 1] - pc[k]), op, "piece_offset[", k, "]=", po[k],
-           " is out of range: a piece's offsets must lie in [0, ", kMax, "] (its run has ", pc[k + 1] - pc[k],
-           " slots)");
-    PC_ARG(ps[k] >= 0 && ps[k] <= cu.count, op, "piece_seq[", k, "]=", ps[k], " is out of range [0, ",
-           cu.count, "]");
-  }
-  PC_ARG(pc[np] == total_local, op, "pieces[-1]=", pc[np], " does not match total_local=", total_local);
-  Tensor d_pieces = upload_i64(pc, target), d_off = upload_i64(po, target), d_seq = upload_i64(ps, target);
-  Tensor index = torch::stable::new_empty(cu.tensor, {total_local}, ST::Long);
-  Tensor position = torch::stable::new_empty(cu.tensor, {total_local}, ST::Long);
-  Tensor label = torch::stable::new_empty(cu.tensor, {total_local}, ST::Long);
-  if (total_local == 0) return {index, position, label};
-  auto* pi = index.mutable_data_ptr<int64_t>();
-  auto* pp = position.mutable_data_ptr<int64_t>();
-  auto* pl = label.mutable_data_ptr<int64_t>();
-  run_kernel(index, [&] {
-    shard::plan_index_cpu(pi, pp, pl, total_local, cu.ptr(), cu.count, d_pieces.const_data_ptr<int64_t>(),
-                          d_off.const_data_ptr<int64_t>(), d_seq.const_data_ptr<int64_t>(), np);
-  }, [&](auto stream) {
-    shard::plan_index_cuda(pi, pp, pl, total_local, cu.ptr(), cu.count, d_pieces.const_data_ptr<int64_t>(),
-                           d_off.const_data_ptr<int64_t>(), d_seq.const_data_ptr<int64_t>(), np, stream);
-  });
-  return {index, position, label};
 }
 
 Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t cp_size, int64_t layout,
@@ -525,13 +445,9 @@ std::tuple<Tensor, Tensor, Tensor> shard_static_exchange_index(Tensor pieces, Te
 }  // namespace packcuda::th
 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
-  m.def("shard_layout(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket=None) -> Tensor[]");
   m.def(
       "shard_plan(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket=None, "
       "Device? device=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "shard_plan_index(Tensor cu_seqlens, Tensor pieces, Tensor piece_offset, Tensor piece_seq, int total_local, "
-      "Device? device=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, int layout, int total_local, "
       "Device? device=None) -> Tensor");
@@ -550,9 +466,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 // The host-plan ops take host metadata (their CUDA registration only answers a device tensor with a clear error);
 // the static-plan ops run on the device of their inputs.
 #define PC_SHARD_IMPLS(m)                                                       \
-  m.impl("shard_layout", TORCH_BOX(&packcuda::th::shard_layout));               \
   m.impl("shard_plan", TORCH_BOX(&packcuda::th::shard_plan));                   \
-  m.impl("shard_plan_index", TORCH_BOX(&packcuda::th::shard_plan_index));       \
   m.impl("shard_unshard_index", TORCH_BOX(&packcuda::th::shard_unshard_index));         \
   m.impl("static_shard_plan", TORCH_BOX(&packcuda::th::static_shard_plan));             \
   m.impl("shard_static_unshard_index", TORCH_BOX(&packcuda::th::shard_static_unshard_index)); \

@@ -60,9 +60,24 @@ int main() {
     packcuda::shard::HostLayout L = packcuda::shard::build_layout(cu.data(), nseg, cp, rank,
                                                                   packcuda::shard::kZigzag, align, /*bucket=*/1);
     const int64_t npieces = static_cast<int64_t>(L.piece_seq.size());
-    std::vector<int64_t> index(L.total_local), position(L.total_local), label(L.total_local);
-    packcuda::shard::plan_index_cpu(index.data(), position.data(), label.data(), L.total_local, cu.data(), nseg,
-                                    L.pieces.data(), L.piece_offset.data(), L.piece_seq.data(), npieces);
+    // the per-slot tables read the layout as int32 (every value fits once the padded total does)
+    const auto i32 = [](const std::vector<int64_t>& v) { return std::vector<int32_t>(v.begin(), v.end()); };
+    const std::vector<int32_t> cu32 = i32(cu), pieces = i32(L.pieces), offset = i32(L.piece_offset),
+                               seq = i32(L.piece_seq);
+    std::vector<int64_t> index(L.total_local), position(L.total_local), label(L.total_local), offset64(npieces);
+    packcuda::shard::PlanTables t;
+    t.cu = cu32.data();
+    t.nseq = nseg;
+    t.pieces = pieces.data();
+    t.piece_offset = offset.data();
+    t.piece_seq = seq.data();
+    t.npieces = npieces;
+    t.total_local = L.total_local;
+    t.index = index.data();
+    t.position = position.data();
+    t.label_index = label.data();
+    t.piece_offset_wide = offset64.data();
+    packcuda::shard::plan_tables_cpu(t);
     for (int64_t s = 0; s < L.total_local; ++s) {
       if (index[s] < 0) continue;
       seen[index[s]] += 1;

@@ -67,13 +67,6 @@ HostLayout build_layout(const int64_t* cu, int64_t nseq, int64_t cp, int64_t ran
   return h;
 }
 
-void plan_index_cpu(int64_t* index, int64_t* position, int64_t* label_index, int64_t total_local,
-                    const int64_t* cu, int64_t nseq, const int64_t* pieces, const int64_t* piece_offset,
-                    const int64_t* piece_seq, int64_t npieces) {
-  for (int64_t s = 0; s < total_local; ++s)
-    write_slot_tables(index, position, label_index, cu, nseq, pieces, piece_offset, piece_seq, npieces, s);
-}
-
 void plan_tables_cpu(const PlanTables& p) {
   for (int64_t s = 0; s < p.total_local; ++s)
     write_slot_tables(p.index, p.position, p.label_index, p.cu, p.nseq, p.pieces, p.piece_offset, p.piece_seq,

@@ -10,18 +10,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One launch over the local slots: a binary search over this rank's pieces gives every slot's source.
-__global__ void plan_index_kernel(int64_t* __restrict__ index, int64_t* __restrict__ position,
-                                  int64_t* __restrict__ label_index, int64_t total_local,
-                                  const int64_t* __restrict__ cu, int64_t nseq, const int64_t* __restrict__ pieces,
-                                  const int64_t* __restrict__ piece_offset, const int64_t* __restrict__ piece_seq,
-                                  int64_t npieces) {
-  for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < total_local;
-       s += int64_t(gridDim.x) * blockDim.x)
-    write_slot_tables(index, position, label_index, cu, nseq, pieces, piece_offset, piece_seq, npieces, s);
-}
-
-// The same tables from the packed int32 metadata, plus the widened piece offsets and the int32 copies, over
+// Per local slot: a binary search over this rank's pieces gives its source (index, position, label_index),
+// from the packed int32 metadata; plus the widened piece offsets and the int32 copies, over
 // max(total_local, npieces, copy sizes) items in one launch.
 __global__ void plan_tables_kernel(const PlanTables p, int64_t n_items) {
   for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < n_items;
@@ -120,15 +110,6 @@ __global__ void static_exchange_kernel(const StaticExchange e, int64_t n_send, i
 }
 
 }  // namespace
-
-void plan_index_cuda(int64_t* index, int64_t* position, int64_t* label_index, int64_t total_local,
-                     const int64_t* cu, int64_t nseq, const int64_t* pieces, const int64_t* piece_offset,
-                     const int64_t* piece_seq, int64_t npieces, cudaStream_t stream) {
-  if (total_local == 0) return;
-  plan_index_kernel<<<cuda::grid_for(total_local, kThreads), kThreads, 0, stream>>>(
-      index, position, label_index, total_local, cu, nseq, pieces, piece_offset, piece_seq, npieces);
-  PC_CUDA_LAUNCH_CHECK();
-}
 
 void plan_tables_cuda(const PlanTables& p, cudaStream_t stream) {
   int64_t n_items = p.total_local > p.npieces ? p.total_local : p.npieces;
