@@ -61,8 +61,12 @@ def _shard_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, layout, to
     return torch.empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64, device=dev)
 
 
-# info values returned by packcuda::shard_plan
-_N_INFO = 9
+# What packcuda::shard_plan's host outputs hold, named by the op library itself (csrc/shard/shard_ops.cpp:
+# PlanScalar, PlanSection): info is the scalars, then the start of every section of the host buffer and its end.
+_FIELDS = dict(part.split(":") for part in ops.shard_plan_fields().split("; "))
+_INFO_NAMES = tuple(_FIELDS["info"].split())
+_SECTIONS = {name: k for k, name in enumerate(_FIELDS["sections"].split())}
+_N_INFO = len(_INFO_NAMES) + len(_SECTIONS) + 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,55 +96,56 @@ class ShardPlan:
         # built: the outputs of packcuda::shard_plan (see csrc/shard/shard_ops.cpp)
         (self.index, self.position_ids, self.label_index, self.cu_seqlens_padded, self.cu_seqlens_local,
          self.pieces, self.piece_offset, self.piece_seq, self._host_meta, info) = built
-        (self.total, self.total_padded, self.total_local, self.pad_size, self.max_seqlen_padded,
-         self.max_seqlen_local, nseq, nseg, npieces) = info.tolist()
+        info = info.tolist()
+        # total, total_padded, total_local, pad_size, max_seqlen_padded, max_seqlen_local (named by the op)
+        self.__dict__.update(zip(_INFO_NAMES, info))
+        self._starts = info[len(_INFO_NAMES):]  # start of every section of the host buffer, then its end
         self.layout, self.cp_size, self.cp_rank = layout, cp_size, cp_rank
         self.align, self.bucket, self.device = align, bucket, device
-        # sections of the host buffer: cu_padded | cu_local | pieces | piece_seq | piece_offset | cu_seqlens
-        self._sizes = (nseg + 1, nseg + 1, npieces + 1, npieces, npieces, nseq + 1)
         self._unshard_index: Optional[torch.Tensor] = None
 
     def __repr__(self) -> str:
+        sequences = len(self._host_section("cu_seqlens")) - 1
         return (f"ShardPlan(layout={self.layout!r}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "
-                f"align={self.align}, bucket={self.bucket}, sequences={self._sizes[-1] - 1}, "
+                f"align={self.align}, bucket={self.bucket}, sequences={sequences}, "
                 f"total={self.total}, total_padded={self.total_padded}, total_local={self.total_local}, "
                 f"pad_size={self.pad_size}, device={self.device})")
 
     # host copies (Python lists), made on first use from the plan's host buffer
     @property
     def cu_seqlens_host(self) -> List[int]:
-        return self._host(5)
+        return self._host("cu_seqlens")
 
     @property
     def cu_seqlens_padded_host(self) -> List[int]:
-        return self._host(0)
+        return self._host("cu_seqlens_padded")
 
     @property
     def cu_seqlens_local_host(self) -> List[int]:
-        return self._host(1)
+        return self._host("cu_seqlens_local")
 
     @property
     def pieces_host(self) -> List[int]:
-        return self._host(2)
+        return self._host("pieces")
 
     @property
     def piece_offset_host(self) -> List[int]:
-        return self._host(4)
+        return self._host("piece_offset")
 
     @property
     def piece_seq_host(self) -> List[int]:
-        return self._host(3)
+        return self._host("piece_seq")
 
-    def _host_section(self, k: int) -> torch.Tensor:
-        """Section k of the host buffer (a CPU int32 view)."""
-        start = sum(self._sizes[:k])
-        return self._host_meta[start:start + self._sizes[k]]
+    def _host_section(self, name: str) -> torch.Tensor:
+        """The named section of the host buffer (a CPU int32 view)."""
+        k = _SECTIONS[name]
+        return self._host_meta[self._starts[k]:self._starts[k + 1]]
 
-    def _host(self, k: int) -> List[int]:
+    def _host(self, name: str) -> List[int]:
         cache = self.__dict__.setdefault("_host_lists", {})
-        if k not in cache:
-            cache[k] = self._host_section(k).tolist()
-        return cache[k]
+        if name not in cache:
+            cache[name] = self._host_section(name).tolist()
+        return cache[name]
 
     @property
     def unshard_index(self) -> torch.Tensor:
@@ -148,7 +153,8 @@ class ShardPlan:
         all ranks' local buffers. Built on first use (one launch, no sync)."""
         if self._unshard_index is None:
             self._unshard_index = ops.shard_unshard_index(
-                self._host_section(5), self._host_section(0), self.cp_size, _LAYOUTS[self.layout],
+                self._host_section("cu_seqlens"), self._host_section("cu_seqlens_padded"), self.cp_size,
+                _LAYOUTS[self.layout],
                 self.total_local, self.device)
         return self._unshard_index
 
@@ -378,9 +384,11 @@ def _shard_static_exchange_index_fake(pieces, piece_offset, piece_seq, cu_seqlen
     return e(cp_size * sq), e(sq), e(capacity // cp_size, kernel_size - 1)
 
 
-# status flags of a static plan (csrc/shard/shard_math.h: StaticStatus) and the status length
-_OVER_CAPACITY, _TOO_MANY_SEQS, _BAD_CU = 1, 2, 4
-_N_STATUS = 4
+# a static plan's status entries and flags, named by the op library (csrc/shard/shard_math.h: StaticStatusEntry,
+# StaticStatus; flag k is bit 1 << k)
+_STATUS_NAMES = tuple(_FIELDS["status"].split())
+_STATUS_FLAGS = {name: 1 << k for k, name in enumerate(_FIELDS["flags"].split())}
+_N_STATUS = len(_STATUS_NAMES)
 
 
 class StaticShardPlan(ShardPlan):
@@ -459,14 +467,15 @@ class StaticShardPlan(ShardPlan):
     def check(self) -> "StaticShardPlan":
         """Reads ``status`` (one device sync) and raises ``ValueError`` naming the sizes when the batch did not
         fit the plan; returns the plan otherwise. Call it outside captured regions (e.g. every N steps)."""
-        flags, n, total, bad = self.status.tolist()
+        status = dict(zip(_STATUS_NAMES, self.status.tolist()))
+        flags, n, total, bad = status["flags"], status["num_seqs"], status["padded_total"], status["first_bad_cu"]
         why = []
-        if flags & _TOO_MANY_SEQS:
+        if flags & _STATUS_FLAGS["too_many_seqs"]:
             why.append(f"num_seqs={n} is outside [0, max_seqs={self.max_seqs}]")
-        if flags & _BAD_CU:
+        if flags & _STATUS_FLAGS["bad_cu"]:
             why.append(f"cu_seqlens[0] is not 0" if bad == 0 else
                        f"cu_seqlens decreases at entry {bad} (cu_seqlens[{bad}] < cu_seqlens[{bad - 1}])")
-        if flags & _OVER_CAPACITY:
+        if flags & _STATUS_FLAGS["over_capacity"]:
             why.append(f"the padded total of the batch ({'at least ' if total >= 2**31 else ''}{total} rows, "
                        f"sequences padded to align={self.align}) exceeds capacity={self.capacity}")
         if why:

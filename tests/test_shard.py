@@ -180,6 +180,25 @@ def test_gradients(device):
     assert torch.equal(grads, torch.ones_like(x))
 
 
+def test_plan_fields_are_named_by_the_op():
+    """ShardPlan and StaticShardPlan read their host fields by the names the op library gives (one list, in C++)."""
+    from packcuda import shard
+    assert shard._INFO_NAMES == ("total", "total_padded", "total_local", "pad_size", "max_seqlen_padded",
+                                 "max_seqlen_local")
+    assert list(shard._SECTIONS) == ["cu_seqlens_padded", "cu_seqlens_local", "pieces", "piece_seq", "piece_offset",
+                                     "cu_seqlens"]
+    assert shard._STATUS_NAMES == ("flags", "num_seqs", "padded_total", "first_bad_cu")
+    assert shard._STATUS_FLAGS == {"over_capacity": 1, "too_many_seqs": 2, "bad_cu": 4}
+    cu = [0, 5, 5, 13, 16]
+    plan = packcuda.shard_plan(cu, 2, 1, bucket=32)
+    info = ops.shard_plan(torch.tensor(cu), 2, 1, 0, 4, 32, None)[9].tolist()
+    assert len(info) == shard._N_INFO
+    assert [getattr(plan, n) for n in shard._INFO_NAMES] == info[:len(shard._INFO_NAMES)]
+    for name in shard._SECTIONS:
+        want = plan.cu_seqlens_host if name == "cu_seqlens" else getattr(plan, name).tolist()
+        assert getattr(plan, name + "_host") == want
+
+
 def test_opcheck(device):
     cu = torch.tensor(_cu([5, 0, 8, 3]))
     plan = ops.shard_plan(cu, 2, 1, 0, 4, 16, None)

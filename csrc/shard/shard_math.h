@@ -179,14 +179,22 @@ PC_HD int64_t unshard_slot(int layout, const I* cu, int64_t nseq, const J* cu_pa
 // empty segments at the end. It equals the host plan of the n sequences with bucket = capacity on
 // everything the host plan has; its extra pieces are empty.
 
+// The flags of a static plan's status. The names (kStaticStatusFlagNames, same order, bit k = 1 << k) are what
+// Python reads them by (shard_plan_fields).
 enum StaticStatus : int64_t {
   kStaticOverCapacity = 1,  // padded total > capacity
   kStaticTooManySeqs = 2,   // num_seqs outside [0, max_seqs]
   kStaticBadCu = 4,         // cu_seqlens[0] != 0 or decreasing within the first num_seqs + 1 entries
 };
-// status[4] of a static plan: flags, num_seqs as given, the padded total the sequences need (exact while every
-// sequence is shorter than 2**31 rows, a lower bound otherwise), first bad cu entry (-1: none).
-constexpr int kStaticStatusLen = 4;
+constexpr const char* kStaticStatusFlagNames[] = {"over_capacity", "too_many_seqs", "bad_cu"};
+static_assert(sizeof(kStaticStatusFlagNames) / sizeof(kStaticStatusFlagNames[0]) == 3 &&
+                  kStaticOverCapacity == 1 << 0 && kStaticTooManySeqs == 1 << 1 && kStaticBadCu == 1 << 2,
+              "one name per flag, in bit order");
+// status[kStaticStatusLen] of a static plan: the flags, num_seqs as given, the padded total the sequences need
+// (exact while every sequence is shorter than 2**31 rows, a lower bound otherwise), the first bad cu entry (-1:
+// none); named by kStaticStatusNames.
+enum StaticStatusEntry : int { kStatusFlags, kStatusNumSeqs, kStatusPaddedTotal, kStatusFirstBadCu, kStaticStatusLen };
+constexpr const char* kStaticStatusNames[kStaticStatusLen] = {"flags", "num_seqs", "padded_total", "first_bad_cu"};
 
 // Segment count and piece count of a static plan.
 PC_HD int64_t static_segments(int64_t max_seqs) { return max_seqs + 1; }
@@ -250,12 +258,12 @@ PC_HD StaticCheck static_check(const StaticBuild& b, int64_t n_in, int64_t sum, 
   if (sum > b.capacity) flags |= kStaticOverCapacity;
   return StaticCheck{flags, n_in, sum};
 }
-// status[0..3] and the first entry of every boundary table (one writer).
+// The status and the first entry of every boundary table (one writer).
 PC_HD void static_write_head(const StaticBuild& b, const StaticCheck& c, int64_t first_bad) {
-  b.status[0] = c.flags;
-  b.status[1] = c.n;
-  b.status[2] = c.seq_total;
-  b.status[3] = first_bad;
+  b.status[kStatusFlags] = c.flags;
+  b.status[kStatusNumSeqs] = c.n;
+  b.status[kStatusPaddedTotal] = c.seq_total;
+  b.status[kStatusFirstBadCu] = first_bad;
   b.cu_padded[0] = b.cu_local[0] = b.pieces[0] = 0;
 }
 

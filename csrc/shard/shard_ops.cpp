@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <tuple>
 
 #include "common/checked.h"
@@ -111,8 +112,36 @@ shard::PlanTables plan_tables(const int32_t* cu, int64_t nseq, const int32_t* pi
   return t;
 }
 
-// Number of info values shard_plan returns (see kInfo* below).
-constexpr int64_t kInfoCount = 9;
+// shard_plan's host outputs, named once here (shard_plan_fields hands the names to Python, which reads them by
+// name). The int32 host buffer is the sections back to back in this order; the first PlanTables::kCopies are
+// also copied into the plan's own boundary tensors. info holds the scalars, then the start of every section and
+// the buffer's end.
+enum PlanSection : int { kSecCuPadded, kSecCuLocal, kSecPieces, kSecPieceSeq, kSecPieceOffset, kSecCu, kSections };
+constexpr const char* kSectionNames[kSections] = {"cu_seqlens_padded", "cu_seqlens_local", "pieces",
+                                                  "piece_seq",         "piece_offset",     "cu_seqlens"};
+enum PlanScalar : int {
+  kInfoTotal, kInfoTotalPadded, kInfoTotalLocal, kInfoPadSize, kInfoMaxPadded, kInfoMaxLocal, kScalars
+};
+constexpr const char* kScalarNames[kScalars] = {"total",    "total_padded",      "total_local",
+                                                "pad_size", "max_seqlen_padded", "max_seqlen_local"};
+constexpr int64_t kInfoCount = kScalars + kSections + 1;
+static_assert(shard::PlanTables::kCopies == kSecPieceSeq + 1, "the copied sections come first");
+
+// The names of the plans' host-visible fields, for Python (packcuda/shard.py): "info: <shard_plan's scalars>;
+// sections: <shard_plan's host buffer sections>; status: <a static plan's status entries>; flags: <its status
+// flags, bit k = 1 << k>".
+std::string shard_plan_fields() {
+  std::string out;
+  const auto list = [&out](const char* key, const auto& names) {
+    out = out + (out.empty() ? "" : "; ") + key + ":";
+    for (const char* n : names) out = out + " " + n;
+  };
+  list("info", kScalarNames);
+  list("sections", kSectionNames);
+  list("status", shard::kStaticStatusNames);
+  list("flags", shard::kStaticStatusFlagNames);
+  return out;
+}
 
 // The whole plan of one rank in one call: the layout on the host, every boundary array packed into one int32
 // host buffer (pinned for a CUDA target) and uploaded with one non-blocking copy, then one kernel launch that
@@ -123,10 +152,10 @@ constexpr int64_t kInfoCount = 9;
 //   pieces                        int32 [S+1]           (target device)
 //   piece_offset                  int64 [S]             (target device)
 //   piece_seq                     int32 [S]             (target device)
-//   host_meta                     int32 [M]             (CPU) cu_padded | cu_local | pieces | piece_seq |
-//                                                        piece_offset | cu_seqlens, the host copy of the upload
-//   info                          int64 [9]             (CPU) total, total_padded, total_local, pad_size,
-//                                                        max_seqlen_padded, max_seqlen_local, nseq, nseg, S
+//   host_meta                     int32 [M]             (CPU) the sections (PlanSection), the host copy of
+//                                                        the upload
+//   info                          int64 [kInfoCount]    (CPU) the scalars (PlanScalar), then the section starts
+//                                                        and M
 // Every output is its own tensor (none aliases another). No device sync.
 using PlanOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
@@ -143,13 +172,20 @@ PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int6
   const Device cpu(torch::headeronly::DeviceType::CPU);
 
   // One int32 host buffer (every value is at most total_padded, which checked_layout keeps within int32).
-  const int64_t sizes[6] = {nseg + 1, nseg + 1, np + 1, np, np, nseq + 1};
-  int64_t offs[6];
-  int64_t n_meta = 0;
-  for (int k = 0; k < 6; ++k) offs[k] = n_meta, n_meta += sizes[k];
+  const std::vector<int64_t>* section[kSections] = {};
+  section[kSecCuPadded] = &h.cu_padded;
+  section[kSecCuLocal] = &h.cu_local;
+  section[kSecPieces] = &h.pieces;
+  section[kSecPieceSeq] = &h.piece_seq;
+  section[kSecPieceOffset] = &h.piece_offset;
+  section[kSecCu] = &c.cu;
+  int64_t offs[kSections + 1];
+  offs[0] = 0;
+  for (int k = 0; k < kSections; ++k) offs[k + 1] = offs[k] + static_cast<int64_t>(section[k]->size());
+  const int64_t n_meta = offs[kSections];
   Tensor host_meta = new_tensor({n_meta}, ST::Int, cpu, /*pinned=*/!on_cpu);
   int32_t* m = host_meta.mutable_data_ptr<int32_t>();
-  for (const std::vector<int64_t>* v : {&h.cu_padded, &h.cu_local, &h.pieces, &h.piece_seq, &h.piece_offset, &c.cu})
+  for (const std::vector<int64_t>* v : section)
     for (int64_t x : *v) *m++ = static_cast<int32_t>(x);
   // ... uploaded with one non-blocking copy (the pinned buffer stays with the plan as its host copy)
   const int32_t* base = host_meta.const_data_ptr<int32_t>();
@@ -163,26 +199,39 @@ PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int6
   int64_t max_local = 0;
   for (int64_t i = 0; i < nseg; ++i) max_local = std::max(max_local, h.cu_local[i + 1] - h.cu_local[i]);
   Tensor info = new_tensor({kInfoCount}, ST::Long, cpu);
-  const int64_t vals[kInfoCount] = {h.total, h.total_padded, h.total_local, h.pad_size, h.max_seqlen_padded,
-                                    max_local, nseq, nseg, np};
-  std::memcpy(info.mutable_data_ptr(), vals, sizeof(vals));
+  int64_t* vals = info.mutable_data_ptr<int64_t>();
+  vals[kInfoTotal] = h.total;
+  vals[kInfoTotalPadded] = h.total_padded;
+  vals[kInfoTotalLocal] = h.total_local;
+  vals[kInfoPadSize] = h.pad_size;
+  vals[kInfoMaxPadded] = h.max_seqlen_padded;
+  vals[kInfoMaxLocal] = max_local;
+  std::copy(offs, offs + kSections + 1, vals + kScalars);
 
   Tensor index = new_tensor({h.total_local}, ST::Long, target);
   Tensor position = new_tensor({h.total_local}, ST::Long, target);
   Tensor label = new_tensor({h.total_local}, ST::Long, target);
-  Tensor cu_padded = new_tensor({sizes[0]}, ST::Int, target);
-  Tensor cu_local = new_tensor({sizes[1]}, ST::Int, target);
-  Tensor pieces = new_tensor({sizes[2]}, ST::Int, target);
-  Tensor piece_seq = new_tensor({sizes[3]}, ST::Int, target);
+  const auto section_tensor = [&](int k) {
+    return new_tensor({offs[k + 1] - offs[k]}, ST::Int, target);
+  };
+  Tensor cu_padded = section_tensor(kSecCuPadded);
+  Tensor cu_local = section_tensor(kSecCuLocal);
+  Tensor pieces = section_tensor(kSecPieces);
+  Tensor piece_seq = section_tensor(kSecPieceSeq);
   Tensor piece_offset = new_tensor({np}, ST::Long, target);
 
-  shard::PlanTables t = plan_tables(base + offs[5], nseq, base + offs[2], base + offs[4], base + offs[3], np,
-                                    h.total_local, index, position, label, piece_offset);
-  Tensor* copies[shard::PlanTables::kCopies] = {&cu_padded, &cu_local, &pieces, &piece_seq};
+  shard::PlanTables t = plan_tables(base + offs[kSecCu], nseq, base + offs[kSecPieces], base + offs[kSecPieceOffset],
+                                    base + offs[kSecPieceSeq], np, h.total_local, index, position, label,
+                                    piece_offset);
+  Tensor* copies[shard::PlanTables::kCopies] = {};
+  copies[kSecCuPadded] = &cu_padded;
+  copies[kSecCuLocal] = &cu_local;
+  copies[kSecPieces] = &pieces;
+  copies[kSecPieceSeq] = &piece_seq;
   for (int k = 0; k < shard::PlanTables::kCopies; ++k) {
     t.copy_dst[k] = copies[k]->mutable_data_ptr<int32_t>();
     t.copy_src[k] = base + offs[k];
-    t.copy_n[k] = sizes[k];
+    t.copy_n[k] = offs[k + 1] - offs[k];
   }
   run_kernel(index, [&] { shard::plan_tables_cpu(t); }, [&](auto stream) { shard::plan_tables_cuda(t, stream); });
   return {index, position, label, cu_padded, cu_local, pieces, piece_offset, piece_seq, host_meta, info};
@@ -448,6 +497,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def(
       "shard_plan(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket=None, "
       "Device? device=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("shard_plan_fields() -> str");
   m.def(
       "shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, int layout, int total_local, "
       "Device? device=None) -> Tensor");
@@ -472,6 +522,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.impl("shard_static_unshard_index", TORCH_BOX(&packcuda::th::shard_static_unshard_index)); \
   m.impl("shard_static_exchange_index", TORCH_BOX(&packcuda::th::shard_static_exchange_index));
 
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
+  m.impl("shard_plan_fields", TORCH_BOX(&packcuda::th::shard_plan_fields));
+}
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_SHARD_IMPLS(m) }
 #ifdef USE_CUDA
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) { PC_SHARD_IMPLS(m) }
