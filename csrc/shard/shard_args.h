@@ -1,4 +1,4 @@
-// The shard layout's argument checks, for the torch-layer ops that build a layout (shard_layout, shard_plan,
+// The shard layout's argument checks, for the torch-layer ops that build a layout (shard_plan,
 // conv_prefix_schedule): one set of rules for every op that takes (cu_seqlens, cp_size, cp_rank, layout, align,
 // bucket).
 #pragma once
