@@ -189,6 +189,22 @@ def _usable_device(op: str, name: str, device) -> torch.device:
     return resolve_device(op, name, device)
 
 
+def _check_x_local(op: str, x_local, plan, *, same_device: bool = False) -> None:
+    """x_local must be a [plan.total_local, C] tensor of a float dtype on cpu or cuda (on the plan's device
+    when same_device)."""
+    _check_tensor(op, "x_local", x_local)
+    if x_local.dim() != 2 or x_local.shape[0] != plan.total_local:
+        raise ValueError(f"packcuda.{op}: x_local must be [T_local, C] with T_local = {plan.total_local}, "
+                         f"got {tuple(x_local.shape)}")
+    if x_local.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"packcuda.{op}: x_local must have dtype bfloat16, float16, float32 or float64, got "
+                         f"{x_local.dtype}")
+    if x_local.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"packcuda.{op}: x_local must be on cpu or cuda, got {x_local.device}")
+    if same_device and x_local.device != plan.device:
+        raise ValueError(f"packcuda.{op}: x_local is on {x_local.device}, but the plan is on {plan.device}")
+
+
 def _check_schedule_args(op: str, plan, kernel_size, *, static_ok: bool = False) -> int:
     """The plan must be a ShardPlan (a StaticShardPlan only where static_ok) and kernel_size an integer in
     [1, 8]; returns kernel_size."""
@@ -396,15 +412,7 @@ def conv_prefix(
         _check_group(op, group)
         _check_group_matches(plan, group)
         return plan._conv_prefix(op, x_local, K, group, exchange=True)
-    _check_tensor(op, "x_local", x_local)
-    if x_local.dim() != 2 or x_local.shape[0] != plan.total_local:
-        raise ValueError(f"packcuda.{op}: x_local must be [T_local, C] with T_local = {plan.total_local}, "
-                         f"got {tuple(x_local.shape)}")
-    if x_local.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"packcuda.{op}: x_local must have dtype bfloat16, float16, float32 or float64, got "
-                         f"{x_local.dtype}")
-    if x_local.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"packcuda.{op}: x_local must be on cpu or cuda, got {x_local.device}")
+    _check_x_local(op, x_local, plan)
     if check is None:
         check = os.environ.get("PACKCUDA_CONV_CHECK", "0") not in ("", "0")
     elif not isinstance(check, bool):

@@ -494,18 +494,10 @@ class StaticShardPlan(ShardPlan):
         return self._conv_prefix("StaticShardPlan.local_conv_prefix", x_local, kernel_size, None)
 
     def _conv_prefix(self, op: str, x_local, kernel_size, group, exchange: bool = False) -> torch.Tensor:
-        from .conv import _check_tensor, _FLOAT_DTYPES
+        from .conv import _check_x_local
 
         K = check_int(op, "kernel_size", kernel_size, lo=1, hi=8)
-        _check_tensor(op, "x_local", x_local)
-        if x_local.dim() != 2 or x_local.shape[0] != self.total_local:
-            raise ValueError(f"packcuda.{op}: x_local must be [T_local, C] with T_local = {self.total_local}, got "
-                             f"shape {tuple(x_local.shape)}")
-        if x_local.device != self.device:
-            raise ValueError(f"packcuda.{op}: x_local is on {x_local.device}, but the plan is on {self.device}")
-        if x_local.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"packcuda.{op}: x_local must have dtype bfloat16, float16, float32 or float64, got "
-                             f"{x_local.dtype}")
+        _check_x_local(op, x_local, self, same_device=True)
         S = self.piece_offset.shape[0]
         if K == 1:
             return x_local.new_zeros((S, 0, x_local.shape[1]))
