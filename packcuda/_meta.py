@@ -91,6 +91,15 @@ def resolve_device(op: str, name: str, device) -> Optional[torch.device]:
     return d
 
 
+def tensor_device(op: str, name: str, t: torch.Tensor) -> torch.device:
+    """The device of a tensor argument (it exists, so no device query: traceable by torch.compile); devices
+    packcuda has no kernels for (meta, mps, ...) are a ValueError naming the op."""
+    d = t.device
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"packcuda.{op}: {name} on {d} is not supported (packcuda runs on cpu and cuda)")
+    return d
+
+
 def config_field(obj, name: str, default=None):
     """A field of a model config given as an object or as a dict (transformers' nested text/vision configs
     come either way)."""

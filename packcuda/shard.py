@@ -25,7 +25,7 @@ from typing import List, Optional, Union
 import torch
 
 from . import _lib
-from ._meta import IntsLike, check_int, host_tensor, is_device_tensor, resolve_device
+from ._meta import IntsLike, check_int, host_tensor, is_device_tensor, resolve_device, tensor_device
 from .pack import _fill_arg, _gather
 
 _lib.load()
@@ -333,7 +333,7 @@ def shard_plan(
     cp_size = check_int(op, "cp_size", cp_size, lo=1, hi=MAX_PADDED_TOTAL)
     cp_rank = check_int(op, "cp_rank", cp_rank)
     if isinstance(cu_seqlens, torch.Tensor):
-        src = resolve_device(op, "cu_seqlens", cu_seqlens.device)
+        src = tensor_device(op, "cu_seqlens", cu_seqlens)
         device = src if device is None else resolve_device(op, "device", device)
     else:
         device = _CPU if device is None else resolve_device(op, "device", device)
@@ -586,7 +586,7 @@ def static_shard_plan(
                         f"{type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"packcuda.{op}: cu_seqlens must be an int32/int64 tensor, got {cu_seqlens.dtype}")
-    device = resolve_device(op, "cu_seqlens", cu_seqlens.device)
+    device = tensor_device(op, "cu_seqlens", cu_seqlens)
     cp_size = check_int(op, "cp_size", cp_size, lo=1, hi=MAX_PADDED_TOTAL)
     cp_rank = check_int(op, "cp_rank", cp_rank)
     capacity = check_int(op, "capacity", capacity)
