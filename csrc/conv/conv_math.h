@@ -25,7 +25,10 @@ namespace packcuda::conv {
 
 PC_HD float sigmoid(float z) {
 #if defined(__CUDA_ARCH__)
-  return __fdividef(1.f, 1.f + __expf(-z));  // 1 / inf = 0 for very negative z
+  // exp(-z) = 2^(-z log2 e); a flushed subnormal changes nothing (1 + it rounds to 1); 1 / inf = 0
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
+  return __fdividef(1.f, 1.f + e);
 #else
   return 1.f / (1.f + std::exp(-z));
 #endif
@@ -146,23 +149,46 @@ PC_UNROLL
   return r;
 }
 
+// Taps and bias of channels c .. c+V-1 in the compute type: w[v][m] is tap m - off (off = KM - K); slots below
+// off are zero and never multiplied.
+template <typename S, int KM, int V> struct ConvTaps {
+  using A = typename Acc<S>::type;
+  A w[V][KM];
+  A b[V];
+  PC_HD ConvTaps(const S* wt, const S* bias, int K, int off, int64_t c) {
+PC_UNROLL
+    for (int v = 0; v < V; ++v) {
+PC_UNROLL
+      for (int m = 0; m < KM; ++m) w[v][m] = m >= off ? val(wt[(c + v) * K + (m - off)]) : A(0);
+      b[v] = bias ? val(bias[c + v]) : A(0);
+    }
+  }
+};
+
+// One forward output: z = bias + sum_m w[m] * win[m] (the K-1 inputs before the token) + w[KM-1] * xt, then the
+// window moves on by one token (xt enters it).
+template <typename A, int KM> PC_HD A conv_fwd_z(const A (&w)[KM], A bias, A (&win)[KM - 1], A xt, int off) {
+  A z = bias;
+PC_UNROLL
+  for (int m = 0; m < KM - 1; ++m)
+    if (m >= off) z += w[m] * win[m];
+  z += w[KM - 1] * xt;
+PC_UNROLL
+  for (int m = 0; m < KM - 2; ++m) win[m] = win[m + 1];
+  win[KM - 2] = xt;
+  return z;
+}
+
 // Forward over tokens [t0, t1) of channels c .. c+V-1 (each channel gets exactly the scalar math; the V
 // channels only share the loads/stores of a row and the segment walk).
+// tp: the taps of those channels (ConvTaps).
 template <typename S, int KM, int V = 1, int NB = kBatch, int ACT = -1, bool kExact = false, typename Rows>
-PC_HD void conv_fwd_tile(const Rows& x, const S* w, const S* b, const S* prefix, const int64_t* cu,
+PC_HD void conv_fwd_tile(const Rows& x, const ConvTaps<S, KM, V>& tp, const S* prefix, const int64_t* cu,
                          const ConvShape& sh, S* y, int64_t c, int64_t t0, int64_t t1) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
   using A = typename Acc<S>::type;
   const int off = KM - (kExact ? KM : sh.K);
   const int act = ACT >= 0 ? ACT : sh.act;
-  A wk[V][KM];
-  A bias[V];
-PC_UNROLL
-  for (int v = 0; v < V; ++v) {
-PC_UNROLL
-    for (int m = 0; m < KM; ++m) wk[v][m] = m >= off ? val(w[(c + v) * sh.K + (m - off)]) : A(0);
-    bias[v] = b ? val(b[c + v]) : A(0);
-  }
   if (t1 <= t0) return;
   int64_t s = find_segment(cu, sh.nseg, t0);
   int64_t start = cu[s], end = cu[s + 1];
@@ -193,19 +219,38 @@ PC_UNROLL
       }
       Vec<S, V> out;
 PC_UNROLL
-      for (int v = 0; v < V; ++v) {
-        const A xt = val(xs[i].v[v]);
-        A z = bias[v];
-PC_UNROLL
-        for (int m = 0; m < KM - 1; ++m)
-          if (m >= off) z += wk[v][m] * win[v][m];
-        z += wk[v][KM - 1] * xt;
-PC_UNROLL
-        for (int m = 0; m < KM - 2; ++m) win[v][m] = win[v][m + 1];
-        win[v][KM - 2] = xt;
-        out.v[v] = from_acc<S>(activate(z, act));
-      }
+      for (int v = 0; v < V; ++v)
+        out.v[v] = from_acc<S>(activate(conv_fwd_z<A, KM>(tp.w[v], tp.b[v], win[v], val(xs[i].v[v]), off), act));
       store_vec<V>(y + t * sh.C + c, out);
+    }
+  }
+}
+
+// Forward over the R tokens [t0, t0 + R) of channels c .. c+V-1 when they and the K-1 rows before t0 all lie in
+// one segment (the window is read from the rows: no prefix, no boundary; the caller checks). y_row points at
+// y[t0, c]; rows are ldy elements apart; R is a multiple of NB. The same per-token math as conv_fwd_tile.
+template <typename S, int KM, int V, int R, int NB, int ACT, bool kExact, typename Rows>
+PC_HD void conv_fwd_interior(const Rows& x, const ConvTaps<S, KM, V>& tp, const ConvShape& sh, S* y_row,
+                             int64_t ldy, int64_t t0, int64_t c) {
+  using A = typename Acc<S>::type;
+  const int off = KM - (kExact ? KM : sh.K);
+  const int act = ACT >= 0 ? ACT : sh.act;
+  A win[V][KM - 1];
+PC_UNROLL
+  for (int m = 0; m < KM - 1; ++m) {
+    const Vec<S, V> r = load_vec<V>(x.at(t0 - (KM - 1) + m, c));
+PC_UNROLL
+    for (int v = 0; v < V; ++v) win[v][m] = m >= off ? val(r.v[v]) : A(0);
+  }
+  for (int i0 = 0; i0 < R; i0 += NB) {  // NB tokens at a time: their loads are issued together
+PC_UNROLL
+    for (int i = i0; i < i0 + NB; ++i) {
+      const Vec<S, V> xs = load_vec<V>(x.at(t0 + i, c));
+      Vec<S, V> out;
+PC_UNROLL
+      for (int v = 0; v < V; ++v)
+        out.v[v] = from_acc<S>(activate(conv_fwd_z<A, KM>(tp.w[v], tp.b[v], win[v], val(xs.v[v]), off), act));
+      store_vec<V>(y_row + i * ldy, out);
     }
   }
 }
@@ -222,15 +267,47 @@ PC_UNROLL
   return z;
 }
 
-// Backward over tokens [t0, t1) of channels c .. c+V-1, walking t downwards. Writes dx[t, c+v] for t in the
-// tile, dprefix[s, :, c+v] for every non-empty segment that starts in the tile (when dprefix is given), and
-// adds this tile's sums of dweight[c+v, :] and dbias[c+v] to dw[v][m] (slot m = tap m - (KM - K)) and db[v].
+// One backward step at token t of one channel (the walk goes downwards): with xw[m] = xin(t - (KM-1) + m) and
+// g[d] = gz(t + d) for d >= 1 (zero outside t's segment), computes gz(t) = dy(t) * act'(z(t)) into g[0], returns
+// dx(t) = sum_m w[m] * g[KM-1-m], and adds gz(t) * xw[m] to dw[m] and gz(t) to db.
+template <typename A, int KM>
+PC_HD A conv_bwd_step(const A (&w)[KM], A bias, const A (&xw)[KM], A (&g)[KM], A dyt, A (&dw)[KM], A& db, int off,
+                      int act) {
+  A z = bias;
+PC_UNROLL
+  for (int m = 0; m < KM; ++m)
+    if (m >= off) z += w[m] * xw[m];
+  const A gz = dyt * activate_grad(z, act);
+  g[0] = gz;
+  A gx = A(0);
+PC_UNROLL
+  for (int m = 0; m < KM; ++m)
+    if (m >= off) gx += w[m] * g[KM - 1 - m];
+PC_UNROLL
+  for (int m = 0; m < KM; ++m)
+    if (m >= off) dw[m] += gz * xw[m];
+  db += gz;
+  return gx;
+}
+
+// The step from t to t - 1 inside one segment: g moves up by one, and x(t - K) enters the window at slot off.
+template <typename A, int KM> PC_HD void conv_bwd_shift(A (&xw)[KM], A (&g)[KM], A in, int off) {
+PC_UNROLL
+  for (int d = KM - 1; d > 0; --d) g[d] = g[d - 1];
+PC_UNROLL
+  for (int m = KM - 1; m > 0; --m) xw[m] = m == off ? in : xw[m - 1];
+  xw[0] = off == 0 ? in : A(0);
+}
+
+// Backward over tokens [t0, t1) of channels c .. c+V-1 (taps tp), walking t downwards. Writes dx[t, c+v] for t
+// in the tile, dprefix[s, :, c+v] for every non-empty segment that starts in the tile (when dprefix is given),
+// and adds this tile's sums of dweight[c+v, :] and dbias[c+v] to dw[v][m] (slot m = tap m - (KM - K)) and db[v].
 //   dx[u]         = sum_k w[k] * gz[u + K-1-k]      over taps inside u's segment
 //   dprefix[s, j] = sum_k w[k] * gz[start + j - k]  (prefix row j sits at u = start - (K-1) + j)
 //   dw[k]         = sum_t gz[t] * xin(t - (K-1) + k),  db = sum_t gz[t],  gz = dy * act'(z)
 template <typename S, int KM, int V = 1, int NB = kBatch, int ACT = -1, bool kExact = false, typename DyRows,
           typename XRows>
-PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const S* w, const S* b, const S* prefix,
+PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const ConvTaps<S, KM, V>& tp, const S* prefix,
                          const int64_t* cu, const ConvShape& sh, S* dx, S* dprefix, int64_t c, int64_t t0,
                          int64_t t1, typename Acc<S>::type (&dw)[V][KM], typename Acc<S>::type (&db)[V]) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
@@ -238,13 +315,6 @@ PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const S* w, const S* 
   const int K = kExact ? KM : sh.K;
   const int off = KM - K;
   const int act = ACT >= 0 ? ACT : sh.act;
-  A wk[V][KM], bias[V];
-PC_UNROLL
-  for (int v = 0; v < V; ++v) {
-PC_UNROLL
-    for (int m = 0; m < KM; ++m) wk[v][m] = m >= off ? val(w[(c + v) * K + (m - off)]) : A(0);
-    bias[v] = b ? val(b[c + v]) : A(0);
-  }
   if (t1 > t0) {
     int64_t t = t1 - 1;
     int64_t s = find_segment(cu, sh.nseg, t);
@@ -258,7 +328,7 @@ PC_UNROLL
       for (int d = 1; d < KM; ++d) {
         g[v][d] = A(0);
         if (d < K && t + d < end) {
-          const A z = conv_z_at<S, KM, A, kExact>(x, prefix, wk[v], bias[v], sh, s, start, t + d, c + v);
+          const A z = conv_z_at<S, KM, A, kExact>(x, prefix, tp.w[v], tp.b[v], sh, s, start, t + d, c + v);
           g[v][d] = val(*dy.at(t + d, c + v)) * activate_grad(z, act);
         }
       }
@@ -279,23 +349,9 @@ PC_UNROLL
         if (t < t0) break;
         Vec<S, V> dxo;
 PC_UNROLL
-        for (int v = 0; v < V; ++v) {
-          A z = bias[v];
-PC_UNROLL
-          for (int m = 0; m < KM; ++m)
-            if (m >= off) z += wk[v][m] * xw[v][m];
-          const A gz = val(dys[i].v[v]) * activate_grad(z, act);
-          g[v][0] = gz;
-          A gx = A(0);
-PC_UNROLL
-          for (int m = 0; m < KM; ++m)
-            if (m >= off) gx += wk[v][m] * g[v][KM - 1 - m];
-          dxo.v[v] = from_acc<S>(gx);
-PC_UNROLL
-          for (int m = 0; m < KM; ++m)
-            if (m >= off) dw[v][m] += gz * xw[v][m];
-          db[v] += gz;
-        }
+        for (int v = 0; v < V; ++v)
+          dxo.v[v] = from_acc<S>(conv_bwd_step<A, KM>(tp.w[v], tp.b[v], xw[v], g[v], val(dys[i].v[v]), dw[v], db[v],
+                                                      off, act));
         store_vec<V>(dx + t * sh.C + c, dxo);
         if (t == start && dprefix != nullptr) {
 PC_UNROLL
@@ -307,7 +363,7 @@ PC_UNROLL
 PC_UNROLL
               for (int m = 0; m < KM; ++m) {
                 const int d = j + off - m;  // tap t' = start + d
-                if (m >= off && d >= 0) acc += wk[v][m] * g[v][d];
+                if (m >= off && d >= 0) acc += tp.w[v][m] * g[v][d];
               }
               dprefix[(s * (K - 1) + j) * sh.C + c + v] = from_acc<S>(acc);
             }
@@ -332,16 +388,72 @@ PC_UNROLL
           // the row entering the window is u = t - (K-1), at slot off (the first slot carrying a tap)
           const int64_t u = t - (K - 1);
 PC_UNROLL
-          for (int v = 0; v < V; ++v) {
-PC_UNROLL
-            for (int d = KM - 1; d > 0; --d) g[v][d] = g[v][d - 1];
-            const A in = u >= start ? val(xr[i].v[v]) : conv_input<S, A>(x, prefix, sh, s, start, u, c + v);
-PC_UNROLL
-            for (int m = KM - 1; m > 0; --m) xw[v][m] = m == off ? in : xw[v][m - 1];
-            xw[v][0] = off == 0 ? in : A(0);
-          }
+          for (int v = 0; v < V; ++v)
+            conv_bwd_shift<A, KM>(xw[v], g[v],
+                                  u >= start ? val(xr[i].v[v]) : conv_input<S, A>(x, prefix, sh, s, start, u, c + v),
+                                  off);
         }
       }
+    }
+  }
+}
+
+// Backward over the R tokens [t0, t0 + R) of channels c .. c+V-1 when the rows they read - x over
+// [t0 - (K-1), t0 + R + K-1), dy over [t0, t0 + R + K-1) - all lie in the segment of t0, which starts before
+// t0 - (K-1) (no prefix, no boundary, no segment start; the caller checks). dx_row points at dx[t0, c]; rows are
+// ldx elements apart; R is a multiple of NB. The same per-token math as conv_bwd_tile, in the same order.
+template <typename S, int KM, int V, int R, int NB, int ACT, bool kExact, typename DyRows, typename XRows>
+PC_HD void conv_bwd_interior(const DyRows& dy, const XRows& x, const ConvTaps<S, KM, V>& tp, const ConvShape& sh,
+                             S* dx_row, int64_t ldx, int64_t t0, int64_t c, typename Acc<S>::type (&dw)[V][KM],
+                             typename Acc<S>::type (&db)[V]) {
+  using A = typename Acc<S>::type;
+  const int K = kExact ? KM : sh.K;
+  const int off = KM - K;
+  const int act = ACT >= 0 ? ACT : sh.act;
+  const int64_t tl = t0 + R - 1;  // the first token of the walk
+  A g[V][KM], xw[V][KM];
+PC_UNROLL
+  for (int v = 0; v < V; ++v) g[v][0] = A(0);
+PC_UNROLL
+  for (int d = 1; d < KM; ++d) {  // gz of the K-1 tokens after the run (the next run's; recomputed)
+    Vec<S, V> dv = zero_vec<V, S>();
+    if (d < K) dv = load_vec<V>(dy.at(tl + d, c));
+    A z[V];
+PC_UNROLL
+    for (int v = 0; v < V; ++v) z[v] = tp.b[v];
+PC_UNROLL
+    for (int m = 0; m < KM; ++m) {
+      if (d >= K || m < off) continue;
+      const Vec<S, V> r = load_vec<V>(x.at(tl + d - (KM - 1) + m, c));
+PC_UNROLL
+      for (int v = 0; v < V; ++v) z[v] += tp.w[v][m] * val(r.v[v]);
+    }
+PC_UNROLL
+    for (int v = 0; v < V; ++v) g[v][d] = d < K ? val(dv.v[v]) * activate_grad(z[v], act) : A(0);
+  }
+PC_UNROLL
+  for (int m = 0; m < KM; ++m) {
+    const Vec<S, V> r = m >= off ? load_vec<V>(x.at(tl - (KM - 1) + m, c)) : zero_vec<V, S>();
+PC_UNROLL
+    for (int v = 0; v < V; ++v) xw[v][m] = m >= off ? val(r.v[v]) : A(0);
+  }
+  for (int i0 = 0; i0 < R; i0 += NB) {
+    Vec<S, V> dys[NB], xr[NB];
+PC_UNROLL
+    for (int i = 0; i < NB; ++i) {
+      dys[i] = load_vec<V>(dy.at(tl - (i0 + i), c));
+      xr[i] = load_vec<V>(x.at(tl - (i0 + i) - K, c));
+    }
+PC_UNROLL
+    for (int i = 0; i < NB; ++i) {
+      Vec<S, V> dxo;
+PC_UNROLL
+      for (int v = 0; v < V; ++v)
+        dxo.v[v] = from_acc<S>(conv_bwd_step<A, KM>(tp.w[v], tp.b[v], xw[v], g[v], val(dys[i].v[v]), dw[v], db[v],
+                                                    off, act));
+      store_vec<V>(dx_row + (R - 1 - (i0 + i)) * ldx, dxo);
+PC_UNROLL
+      for (int v = 0; v < V; ++v) conv_bwd_shift<A, KM>(xw[v], g[v], val(xr[i].v[v]), off);
     }
   }
 }

@@ -30,9 +30,10 @@ void causal_conv1d_fwd_cpu(const ConvArgs& a, void* y) {
       for (int64_t t0 = 0; t0 < a.T; t0 += kCpuTile) {
         const int64_t t1 = t0 + kCpuTile < a.T ? t0 + kCpuTile : a.T;
         for (int64_t c = 0; c < a.C; ++c)
-          conv_fwd_tile<S, KM>(DenseRows<S>{static_cast<const S*>(a.x), a.C}, static_cast<const S*>(a.weight),
-                               static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh,
-                               static_cast<S*>(y), c, t0, t1);
+          conv_fwd_tile<S, KM>(DenseRows<S>{static_cast<const S*>(a.x), a.C},
+                               ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
+                                                  a.K, KM - a.K, c),
+                               static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(y), c, t0, t1);
       }
     });
   });
@@ -57,8 +58,10 @@ void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dw
           A dw[1][KM], db[1];
           conv_zero_partials(dw, db);
           conv_bwd_tile<S, KM>(DenseRows<S>{static_cast<const S*>(dy), a.C},
-                               DenseRows<S>{static_cast<const S*>(a.x), a.C}, static_cast<const S*>(a.weight),
-                               static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, sh,
+                               DenseRows<S>{static_cast<const S*>(a.x), a.C},
+                               ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
+                                                  a.K, KM - a.K, c),
+                               static_cast<const S*>(a.prefix), a.cu, sh,
                                static_cast<S*>(dx), static_cast<S*>(dprefix), c, t0, t1, dw, db);
           conv_store_partials(dw, db, a.K, part + (i * a.C + c) * (a.K + 1));
         }

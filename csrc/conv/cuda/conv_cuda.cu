@@ -5,7 +5,10 @@
 // rows (plus the K-1 halo rows before it; the backward also the K-1 rows after it) are staged in shared memory
 // with 16-byte cp.async copies, double buffered so the next sub-tile loads while this one computes. The math is
 // the shared per-tile code of conv_math.h reading the staged rows: a thread takes P channels (4 or 8 bytes) of
-// a run of consecutive tokens. The backward keeps each thread's dweight/dbias sums in registers over the whole
+// a run of consecutive tokens, with its taps loaded once for the whole span and its segment index carried from
+// run to run. A run that lies inside one segment, away from its start and end (almost every run of long
+// sequences), takes the straight-line interior code (conv_fwd_interior / conv_bwd_interior: no boundary tests,
+// no prefix reads); runs that touch a boundary take the general tile walk. The backward keeps each thread's dweight/dbias sums in registers over the whole
 // span, reduces them across the block's token groups in a fixed order, and writes one partial per (span,
 // channel); conv_reduce_kernel sums the spans in order (deterministic, no atomics). Odd C or unaligned rows take
 // the same kernels with element-wise staging and P = 1.
@@ -78,11 +81,13 @@ __device__ __forceinline__ void stage_rows(S* dst, const S* src, const ConvShape
                                            int64_t c0) {
   using L = Slab<S, 1>;
   if constexpr (kVec) {  // C % kChunk == 0 and 16-byte aligned rows: every chunk is wholly inside or outside
-    const int n = nrows * 32;
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      const int r = i >> 5, ch = (i & 31) * L::kChunk;
-      const int64_t u = r0 + r, c = c0 + ch;
-      if (u >= 0 && u < sh.T && c < sh.C) cuda::cp_async16(dst + r * L::kWidth + ch, src + u * sh.C + c);
+    // a thread copies one chunk column (lane) of the rows warp, warp + kWarps, ...
+    const int ch = (threadIdx.x & 31) * L::kChunk;
+    if (c0 + ch >= sh.C) return;
+    const S* from = src + c0 + ch;
+    for (int r = threadIdx.x >> 5; r < nrows; r += kWarps) {
+      const int64_t u = r0 + r;
+      if (u >= 0 && u < sh.T) cuda::cp_async16(dst + r * L::kWidth + ch, from + u * sh.C);
     }
   } else {
     const int n = nrows * L::kWidth;
@@ -133,9 +138,15 @@ template <typename L> struct BlockSpan {
   }
 };
 
+// The segment of a thread's first token s0 + lead in its span [s0, s1) (its later runs move the index on).
+__device__ __forceinline__ int64_t first_segment(const int64_t* cu, const ConvShape& sh, int64_t s0, int64_t s1,
+                                                 int64_t lead) {
+  return find_segment(cu, sh.nseg, s0 + lead < s1 ? s0 + lead : s0);
+}
+
 template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = FwdCfg<S, kVec>::P,
           int TT = FwdCfg<S, kVec>::TT, int NB = FwdCfg<S, kVec>::NB>
-__global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w,
+__global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3) conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w,
                                                            const S* __restrict__ b, const S* __restrict__ prefix,
                                                            const int64_t* __restrict__ cu, ConvShape sh, S* y,
                                                            int64_t span_len) {
@@ -146,6 +157,11 @@ __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict_
   const BlockSpan<L> bs(sh, span_len, TT);
   const int64_t c0 = bs.c0, s0 = bs.s0, s1 = bs.s1, c = bs.c;
   const int g = bs.g, nsub = bs.nsub;
+  const bool live = c < sh.C;
+  const int K = kExact ? KM : sh.K;
+  // the thread's taps (loaded once for the span) and its segment: the one holding its current run's first token
+  const ConvTaps<S, KM, P> tp(w, b, K, KM - K, live ? c : 0);
+  int64_t seg = first_segment(cu, sh, s0, s1, static_cast<int64_t>(g) * R);
   stage_rows<S, kVec>(buf, x, sh, s0 - (KM - 1), ROWS, c0);
   cuda::cp_async_commit();
   for (int j = 0; j < nsub; ++j) {
@@ -157,16 +173,21 @@ __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const S* __restrict_
     __syncthreads();
     const int64_t t0 = tb + static_cast<int64_t>(g) * R;
     const int64_t t1 = t0 + R < s1 ? t0 + R : s1;
-    if (c < sh.C && t0 < t1)
-      conv_fwd_tile<S, KM, P, NB, ACT, kExact>(TileRows<S>{buf + (j & 1) * ROWS * L::kWidth, tb - (KM - 1), c0}, w, b,
-                                 prefix, cu, sh, y, c, t0, t1);
+    if (live && t0 < t1) {
+      const TileRows<S> rows{buf + (j & 1) * ROWS * L::kWidth, tb - (KM - 1), c0};
+      while (__ldg(cu + seg + 1) <= t0) ++seg;
+      if (t1 - t0 == R && t0 - (K - 1) >= __ldg(cu + seg) && t1 <= __ldg(cu + seg + 1))
+        conv_fwd_interior<S, KM, P, R, NB, ACT, kExact>(rows, tp, sh, y + t0 * sh.C + c, sh.C, t0, c);
+      else
+        conv_fwd_tile<S, KM, P, NB, ACT, kExact>(rows, tp, prefix, cu, sh, y, c, t0, t1);
+    }
     __syncthreads();
   }
 }
 
 template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = BwdCfg<S, kVec>::P,
           int TT = BwdCfg<S, kVec>::TT, int NB = BwdCfg<S, kVec>::NB>
-__global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x,
+__global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2) conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x,
                                                            const S* __restrict__ w, const S* __restrict__ b,
                                                            const S* __restrict__ prefix,
                                                            const int64_t* __restrict__ cu, ConvShape sh, S* dx,
@@ -187,6 +208,10 @@ __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict_
     stage_rows<S, kVec>(xb, x, sh, tb - KM, XR, c0);
     stage_rows<S, kVec>(xb + XR * L::kWidth, dy, sh, tb, DR, c0);
   };
+  const bool live = c < sh.C;
+  const int K = kExact ? KM : sh.K;
+  const ConvTaps<S, KM, P> tp(w, b, K, KM - K, live ? c : 0);  // loaded once for the span
+  int64_t seg = first_segment(cu, sh, s0, s1, static_cast<int64_t>(g) * R);
   A dw[L::P][KM], db[L::P];
   conv_zero_partials(dw, db);
   stage(0);
@@ -199,10 +224,14 @@ __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const S* __restrict_
     __syncthreads();
     const int64_t t0 = tb + static_cast<int64_t>(g) * R;
     const int64_t t1 = t0 + R < s1 ? t0 + R : s1;
-    if (c < sh.C && t0 < t1) {
+    if (live && t0 < t1) {
       const S* xb = buf + (j & 1) * STAGE;
-      conv_bwd_tile<S, KM, P, NB, ACT, kExact>(TileRows<S>{xb + XR * L::kWidth, tb, c0}, TileRows<S>{xb, tb - KM, c0},
-                                 w, b, prefix, cu, sh, dx, dprefix, c, t0, t1, dw, db);
+      const TileRows<S> dyr{xb + XR * L::kWidth, tb, c0}, xr{xb, tb - KM, c0};
+      while (__ldg(cu + seg + 1) <= t0) ++seg;
+      if (t1 - t0 == R && t0 - K >= __ldg(cu + seg) && t1 + (K - 1) <= __ldg(cu + seg + 1))
+        conv_bwd_interior<S, KM, P, R, NB, ACT, kExact>(dyr, xr, tp, sh, dx + t0 * sh.C + c, sh.C, t0, c, dw, db);
+      else
+        conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, prefix, cu, sh, dx, dprefix, c, t0, t1, dw, db);
     }
     __syncthreads();
   }
