@@ -453,11 +453,10 @@ constexpr int kNThreads = 256;
 constexpr int kNWarps = kNThreads / 32;
 constexpr int kNMaxTok = 32;
 constexpr int kNSmemBudget = 16 * 1024;  // cos/sin table of a tile
-// Rows per group per tile the tile size aims at (rounded up to a power of two of tokens): the per-tile prologue
-// (token offsets, barriers, cos/sin) is shared by this many rows of every group. The backward's grid is capped
-// (kNormBwdBlocks), so its blocks walk several tiles anyway.
+// Rows per group per tile the tile size aims at: the per-tile prologue (token offsets, barriers, cos/sin) is
+// shared by this many rows of every group.
 constexpr int kNRowsFwd = 8;
-constexpr int kNRowsBwd = 16;
+constexpr int kNRowsBwd = 4;
 
 struct NParams {
   NormArgs a;
@@ -793,9 +792,15 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
   p.hq = static_cast<int>(a.r.q.heads);
   p.H = static_cast<int>(a.r.q.heads + a.r.k.heads);
   const int gpb = kNThreads / G;
-  const int64_t want = ((bwd ? kNRowsBwd : kNRowsFwd) * gpb + p.H - 1) / p.H;
-  int64_t tok = 1;
-  while (tok < want) tok <<= 1;
+  // forward: a power of two of tokens with about kNRowsFwd rows per group. backward: kNRowsBwd rows per group,
+  // not rounded: the tiles fix how the weight gradients are grouped (the sum of a phase's rows of a tile is
+  // added into wacc once), so they are kept as they were and dw keeps its bits.
+  int64_t tok = (kNRowsBwd * gpb + p.H - 1) / p.H;
+  if (!bwd) {
+    const int64_t want = (kNRowsFwd * gpb + p.H - 1) / p.H;
+    for (tok = 1; tok < want; tok <<= 1) {
+    }
+  }
   const int64_t smem_tok = kNSmemBudget / (p.n * static_cast<int64_t>(sizeof(CosSin<F>)));
   tok = std::max<int64_t>(1, std::min<int64_t>({tok, smem_tok, kNMaxTok}));
   const int hk = p.H - p.hq;
