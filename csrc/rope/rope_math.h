@@ -96,15 +96,20 @@ PC_HD int64_t token_offset(int64_t t, int64_t seq, int64_t stride_b, int64_t str
 // ---------------------------------------------------------------------------------------------------
 enum : int { kNormRms = 0, kNormRmsOffset = 1 };
 
+// rstd of a row from its variance (sum(x^2) / D): 1 / sqrt(var + eps).
 template <typename F>
-PC_HD F norm_rstd(F sumsq, int64_t D, F eps) {
-  const F var = sumsq / static_cast<F>(D);
+PC_HD F norm_rstd_of_var(F var, F eps) {
 #if defined(__CUDA_ARCH__)
   if constexpr (sizeof(F) == 4) return 1.0f / sqrtf(var + eps);  // IEEE sqrt and division (no rsqrtf)
   else return 1.0 / sqrt(var + eps);
 #else
   return F(1) / std::sqrt(var + eps);
 #endif
+}
+
+template <typename F>
+PC_HD F norm_rstd(F sumsq, int64_t D, F eps) {
+  return norm_rstd_of_var(sumsq / static_cast<F>(D), eps);
 }
 
 // xhat as the weight sees it: x * rstd, rounded to the data dtype for kNormRms (round: F -> F through the
@@ -123,9 +128,14 @@ PC_HD F norm_gain(F w, int norm) { return norm == kNormRms ? w : F(1) + w; }
 // gradient rotated back), x, rstd and the gain:
 //   dxh = gn * gain,  dot = sum(dxh * x * rstd) over the row,  dx = rstd * (dxh - x * rstd * dot / D)
 //   dw  = sum over rows of gn * norm_xhat(x)      (the .to(dtype) of kNormRms passes gradients unchanged)
+// dot_d = dot / D (a kernel divides once per row).
+template <typename F>
+PC_HD F norm_dx_of(F dxh, F x, F rstd, F dot_d) {
+  return rstd * (dxh - x * rstd * dot_d);
+}
 template <typename F>
 PC_HD F norm_dx(F dxh, F x, F rstd, F dot, int64_t D) {
-  return rstd * (dxh - x * rstd * (dot / static_cast<F>(D)));
+  return norm_dx_of(dxh, x, rstd, dot / static_cast<F>(D));
 }
 
 }  // namespace packcuda::rope

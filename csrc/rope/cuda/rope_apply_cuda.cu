@@ -195,6 +195,24 @@ struct StagedWalk {
   }
 };
 
+// cos/sin of every (token, slot) of a tile into the shared table cs [ntok][n] (n = rotary_dim / 2): entry e of
+// local token tl holds slot slot_of(e) (each kernel's layout, read conflict-free by its lanes; consecutive
+// threads store consecutive entries); pos_base(tl) is the token's offset into the positions.
+template <typename F, typename PosBase, typename SlotOf>
+__device__ __forceinline__ void fill_cos_sin(CosSin<F>* cs, const RopeArgs& a, int ntok, int n, bool inverse,
+                                             PosBase pos_base, SlotOf slot_of) {
+  for (int i = threadIdx.x; i < ntok * n; i += blockDim.x) {
+    const int tl = i / n, j = slot_of(i - tl * n);
+    const int r = slot_axis(j, a.layout, a.section[0], a.section[1], a.section[2]);
+    const int64_t off = r * a.pos_row_stride + pos_base(tl);
+    const int64_t pos = a.pos_int64 ? __ldg(static_cast<const long long*>(a.pos) + off)
+                                    : __ldg(static_cast<const int*>(a.pos) + off);
+    CosSin<F> w;
+    rope_cos_sin(rope_angle(pos, __ldg(a.inv_freq + j)), static_cast<F>(a.scaling), inverse, &w.c, &w.s);
+    cs[i] = w;
+  }
+}
+
 template <typename T, int VE, int ALIGN, bool GPTJ>
 __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
   using V = Vec<T, VE, ALIGN>;
@@ -254,17 +272,11 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
   int4* stage = reinterpret_cast<int4*>(smem_raw + p.cs_bytes);
   if (staged) sw.start<!GPTJ>(p.rot, ntok, H, stage, src_of);
   if (pass_staged) pw.start<false>(p.pass, ntok, H, stage + 2 * kStages * kThreads, psrc);
-  for (int i = threadIdx.x; i < ntok * n; i += kThreads) {
-    const int tl = i / n, j = i - tl * n;
-    const int c = j / NS, m = j - c * NS;
-    const int r = slot_axis(j, a.layout, a.section[0], a.section[1], a.section[2]);
-    const int64_t off = r * a.pos_row_stride + base[tl].pos;
-    const int64_t pos = a.pos_int64 ? __ldg(static_cast<const long long*>(a.pos) + off)
-                                    : __ldg(static_cast<const int*>(a.pos) + off);
-    CosSin<F> w;
-    rope_cos_sin(rope_angle(pos, __ldg(a.inv_freq + j)), static_cast<F>(a.scaling), a.inverse, &w.c, &w.s);
-    cs[(tl * NS + m) * cpr + c] = w;
-  }
+  // entry e = m * cpr + c of a token holds slot j = c * NS + m
+  fill_cos_sin<F>(cs, a, ntok, n, a.inverse, [&](int tl) { return base[tl].pos; }, [&](int e) {
+    const int m = e / cpr;
+    return (e - m * cpr) * NS + m;
+  });
   __syncthreads();
 
   // 2. rotary chunks: rotate (lo, hi) of row (tl, h), chunk c, and store.
@@ -441,6 +453,10 @@ constexpr int kNThreads = 256;
 constexpr int kNWarps = kNThreads / 32;
 constexpr int kNMaxTok = 32;
 constexpr int kNSmemBudget = 16 * 1024;  // cos/sin table of a tile
+// Rows per group per tile the tile size aims at: the per-tile prologue (token offsets, barriers, cos/sin) is
+// shared by this many rows of every group.
+constexpr int kNRowsFwd = 8;
+constexpr int kNRowsBwd = 4;
 
 struct NParams {
   NormArgs a;
@@ -451,6 +467,8 @@ struct NParams {
   int hq, H;  // q heads, q + k heads
   int tok;    // tokens per tile
   int cs_bytes;  // shared memory of the cos/sin table (16-byte multiple); the backward's wacc follows
+  int dq[2], dr[2];  // a step of one block's worth of rows (kNThreads / G) in phase q / k: dq tokens, dr heads
+  bool d_pow2;       // head_dim is a power of two: v / D == v * (1 / D) exactly
   int64_t tiles;
 };
 
@@ -458,33 +476,72 @@ struct NBase {
   int64_t x[2], y[2], g[2], pos;  // token offsets: inputs, outputs, gradients of q / k; positions
 };
 
+// Two consecutive (cos, sin) entries of one unit: one 16-byte shared load (two for fp64).
+template <typename F>
+struct alignas(16) CosSin2 {
+  CosSin<F> a, b;
+};
+
 template <typename F>
 __device__ __forceinline__ F group_sum(F v, int G) {
-  for (int off = G >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    if (off < G) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
 }
 
-template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, bool BWD>
+template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, bool BWD, int NK>
 __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 1 ? 3 : 2)) qk_norm_kernel(const NParams p) {
   using V = Vec<T, VE, ALIGN>;
   using F = typename Cvt<T>::F;
+  // frequency slots per rotary unit: neox VE (the unit's first-half chunk), gptj VE / 2 (pairs in the vector)
+  constexpr int NS = GPTJ ? VE / 2 : VE;
   // the weights' vector of a unit: 16-byte loads on the vector path (the weights are 16-byte aligned, see the
   // ops layer, and a unit's first channel is a multiple of VE), element loads otherwise
   using WV = Vec<F, VE, (ALIGN == 16 ? 16 : alignof(F))>;
   const NormArgs& a = p.a;
   const RopeArgs& r = a.r;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  CosSin<F>* cs = reinterpret_cast<CosSin<F>*>(smem_raw);  // [tok][n]
+  // cos/sin of a tile, [tok][n]: slot j = u * NS + m (unit u, m < NS) of a token at cs_entry(u, m), so that the
+  // G lanes of a group (consecutive units) read consecutive entries: with NS even the pairs (m, m + 1) of a unit
+  // are adjacent, one 16-byte read, and the units' pairs (u, mp) at mp * P + u.
+  CosSin<F>* cs = reinterpret_cast<CosSin<F>*>(smem_raw);
   __shared__ NBase base[kNMaxTok];
 
   const int G = p.G, n = p.n, P = p.P, U = p.U, hq = p.hq, H = p.H;
   const int D = static_cast<int>(r.head_dim), rd = static_cast<int>(r.rotary_dim);
   const int lane = threadIdx.x % G, grp = threadIdx.x / G, gpb = kNThreads / G;
   const F eps = static_cast<F>(a.eps);
-  const int kind = a.norm;
+  const int kind = NK >= 0 ? NK : a.norm;
+  const bool d_pow2 = p.d_pow2;
+  const F d_inv = F(1) / static_cast<F>(D);
+  auto div_d = [&](F v) { return d_pow2 ? v * d_inv : v / static_cast<F>(D); };
   auto round = [](F v) { return Cvt<T>::load(Cvt<T>::store(v)); };
   // first channel of unit u, and whether it has a partner vector (neox rotary units)
   auto unit_lo = [&](int u) { return u < P ? u * VE : rd + (u - P) * VE; };
+  // rotates the NS pairs of rotary unit u in place: (a[m], b[m]) for neox, (a[2m], a[2m + 1]) for gptj
+  auto rotate_unit = [&](const CosSin<F>* cst, int u, F* va, F* vb) {
+    auto one = [&](int m, const CosSin<F>& cw) {
+      F& lo = GPTJ ? va[2 * m] : va[m];
+      F& hi = GPTJ ? va[2 * m + 1] : vb[m];
+      F o0, o1;
+      rotate_pair<F>(lo, hi, cw.c, cw.s, &o0, &o1);
+      lo = o0;
+      hi = o1;
+    };
+    if constexpr (NS % 2 == 0) {
+      const CosSin2<F>* c2 = reinterpret_cast<const CosSin2<F>*>(cst);
+#pragma unroll
+      for (int mp = 0; mp < NS / 2; ++mp) {
+        const CosSin2<F> cw = c2[mp * P + u];
+        one(2 * mp, cw.a);
+        one(2 * mp + 1, cw.b);
+      }
+    } else {
+      static_assert(NS == 1, "odd slot counts per unit are single slots");
+      one(0, cst[u]);
+    }
+  };
 
   // backward: this lane's weight gradients of the current phase (registers), flushed at the end of each phase
   // into its group's slot of wacc [groups][q, k][D] (shared memory, after the cos/sin table)
@@ -517,16 +574,16 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
       base[tl] = b;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < ntok * n; i += kNThreads) {
-      const int tl = i / n, j = i - tl * n;
-      const int ax = slot_axis(j, r.layout, r.section[0], r.section[1], r.section[2]);
-      const int64_t off = ax * r.pos_row_stride + base[tl].pos;
-      const int64_t pos = r.pos_int64 ? __ldg(static_cast<const long long*>(r.pos) + off)
-                                      : __ldg(static_cast<const int*>(r.pos) + off);
-      CosSin<F> w;
-      rope_cos_sin(rope_angle(pos, __ldg(r.inv_freq + j)), static_cast<F>(r.scaling), BWD, &w.c, &w.s);
-      cs[tl * n + j] = w;
-    }
+    // table entry e of a token -> slot j (the inverse of the layout above): consecutive threads store
+    // consecutive entries
+    fill_cos_sin<F>(cs, r, ntok, n, BWD, [&](int tl) { return base[tl].pos; }, [&](int e) {
+      if constexpr (NS % 2 == 0) {
+        const int q2 = e >> 1, mp = q2 / P, u = q2 - mp * P;
+        return u * NS + 2 * mp + (e & 1);
+      } else {
+        return e;
+      }
+    });
     __syncthreads();
 
     // q rows first, then k rows: the phase (and so the weight) is uniform over the block
@@ -536,11 +593,20 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
     const int Hp = is_q ? hq : H - hq;
     const int rows = ntok * Hp;
     const F* w = static_cast<const F*>(is_q ? a.w_q : a.w_k);
+    const int dq = is_q ? p.dq[0] : p.dq[1], dr = is_q ? p.dr[0] : p.dr[1];
+    // this group's row (tl, hh) = (row / Hp, row % Hp), advanced by gpb rows per step
+    int ctl = Hp > 0 ? grp / Hp : 0;
+    int chh = grp - ctl * Hp;
     for (int rb = 0; rb < rows; rb += gpb) {  // uniform trip count: every lane reaches the shuffles
-      const int row = rb + grp;
-      const bool active = row < rows;
-      const int tl = active ? row / Hp : 0;
-      const int hh = active ? row - tl * Hp : 0;
+      const bool active = ctl < ntok;
+      const int tl = active ? ctl : 0;
+      const int hh = active ? chh : 0;
+      chh += dr;
+      ctl += dq;
+      if (chh >= Hp) {
+        chh -= Hp;
+        ++ctl;
+      }
       // (fields picked one by one: no dynamic reference into the kernel parameters)
       const T* xin = is_q ? static_cast<const T*>(r.q.in) + base[tl].x[0] + hh * r.q.in_sh
                           : static_cast<const T*>(r.k.in) + base[tl].x[1] + hh * r.k.in_sh;
@@ -578,7 +644,7 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
         }
       }
       ss = group_sum(ss, G);
-      const F rstd = norm_rstd(ss, D, eps);
+      const F rstd = norm_rstd_of_var(div_d(ss), eps);
 
       if constexpr (!BWD) {
 #pragma unroll
@@ -590,33 +656,28 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
           // the unit's weights (cached reads of the [D] weights), after the reduction: fewer live registers
           const WV w0 = *reinterpret_cast<const WV*>(w + lo);
           WV w1;
-          if (!GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
-          // normalized value of element (s, m) of the unit, computed where it is consumed
-          auto nval = [&](int s, int m) {
-            return norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s][m], rstd, kind, round);
-          };
+          if constexpr (!GPTJ) {
+            if (rot) {
+              w1 = *reinterpret_cast<const WV*>(w + lo + n);
+            } else {
+#pragma unroll
+              for (int m = 0; m < VE; ++m) w1.v[m] = F(0);
+            }
+          }
+          // the normalized values of the unit; the rotary units rotate them in place (the branch holds only the
+          // rotation, so a row group with rotary and pass-through lanes runs the normalization once)
+          F nv[2][VE];
+#pragma unroll
+          for (int s = 0; s < (GPTJ ? 1 : 2); ++s)
+#pragma unroll
+            for (int m = 0; m < VE; ++m)
+              nv[s][m] = norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s][m], rstd, kind, round);
+          if (rot) rotate_unit(cst, u, nv[0], nv[1]);
           V y0, y1;
-          if (rot && GPTJ) {
 #pragma unroll
-            for (int m = 0; m < VE / 2; ++m) {
-              const CosSin<F> cw = cst[lo / 2 + m];
-              F o0, o1;
-              rotate_pair<F>(nval(0, 2 * m), nval(0, 2 * m + 1), cw.c, cw.s, &o0, &o1);
-              y0.v[2 * m] = Cvt<T>::store(o0);
-              y0.v[2 * m + 1] = Cvt<T>::store(o1);
-            }
-          } else if (rot) {
-#pragma unroll
-            for (int m = 0; m < VE; ++m) {
-              const CosSin<F> cw = cst[lo + m];
-              F o0, o1;
-              rotate_pair<F>(nval(0, m), nval(1, m), cw.c, cw.s, &o0, &o1);
-              y0.v[m] = Cvt<T>::store(o0);
-              y1.v[m] = Cvt<T>::store(o1);
-            }
-          } else {
-#pragma unroll
-            for (int m = 0; m < VE; ++m) y0.v[m] = Cvt<T>::store(nval(0, m));
+          for (int m = 0; m < VE; ++m) {
+            y0.v[m] = Cvt<T>::store(nv[0][m]);
+            if (!GPTJ) y1.v[m] = Cvt<T>::store(nv[1][m]);
           }
           *reinterpret_cast<V*>(yout + lo) = y0;
           if (!GPTJ && rot) *reinterpret_cast<V*>(yout + lo + n) = y1;
@@ -633,25 +694,7 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
           WV w0, w1;
           if (ok) w0 = *reinterpret_cast<const WV*>(w + lo);
           if (ok && !GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
-          if (ok && rot && GPTJ) {
-#pragma unroll
-            for (int m = 0; m < VE / 2; ++m) {
-              const CosSin<F> cw = cst[lo / 2 + m];
-              F o0, o1;
-              rotate_pair<F>(g[i][0][2 * m], g[i][0][2 * m + 1], cw.c, cw.s, &o0, &o1);
-              g[i][0][2 * m] = o0;
-              g[i][0][2 * m + 1] = o1;
-            }
-          } else if (ok && rot) {
-#pragma unroll
-            for (int m = 0; m < VE; ++m) {
-              const CosSin<F> cw = cst[lo + m];
-              F o0, o1;
-              rotate_pair<F>(g[i][0][m], g[i][1][m], cw.c, cw.s, &o0, &o1);
-              g[i][0][m] = o0;
-              g[i][1][m] = o1;
-            }
-          }
+          if (ok && rot) rotate_unit(cst, u, g[i][0], g[i][1]);
 #pragma unroll
           for (int s = 0; s < 2; ++s)
 #pragma unroll
@@ -664,6 +707,7 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
             }
         }
         dot = group_sum(dot, G);
+        const F dot_d = div_d(dot);
 #pragma unroll
         for (int i = 0; i < UPL; ++i) {
           const int u = lane + i * G;
@@ -675,29 +719,31 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
             if (s == 1 && !pair) continue;
             V y;
 #pragma unroll
-            for (int m = 0; m < VE; ++m) y.v[m] = Cvt<T>::store(norm_dx(g[i][s][m], x[i][s][m], rstd, dot,
-                                                                        static_cast<int64_t>(D)));
+            for (int m = 0; m < VE; ++m) y.v[m] = Cvt<T>::store(norm_dx_of(g[i][s][m], x[i][s][m], rstd, dot_d));
             *reinterpret_cast<V*>(yout + (s == 0 ? lo : lo + n)) = y;
           }
         }
       }
     }
     if constexpr (BWD) {
-      // this phase's weight gradients of the tile into the group's own slot (lanes own disjoint channels)
+      // this phase's weight gradients of the tile into the group's own slot (lanes own disjoint channels), one
+      // vector of VE channels at a time
 #pragma unroll
       for (int i = 0; i < UPL; ++i) {
         const int u = lane + i * G;
         const bool pair = !GPTJ && u < P;
 #pragma unroll
-        for (int s = 0; s < 2; ++s)
+        for (int s = 0; s < 2; ++s) {
+          if (u < U && (s == 0 || pair)) {
+            WV* slot = reinterpret_cast<WV*>(wacc + (grp * 2 + ph) * D + (s == 0 ? unit_lo(u) : unit_lo(u) + n));
+            WV v = *slot;
 #pragma unroll
-          for (int m = 0; m < VE; ++m) {
-            if (u < U && (s == 0 || pair)) {
-              F& slot = wacc[(grp * 2 + ph) * D + (s == 0 ? unit_lo(u) : unit_lo(u) + n) + m];
-              slot += acc[i][s][m];
-            }
-            acc[i][s][m] = F(0);
+            for (int m = 0; m < VE; ++m) v.v[m] += acc[i][s][m];
+            *slot = v;
           }
+#pragma unroll
+          for (int m = 0; m < VE; ++m) acc[i][s][m] = F(0);
+        }
       }
     }
     }  // phases
@@ -714,7 +760,6 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
     }
   }
 }
-
 // dw[c] = sum over blocks b (in order) of part[b][c], c over the 2 * D channels of q and k.
 template <typename F>
 __global__ void __launch_bounds__(kNThreads) reduce_partials(const F* part, int nblocks, int D, F* dw_q, F* dw_k) {
@@ -735,7 +780,7 @@ __global__ void __launch_bounds__(kNThreads) reduce_partials(const F* part, int 
   }
 }
 
-template <typename T, int VE, int ALIGN, int UPL, bool GPTJ>
+template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, int NK>
 void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t stream) {
   using F = typename Cvt<T>::F;
   NParams p;
@@ -747,16 +792,30 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
   p.hq = static_cast<int>(a.r.q.heads);
   p.H = static_cast<int>(a.r.q.heads + a.r.k.heads);
   const int gpb = kNThreads / G;
-  int64_t tok = (4 * gpb + p.H - 1) / p.H;
+  // forward: a power of two of tokens with about kNRowsFwd rows per group. backward: kNRowsBwd rows per group,
+  // not rounded: the tiles fix how the weight gradients are grouped (the sum of a phase's rows of a tile is
+  // added into wacc once), so they are kept as they were and dw keeps its bits.
+  int64_t tok = (kNRowsBwd * gpb + p.H - 1) / p.H;
+  if (!bwd) {
+    const int64_t want = (kNRowsFwd * gpb + p.H - 1) / p.H;
+    for (tok = 1; tok < want; tok <<= 1) {
+    }
+  }
   const int64_t smem_tok = kNSmemBudget / (p.n * static_cast<int64_t>(sizeof(CosSin<F>)));
   tok = std::max<int64_t>(1, std::min<int64_t>({tok, smem_tok, kNMaxTok}));
+  const int hk = p.H - p.hq;
+  p.dq[0] = p.hq > 0 ? gpb / p.hq : 0;
+  p.dr[0] = p.hq > 0 ? gpb % p.hq : 0;
+  p.dq[1] = hk > 0 ? gpb / hk : 0;
+  p.dr[1] = hk > 0 ? gpb % hk : 0;
+  p.d_pow2 = (a.r.head_dim & (a.r.head_dim - 1)) == 0;
   p.tok = static_cast<int>(tok);
   p.tiles = (a.r.tokens + tok - 1) / tok;
   const size_t cs_bytes = (static_cast<size_t>(tok) * p.n * sizeof(CosSin<F>) + 15) / 16 * 16;
   p.cs_bytes = static_cast<int>(cs_bytes);
   const int D = static_cast<int>(a.r.head_dim);
   if (!bwd) {
-    auto kern = qk_norm_kernel<T, VE, ALIGN, UPL, GPTJ, false>;
+    auto kern = qk_norm_kernel<T, VE, ALIGN, UPL, GPTJ, false, NK>;
     if (cs_bytes + sizeof(NBase) * kNMaxTok > 48 * 1024)
       PC_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cs_bytes)));
     kern<<<static_cast<unsigned>(p.tiles), kNThreads, cs_bytes, stream>>>(p);
@@ -764,7 +823,7 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
     return;
   }
   const size_t smem = cs_bytes + static_cast<size_t>(gpb) * 2 * D * sizeof(F);
-  auto kern = qk_norm_kernel<T, VE, ALIGN, UPL, GPTJ, true>;
+  auto kern = qk_norm_kernel<T, VE, ALIGN, UPL, GPTJ, true, NK>;
   if (smem + sizeof(NBase) * kNMaxTok > 48 * 1024)
     PC_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int blocks = static_cast<int>(std::min<int64_t>(p.tiles, kNormBwdBlocks));
@@ -777,7 +836,7 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
 
 // Units per row -> (UPL, G): the smallest UPL of the instantiated ones with U <= 32 * UPL, G the smallest
 // power of two with G * UPL >= U.
-template <typename T, int VE, int ALIGN, bool GPTJ, int... UPLS>
+template <typename T, int VE, int ALIGN, bool GPTJ, int NK, int... UPLS>
 void launch_upl(const NormArgs& a, int U, int P, bool bwd, cudaStream_t stream) {
   bool done = false;
   auto one = [&](auto upl_c) {
@@ -785,7 +844,7 @@ void launch_upl(const NormArgs& a, int U, int P, bool bwd, cudaStream_t stream) 
     if (done || U > 32 * UPL) return;
     int G = 1;
     while (G * UPL < U) G <<= 1;
-    launch<T, VE, ALIGN, UPL, GPTJ>(a, U, P, G, bwd, stream);
+    launch<T, VE, ALIGN, UPL, GPTJ, NK>(a, U, P, G, bwd, stream);
     done = true;
   };
   (one(std::integral_constant<int, UPLS>{}), ...);
@@ -814,12 +873,18 @@ void dispatch(const NormArgs& a, bool bwd, cudaStream_t stream) {
   if (VE16 >= (GPTJ ? 2 : 1) && fits(VE16, 16)) {
     const int U = units(VE16, P);
     // head_dim <= 512: at most 512 / VE16 units (64 for 2-byte types, 128 for fp32, 256 for fp64)
-    if constexpr (S == 8) return launch_upl<T, VE16, 16, GPTJ, 1, 4, 16>(a, U, P, bwd, stream);
-    else return launch_upl<T, VE16, 16, GPTJ, 1, 4>(a, U, P, bwd, stream);
+    // the norm kind is a template argument on the vector path (no per-element select of the gain)
+    auto by_kind = [&](auto nk) {
+      constexpr int NK = decltype(nk)::value;
+      if constexpr (S == 8) launch_upl<T, VE16, 16, GPTJ, NK, 1, 4, 16>(a, U, P, bwd, stream);
+      else launch_upl<T, VE16, 16, GPTJ, NK, 1, 4>(a, U, P, bwd, stream);
+    };
+    if (a.norm == kNormRms) return by_kind(std::integral_constant<int, kNormRms>{});
+    return by_kind(std::integral_constant<int, kNormRmsOffset>{});
   }
   constexpr int VE1 = GPTJ ? 2 : 1;  // element loads (a gptj pair is two elements; head_dim is even for gptj)
   const int U = units(VE1, P);
-  launch_upl<T, VE1, S, GPTJ, 4, 16>(a, U, P, bwd, stream);
+  launch_upl<T, VE1, S, GPTJ, -1, 4, 16>(a, U, P, bwd, stream);
 }
 
 template <typename T>
