@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -38,6 +39,20 @@ def spawn_ranks(worker, world: int, tmp_path) -> dict:
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
     return dict(results)
+
+
+@contextlib.contextmanager
+def nccl_rank(rank: int, world: int, init: str):
+    """In a rank spawned by spawn_ranks: its GPU as the current device and an NCCL process group (destroyed on
+    exit); yields the rank's device."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    try:
+        yield torch.device("cuda", rank)
+    finally:
+        dist.destroy_process_group()
 
 
 class no_sync:

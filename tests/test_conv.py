@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, no_sync, requires_cuda, requires_two_gpus_nccl, spawn_ranks
+from conftest import HAS_CUDA, nccl_rank, no_sync, requires_cuda, requires_two_gpus_nccl, spawn_ranks
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
@@ -649,10 +649,7 @@ def test_prepared_exchange_one_rank():
 def _nccl_worker(rank, world, init, results):
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
-    try:
-        dev = torch.device("cuda", rank)
+    with nccl_rank(rank, world, init) as dev:
         n = 0
         for ci, (cp, layout, K, name, lens, bucket, act) in enumerate(_exchange_cases()):
             if cp != world:
@@ -705,8 +702,6 @@ def _nccl_worker(rank, world, init, results):
             torch.cuda.synchronize()
             assert torch.equal(y_static, eager()), "graph replay differs from eager"
         results[rank] = n
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import packcuda
-from conftest import HAS_CUDA, no_sync, requires_two_gpus_nccl, spawn_ranks
+from conftest import HAS_CUDA, nccl_rank, no_sync, requires_two_gpus_nccl, spawn_ranks
 from packcuda._meta import cu_from_lengths as _cu
 
 ops = torch.ops.packcuda
@@ -539,12 +539,7 @@ def test_conv_prefix_exchange_gloo(tmp_path):
 
 
 def _nccl_exchange_worker(rank, world, init, results):
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
-    try:
-        dev = torch.device("cuda", rank)
+    with nccl_rank(rank, world, init) as dev:
         n = 0
         for layout in ("zigzag", "contiguous"):
             for lens in ([13, 1, 0, 40, 7, 22], [1, 2, 3, 1, 2], [61]):
@@ -599,8 +594,6 @@ def _nccl_exchange_worker(rank, world, init, results):
             p.check()
             assert torch.equal(y_static, y_eager), lens
         results[rank] = n
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu

@@ -8,10 +8,10 @@
 // a run of consecutive tokens, with its taps loaded once for the whole span and its segment index carried from
 // run to run. A run that lies inside one segment, away from its start and end (almost every run of long
 // sequences), takes the straight-line interior code (conv_fwd_interior / conv_bwd_interior: no boundary tests,
-// no prefix reads); runs that touch a boundary take the general tile walk. The backward keeps each thread's dweight/dbias sums in registers over the whole
-// span, reduces them across the block's token groups in a fixed order, and writes one partial per (span,
-// channel); conv_reduce_kernel sums the spans in order (deterministic, no atomics). Odd C or unaligned rows take
-// the same kernels with element-wise staging and P = 1.
+// no prefix reads); runs that touch a boundary take the general tile walk. The backward keeps each thread's
+// dweight/dbias sums in registers over the whole span, reduces them across the block's token groups in a fixed
+// order, and writes one partial per (span, channel); conv_reduce_kernel sums the spans in order (deterministic,
+// no atomics). Odd C or unaligned rows take the same kernels with element-wise staging and P = 1.
 #include <cstdint>
 #include <type_traits>
 
@@ -146,10 +146,10 @@ __device__ __forceinline__ int64_t first_segment(const int64_t* cu, const ConvSh
 
 template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = FwdCfg<S, kVec>::P,
           int TT = FwdCfg<S, kVec>::TT, int NB = FwdCfg<S, kVec>::NB>
-__global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3) conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w,
-                                                           const S* __restrict__ b, const S* __restrict__ prefix,
-                                                           const int64_t* __restrict__ cu, ConvShape sh, S* y,
-                                                           int64_t span_len) {
+__global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3)
+    conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w, const S* __restrict__ b,
+                    const S* __restrict__ prefix, const int64_t* __restrict__ cu, ConvShape sh, S* y,
+                    int64_t span_len) {
   using L = Slab<S, P>;
   constexpr int ROWS = Stage<KM, TT>::kFwdRows, R = TT / L::kGroups;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -187,12 +187,10 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3) conv_fwd_kernel
 
 template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = BwdCfg<S, kVec>::P,
           int TT = BwdCfg<S, kVec>::TT, int NB = BwdCfg<S, kVec>::NB>
-__global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2) conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x,
-                                                           const S* __restrict__ w, const S* __restrict__ b,
-                                                           const S* __restrict__ prefix,
-                                                           const int64_t* __restrict__ cu, ConvShape sh, S* dx,
-                                                           S* dprefix, typename Acc<S>::type* part,
-                                                           int64_t span_len) {
+__global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
+    conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
+                    const S* __restrict__ b, const S* __restrict__ prefix, const int64_t* __restrict__ cu,
+                    ConvShape sh, S* dx, S* dprefix, typename Acc<S>::type* part, int64_t span_len) {
   using L = Slab<S, P>;
   using A = typename Acc<S>::type;
   constexpr int XR = Stage<KM, TT>::kBwdXRows, DR = Stage<KM, TT>::kBwdDyRows, STAGE = (XR + DR) * L::kWidth;
