@@ -292,6 +292,17 @@ PC_HD void static_fill_piece(const StaticBuild& b, int64_t k) {
   b.piece_seq[k] = static_cast<int32_t>(b.max_seqs);
 }
 
+// Where padded offset o of segment seg lives (rank, slot), or false when o is outside the segment (or the
+// tables are inconsistent).
+template <typename I>
+PC_HD bool static_locate(int layout, const I* cu_padded, int64_t cp, int64_t total_local, int64_t seg, int64_t o,
+                         Location* loc) {
+  const int64_t pb = cu_padded[seg], pe = cu_padded[seg + 1];
+  if (o < 0 || pb < 0 || o >= pe - pb || (layout == kZigzag && (pe - pb) % (2 * cp) != 0)) return false;
+  *loc = locate(layout, cu_padded, cp, total_local, seg, o);
+  return loc->rank >= 0 && loc->rank < cp && loc->slot >= 0 && loc->slot < total_local;
+}
+
 // Row of original token t (t < capacity) in the rank-major concatenation of all local buffers of a static
 // plan (cu [max_seqs + 1], cu_padded [max_seqs + 2]), -1 past the real tokens. Values are not trusted: any
 // input gives -1 or a row in [0, capacity).
@@ -301,11 +312,8 @@ PC_HD int64_t static_unshard_slot(int layout, const I* cu, int64_t max_seqs, con
   if (t < static_cast<int64_t>(cu[0]) || t >= static_cast<int64_t>(cu[max_seqs])) return -1;
   const int64_t seg = find_segment(cu, max_seqs, t);
   const int64_t o = t - static_cast<int64_t>(cu[seg]);
-  const int64_t pb = cu_padded[seg], pe = cu_padded[seg + 1];
-  if (o < 0 || pb < 0 || o >= pe - pb || (layout == kZigzag && (pe - pb) % (2 * cp) != 0)) return -1;
-  const Location loc = locate(layout, cu_padded, cp, total_local, seg, o);
-  const int64_t row = loc.rank * total_local + loc.slot;
-  return loc.slot >= 0 && loc.slot < total_local && row >= 0 && row < cp * total_local ? row : -1;
+  Location loc{0, 0};
+  return static_locate(layout, cu_padded, cp, total_local, seg, o, &loc) ? loc.rank * total_local + loc.slot : -1;
 }
 
 // ---- conv prefix exchange of a static plan ---------------------------------------------------------------
@@ -335,17 +343,6 @@ PC_HD bool static_peer_piece(int layout, const I* cu_padded, int64_t max_seqs, i
   *seg = find_segment(cu_padded, nseg, g0);
   *off = g0 - static_cast<int64_t>(cu_padded[*seg]);
   return true;
-}
-
-// Where padded offset o of segment seg lives (rank, slot), or false when o is outside the segment (or the
-// tables are inconsistent).
-template <typename I>
-PC_HD bool static_locate(int layout, const I* cu_padded, int64_t cp, int64_t total_local, int64_t seg, int64_t o,
-                         Location* loc) {
-  const int64_t pb = cu_padded[seg], pe = cu_padded[seg + 1];
-  if (o < 0 || pb < 0 || o >= pe - pb || (layout == kZigzag && (pe - pb) % (2 * cp) != 0)) return false;
-  *loc = locate(layout, cu_padded, cp, total_local, seg, o);
-  return loc->rank >= 0 && loc->rank < cp && loc->slot >= 0 && loc->slot < total_local;
 }
 
 // Owner (rank, slot) of prefix row j of piece k of rank p; false for a zero row.
