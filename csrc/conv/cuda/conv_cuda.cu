@@ -81,14 +81,20 @@ __device__ __forceinline__ void stage_rows(S* dst, const S* src, const ConvShape
                                            int64_t c0) {
   using L = Slab<S, 1>;
   if constexpr (kVec) {  // C % kChunk == 0 and 16-byte aligned rows: every chunk is wholly inside or outside
-    // a thread copies one chunk column (lane) of the rows warp, warp + kWarps, ...
+    // a thread copies one chunk column (lane) of the rows warp, warp + kWarps, ... that lie in [0, T): the
+    // first such row, then fixed pointer steps (no per-row index arithmetic or bounds test)
     const int ch = (threadIdx.x & 31) * L::kChunk;
     if (c0 + ch >= sh.C) return;
-    const S* from = src + c0 + ch;
-    for (int r = threadIdx.x >> 5; r < nrows; r += kWarps) {
-      const int64_t u = r0 + r;
-      if (u >= 0 && u < sh.T) cuda::cp_async16(dst + r * L::kWidth + ch, from + u * sh.C);
-    }
+    const int warp = threadIdx.x >> 5;
+    const int rlo = r0 < 0 ? static_cast<int>(-r0) : 0;  // r0 >= -kMaxK
+    const int64_t avail = sh.T - r0;
+    const int rhi = avail < nrows ? static_cast<int>(avail) : nrows;
+    int r = warp;
+    if (r < rlo) r += (rlo - r + kWarps - 1) / kWarps * kWarps;
+    const S* from = src + (r0 + r) * sh.C + c0 + ch;
+    S* to = dst + r * L::kWidth + ch;
+    const int64_t step = kWarps * sh.C;
+    for (; r < rhi; r += kWarps, from += step, to += kWarps * L::kWidth) cuda::cp_async16(to, from);
   } else {
     const int n = nrows * L::kWidth;
     for (int i = threadIdx.x; i < n; i += kThreads) {
