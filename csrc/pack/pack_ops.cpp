@@ -96,6 +96,15 @@ RowView rows_of(Tensor& src, int64_t dim) {
   return v;
 }
 
+// out = a new tensor shaped like src with n rows along dim (its byte size checked; `what` names it in the
+// error); false when it holds no bytes (nothing to run).
+bool new_rows_out(const char* op, const char* what, const Tensor& src, int64_t dim, int64_t n, Tensor& out) {
+  const std::vector<int64_t> out_shape = resized(src, dim, n);
+  const int64_t out_bytes = checked_nbytes(op, what, out_shape, src.scalar_type());
+  out = new_tensor(out_shape, src.scalar_type(), src.device());
+  return out_bytes != 0;
+}
+
 Tensor gather_rows(Tensor src, Tensor index, double fill, int64_t dim, std::optional<int64_t> fill_int) {
   const char* op = "gather_rows";
   dim = normalize_dim(op, "src", src, dim);
@@ -106,10 +115,8 @@ Tensor gather_rows(Tensor src, Tensor index, double fill, int64_t dim, std::opti
   const int64_t n_src = src.size(dim);
   if (src.is_cpu()) check_index_range(op, "index", index, -1, n_src, false);
   const int64_t n_out = index.numel();
-  const std::vector<int64_t> out_shape = resized(src, dim, n_out);
-  const int64_t out_bytes = checked_nbytes(op, "the output size", out_shape, dt);
-  Tensor out = new_tensor(out_shape, dt, src.device());
-  if (out_bytes == 0) return out;
+  Tensor out;
+  if (!new_rows_out(op, "the output size", src, dim, n_out, out)) return out;
   const RowView v = rows_of(src, dim);
   const int esz = static_cast<int>(element_size(dt));
   run_kernel(src, [&] {
@@ -132,10 +139,8 @@ Tensor scatter_rows(Tensor src, Tensor index, int64_t num_rows, int64_t dim) {
   PC_ARG(num_rows >= 0, op, "num_rows must be >= 0, got ", num_rows);
   if (src.is_cpu()) check_index_range(op, "index", index, -1, num_rows, /*unique=*/true);
   const ST dt = src.scalar_type();
-  const std::vector<int64_t> out_shape = resized(src, dim, num_rows);
-  const int64_t out_bytes = checked_nbytes(op, "the output size (num_rows)", out_shape, dt);
-  Tensor out = new_tensor(out_shape, dt, src.device());
-  if (out_bytes == 0) return out;
+  Tensor out;
+  if (!new_rows_out(op, "the output size (num_rows)", src, dim, num_rows, out)) return out;
   const RowView v = rows_of(src, dim);
   // Narrow rows: zero-fill then scatter (two light passes). Wide rows: invert the index (8 bytes a row) and
   // gather, so every output byte is written exactly once.
