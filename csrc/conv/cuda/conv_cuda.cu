@@ -81,20 +81,14 @@ __device__ __forceinline__ void stage_rows(S* dst, const S* src, const ConvShape
                                            int64_t c0) {
   using L = Slab<S, 1>;
   if constexpr (kVec) {  // C % kChunk == 0 and 16-byte aligned rows: every chunk is wholly inside or outside
-    // a thread copies one chunk column (lane) of the rows warp, warp + kWarps, ... that lie in [0, T): the
-    // first such row, then fixed pointer steps (no per-row index arithmetic or bounds test)
+    // a thread copies one chunk column (lane) of the rows warp, warp + kWarps, ...
     const int ch = (threadIdx.x & 31) * L::kChunk;
     if (c0 + ch >= sh.C) return;
-    const int warp = threadIdx.x >> 5;
-    const int rlo = r0 < 0 ? static_cast<int>(-r0) : 0;  // r0 >= -kMaxK
-    const int64_t avail = sh.T - r0;
-    const int rhi = avail < nrows ? static_cast<int>(avail) : nrows;
-    int r = warp;
-    if (r < rlo) r += (rlo - r + kWarps - 1) / kWarps * kWarps;
-    const S* from = src + (r0 + r) * sh.C + c0 + ch;
-    S* to = dst + r * L::kWidth + ch;
-    const int64_t step = kWarps * sh.C;
-    for (; r < rhi; r += kWarps, from += step, to += kWarps * L::kWidth) cuda::cp_async16(to, from);
+    const S* from = src + c0 + ch;
+    for (int r = threadIdx.x >> 5; r < nrows; r += kWarps) {
+      const int64_t u = r0 + r;
+      if (u >= 0 && u < sh.T) cuda::cp_async16(dst + r * L::kWidth + ch, from + u * sh.C);
+    }
   } else {
     const int n = nrows * L::kWidth;
     for (int i = threadIdx.x; i < n; i += kThreads) {
@@ -144,6 +138,27 @@ template <typename L> struct BlockSpan {
   }
 };
 
+// The double-buffered walk over a block's sub-tiles: stage(j) issues the copies of sub-tile j (into buffer j & 1);
+// once sub-tile j is resident, run(j, tb, t0, t1) gets its first token tb and this thread's run [t0, t1) of up to
+// R tokens (token group g; empty at the span's end). Every thread takes every barrier.
+template <typename StageFn, typename RunFn>
+__device__ __forceinline__ void walk_subtiles(int64_t s0, int64_t s1, int nsub, int TT, int R, int g, StageFn stage,
+                                              RunFn run) {
+  stage(0);
+  cuda::cp_async_commit();
+  for (int j = 0; j < nsub; ++j) {
+    const int64_t tb = s0 + static_cast<int64_t>(j) * TT;
+    if (j + 1 < nsub) stage(j + 1);
+    cuda::cp_async_commit();
+    cuda::cp_async_wait<1>();
+    __syncthreads();
+    const int64_t t0 = tb + static_cast<int64_t>(g) * R;
+    const int64_t t1 = t0 + R < s1 ? t0 + R : s1;
+    run(j, tb, t0, t1);
+    __syncthreads();
+  }
+}
+
 // The segment of a thread's first token s0 + lead in its span [s0, s1) (its later runs move the index on).
 __device__ __forceinline__ int64_t first_segment(const int64_t* cu, const ConvShape& sh, int64_t s0, int64_t s1,
                                                  int64_t lead) {
@@ -168,17 +183,11 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3)
   // the thread's taps (loaded once for the span) and its segment: the one holding its current run's first token
   const ConvTaps<S, KM, P> tp(w, b, K, KM - K, live ? c : 0);
   int64_t seg = first_segment(cu, sh, s0, s1, static_cast<int64_t>(g) * R);
-  stage_rows<S, kVec>(buf, x, sh, s0 - (KM - 1), ROWS, c0);
-  cuda::cp_async_commit();
-  for (int j = 0; j < nsub; ++j) {
+  auto stage = [&](int j) {
     const int64_t tb = s0 + static_cast<int64_t>(j) * TT;
-    if (j + 1 < nsub) stage_rows<S, kVec>(buf + ((j + 1) & 1) * ROWS * L::kWidth, x, sh, tb + TT - (KM - 1),
-                                          ROWS, c0);
-    cuda::cp_async_commit();
-    cuda::cp_async_wait<1>();
-    __syncthreads();
-    const int64_t t0 = tb + static_cast<int64_t>(g) * R;
-    const int64_t t1 = t0 + R < s1 ? t0 + R : s1;
+    stage_rows<S, kVec>(buf + (j & 1) * ROWS * L::kWidth, x, sh, tb - (KM - 1), ROWS, c0);
+  };
+  walk_subtiles(s0, s1, nsub, TT, R, g, stage, [&](int j, int64_t tb, int64_t t0, int64_t t1) {
     if (live && t0 < t1) {
       const TileRows<S> rows{buf + (j & 1) * ROWS * L::kWidth, tb - (KM - 1), c0};
       while (__ldg(cu + seg + 1) <= t0) ++seg;
@@ -187,8 +196,7 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3)
       else
         conv_fwd_tile<S, KM, P, NB, ACT, kExact>(rows, tp, prefix, cu, sh, y, c, t0, t1);
     }
-    __syncthreads();
-  }
+  });
 }
 
 template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = BwdCfg<S, kVec>::P,
@@ -218,16 +226,7 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
   int64_t seg = first_segment(cu, sh, s0, s1, static_cast<int64_t>(g) * R);
   A dw[L::P][KM], db[L::P];
   conv_zero_partials(dw, db);
-  stage(0);
-  cuda::cp_async_commit();
-  for (int j = 0; j < nsub; ++j) {
-    const int64_t tb = s0 + static_cast<int64_t>(j) * TT;
-    if (j + 1 < nsub) stage(j + 1);
-    cuda::cp_async_commit();
-    cuda::cp_async_wait<1>();
-    __syncthreads();
-    const int64_t t0 = tb + static_cast<int64_t>(g) * R;
-    const int64_t t1 = t0 + R < s1 ? t0 + R : s1;
+  walk_subtiles(s0, s1, nsub, TT, R, g, stage, [&](int j, int64_t tb, int64_t t0, int64_t t1) {
     if (live && t0 < t1) {
       const S* xb = buf + (j & 1) * STAGE;
       const TileRows<S> dyr{xb + XR * L::kWidth, tb, c0}, xr{xb, tb - KM, c0};
@@ -237,8 +236,7 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
       else
         conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, prefix, cu, sh, dx, dprefix, c, t0, t1, dw, db);
     }
-    __syncthreads();
-  }
+  });
   cuda::cp_async_wait<0>();
   __syncthreads();
   // The block's token groups hold sums of the same channels: add them in group order, one partial per channel.
