@@ -8,6 +8,11 @@ import packcuda
 
 HAS_CUDA = torch.cuda.is_available() and packcuda.built_with_cuda()
 
+# Under pytest-xdist every worker would start as many CPU threads as there are cores (the reference computations
+# then oversubscribe the machine): share the cores between the workers.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 
