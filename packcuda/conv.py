@@ -83,6 +83,21 @@ def _conv_backward(ctx, grad_y):
 torch.library.register_autograd("packcuda::causal_conv1d_fwd", _conv_backward, setup_context=_conv_setup)
 
 
+# Eager fast path of the facade (packcuda._lib.EagerOp): the same forward kernel, context and backward as the
+# registered autograd above, in a plain Function (under torch.compile the facade calls the registered op).
+class _CausalConv1d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, cu, prefix, act):
+        inputs = (x, weight, bias, cu, prefix, act)
+        _conv_setup(ctx, inputs, None)
+        return _CONV.below(*inputs)
+
+    backward = staticmethod(_conv_backward)
+
+
+_CONV = _lib.EagerOp(ops.causal_conv1d_fwd, _CausalConv1d)
+
+
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
@@ -123,7 +138,9 @@ def causal_conv1d(
     if activation not in _ACT:
         raise ValueError(f"packcuda.{op}: activation must be None or 'silu', got {activation!r}")
     cu = op_metadata(cu_seqlens, op=op) if cu_seqlens is not None else None
-    return ops.causal_conv1d_fwd(x, weight, bias, cu, prefix, _ACT[activation])
+    needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad) or (
+        prefix is not None and prefix.requires_grad)
+    return _CONV(needs_grad, x, weight, bias, cu, prefix, _ACT[activation])
 
 
 # ---------------------------------------------------------------------------------------------------
