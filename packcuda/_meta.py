@@ -86,17 +86,19 @@ def resolve_device(op: str, name: str, device) -> Optional[torch.device]:
         if n == 0 or (d.index is not None and not 0 <= d.index < n):
             raise ValueError(f"packcuda.{op}: {name}={d} is not available here (CUDA devices: {n})")
         return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
-    if d.type != "cpu":
-        raise ValueError(f"packcuda.{op}: {name}={d} is not supported (packcuda runs on cpu and cuda)")
-    return d
+    return _kernel_device(op, f"{name}={d}", d)
 
 
 def tensor_device(op: str, name: str, t: torch.Tensor) -> torch.device:
     """The device of a tensor argument (it exists, so no device query: traceable by torch.compile); devices
     packcuda has no kernels for (meta, mps, ...) are a ValueError naming the op."""
-    d = t.device
+    return _kernel_device(op, f"{name} on {t.device}", t.device)
+
+
+def _kernel_device(op: str, what: str, d: torch.device) -> torch.device:
+    """d itself when packcuda has kernels for its type (cpu, cuda), else a ValueError naming the op."""
     if d.type not in ("cpu", "cuda"):
-        raise ValueError(f"packcuda.{op}: {name} on {d} is not supported (packcuda runs on cpu and cuda)")
+        raise ValueError(f"packcuda.{op}: {what} is not supported (packcuda runs on cpu and cuda)")
     return d
 
 
