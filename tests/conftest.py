@@ -30,10 +30,17 @@ def _skip_missing_cuda(request):
         pytest.skip("needs a CUDA device and a CUDA build of packcuda")
 
 
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of packcuda")
-requires_two_gpus_nccl = pytest.mark.skipif(
+def _gpu_test(skip):
+    """A decorator: the test is gpu-marked (``-m gpu`` selects it) and skipped under ``skip``."""
+    def mark(test):
+        return pytest.mark.gpu(skip(test))
+    return mark
+
+
+requires_cuda = _gpu_test(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of packcuda"))
+requires_two_gpus_nccl = _gpu_test(pytest.mark.skipif(
     not HAS_CUDA or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
-    reason="needs 2 CUDA devices, NCCL and a CUDA build of packcuda")
+    reason="needs 2 CUDA devices, NCCL and a CUDA build of packcuda"))
 
 
 def spawn_ranks(worker, world: int, tmp_path) -> dict:
