@@ -508,9 +508,10 @@ def _src(obj) -> str:
 
 
 def _check_source(obj, name: str, needles, where: str) -> None:
-    """Refuses (UnsupportedTransformersError) when the source of obj lacks any of the needles."""
+    """Refuses (UnsupportedTransformersError) when the source of obj lacks any of the needles (a tuple of
+    strings is one needle written in alternative ways: one of them must be there)."""
     src = _src(obj) if obj is not None else ""
-    missing = [n for n in needles if n not in src]
+    missing = [n for n in needles if not any(alt in src for alt in ((n,) if isinstance(n, str) else n))]
     if missing:
         raise UnsupportedTransformersError(f"{where}: {name} is not the code this patch was written for (missing "
                                            f"{missing}); refusing to patch")
@@ -524,6 +525,11 @@ def _import_family(fam: Family):
     except ImportError as e:
         raise UnsupportedTransformersError(
             f"packcuda.integrations.transformers: transformers {transformers_version()} has no {fam.module} ({e})")
+
+
+# The text models' rotary frequencies, as transformers writes them: position * inv_freq in fp32, elementwise
+# (5.24) or as the [n, 1] x [1, T] fp32 product of the earlier releases (one product per element: the same values).
+_TEXT_FREQS = ("position_ids[..., None].float()", "inv_freq_expanded.float() @ position_ids_expanded.float()")
 
 
 def _check_code(fam: Family, mod) -> None:
@@ -549,7 +555,7 @@ def _check_code(fam: Family, mod) -> None:
          + ["position_embeddings = self.rotary_emb(hidden_states, position_ids)"]),
         (getattr(mod, fam.rotary).forward, f"{fam.rotary}.forward",
          ["self.inv_freq", "self.attention_scaling"] + (["recomposition_frequencies"] if fam.mrope else
-                                                         ["position_ids[..., None].float()"])),
+                                                         [_TEXT_FREQS])),
     ]
     if fam.mrope:
         expect.append((getattr(getattr(mod, fam.rotary), "recomposition_frequencies", None),
@@ -910,12 +916,7 @@ def _gdn_checks(mod) -> None:
         (layer.forward, f"{_GDN_LAYER}.forward", ["self.linear_attn(", 'self.block_type == "linear_attention"']),
     ]
     for obj, name, needles in expect:
-        src = _src(obj)
-        missing = [n for n in needles if n not in src]
-        if missing:
-            raise UnsupportedTransformersError(
-                f"packcuda linear-attention patch: qwen3_5 in transformers {v}: {name} is not the code this patch "
-                f"was written for (missing {missing}); refusing to patch")
+        _check_source(obj, name, needles, f"packcuda linear-attention patch: qwen3_5 in transformers {v}")
 
 
 class _GdnState:
