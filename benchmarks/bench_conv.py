@@ -152,8 +152,8 @@ def run_conv(quick=False, device=None) -> list[dict]:
                     notes.append(f"torch.compile baseline skipped: {type(e).__name__}: {e}")
         del x, dy, dst, leaves
     notes.append("x_copy: time / copy_ of x in the same run (floor: fwd 1, bwd 1.5, fwd+bwd 2.5); the CUDA-graph rows "
-                 "(20 calls captured, replays timed) divide by the same eager copy_ (a captured copy_ becomes a "
-                 "copy-engine memcpy node, slower than the copy kernel), and their fwd+bwd is the sum of the fwd and "
+                 "(20 calls captured, replays timed) divide by the same eager copy_ (a captured copy_ of x measured "
+                 "0.396 ms against 0.258 ms eager at T=32768 C=8192 on the H200 of 2026-12-02), and their fwd+bwd is the sum of the fwd and "
                  "bwd graphs (the kernels alone: the eager fwd+bwd row also carries autograd's host work and its hand-off to the "
                  "backward thread, which a short kernel cannot hide). bwd is the raw "
                  "backward op (dx, dweight, dbias and, with a prefix, its gradient) as autograd calls it. "
