@@ -82,75 +82,14 @@ def run_conv(quick=False, device=None) -> list[dict]:
     if fla_conv is None:
         notes.append("FLA (flash-linear-attention) is not importable here: its varlen conv rows are skipped.")
     nseq = 16 if quick or dev.type == "cpu" else 64
-    for n_cfg, (T, C, K, with_prefix) in enumerate(_configs(quick, dev)):
-        rng = random.Random(0)
-        cu = cu_from_lengths(_lengths(nseq, T, rng))
-        cu_dev = torch.tensor(cu, dtype=torch.int64)  # host metadata, as the facade passes it
-        x = torch.randn(T, C, device=dev, dtype=dtype)
-        w = torch.randn(C, K, device=dev, dtype=dtype) * 0.5
-        b = torch.randn(C, device=dev, dtype=dtype)
-        dy = torch.randn(T, C, device=dev, dtype=dtype)
-        p = torch.randn(nseq, K - 1, C, device=dev, dtype=dtype) if with_prefix else None
-        shape = f"T={T} C={C} K={K} {str(dtype)[6:]} seqs={nseq}" + (" prefix" if with_prefix else "")
-        dst = torch.empty_like(x)
-        copy_ms = t.median_ms(lambda: dst.copy_(x))
-        fwd = t.median_ms(lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu"))
-        bwd = t.median_ms(lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_dev, p, 1))
-        leaves = [v.detach().requires_grad_() for v in (x, w, b) + ((p,) if with_prefix else ())]
-
-        def fwd_bwd(f):
-            def go():
-                torch.autograd.grad(f(), leaves, dy)
-            return go
-
-        ours = fwd_bwd(lambda: packcuda.causal_conv1d(leaves[0], leaves[1], leaves[2], cu_seqlens=cu,
-                                                      prefix=leaves[3] if with_prefix else None, activation="silu"))
-        both = t.median_ms(ours)
-        timed = [("fwd", fwd, 1.0, copy_ms), ("bwd", bwd, 1.5, copy_ms), ("fwd+bwd", both, 2.5, copy_ms)]
-        if dev.type == "cuda":  # kernel time alone: the same ops captured in a CUDA graph (no host, no autograd)
-            cu_d = torch.tensor(cu, dtype=torch.int64, device=dev)
-            fwd_g = lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu_d, prefix=p, activation="silu")
-            bwd_g = lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_d, p, 1)
-            ms_fg, ms_bg = graph_ms(t, fwd_g), graph_ms(t, bwd_g)
-            timed += [("fwd (CUDA graph)", ms_fg, 1.0, copy_ms), ("bwd (CUDA graph)", ms_bg, 1.5, copy_ms),
-                      ("fwd+bwd kernels (CUDA graph)", ms_fg + ms_bg, 2.5, copy_ms)]
-        for op, ms, floor, cms in timed:
-            rows.append(dict(op=f"causal_conv1d {op}", shape=shape, packcuda_ms=ms, copy_ms=cms,
-                             x_copy=ms / cms, floor_x_copy=floor, baseline="-", baseline_ms=float("nan"),
-                             speedup=float("nan")))
-            print(f"{rows[-1]['op']:45s} {shape:45s} {ms:.4f} ms  {ms / cms:.2f}x copy", flush=True)
-        if fla_conv is not None and not with_prefix:
-            try:
-                cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
-                f = lambda: fla_conv(leaves[0][None], leaves[1], leaves[2], activation="silu", cu_seqlens=cu_t)[0][0]
-                ms_f = t.median_ms(lambda: fla_conv(x[None], w, b, activation="silu", cu_seqlens=cu_t))
-                ms_b = t.median_ms(fwd_bwd(f))
-                rows.append(dict(op="causal_conv1d fwd", shape=shape, packcuda_ms=fwd, copy_ms=copy_ms,
-                                 x_copy=fwd / copy_ms, baseline="FLA causal_conv1d (varlen)", baseline_ms=ms_f,
-                                 speedup=ms_f / fwd))
-                rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
-                                 x_copy=both / copy_ms, baseline="FLA causal_conv1d (varlen)", baseline_ms=ms_b,
-                                 speedup=ms_b / both))
-                print(f"FLA varlen conv {shape}: fwd {ms_f:.4f} ms, fwd+bwd {ms_b:.4f} ms", flush=True)
-            except Exception as e:  # pragma: no cover
-                notes.append(f"FLA varlen conv failed: {type(e).__name__}: {e}")
-        if n_cfg == 0:  # the per-sequence reference (one F.conv1d per sequence): eager and compiled
-            ref = fwd_bwd(lambda: torch.nn.functional.silu(_reference_conv(leaves[0], leaves[1], leaves[2], cu)))
-            ms = t.median_ms(ref, reps=3 if quick else 10)
-            rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
-                             x_copy=both / copy_ms, baseline="F.conv1d per sequence (eager)", baseline_ms=ms,
-                             speedup=ms / both))
-            if not quick:
-                try:
-                    cref = torch.compile(
-                        lambda: torch.nn.functional.silu(_reference_conv(leaves[0], leaves[1], leaves[2], cu)))
-                    ms = t.median_ms(fwd_bwd(cref), reps=10)
-                    rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
-                                     x_copy=both / copy_ms, baseline="torch.compile(F.conv1d per sequence)",
-                                     baseline_ms=ms, speedup=ms / both))
-                except Exception as e:  # pragma: no cover
-                    notes.append(f"torch.compile baseline skipped: {type(e).__name__}: {e}")
-        del x, dy, dst, leaves
+    cfgs = _configs(quick, dev)
+    try:
+        for n_cfg, cfg in enumerate(cfgs):
+            _one_shape(t, dev, dtype, nseq, n_cfg, cfg, fla_conv, quick, rows, notes)
+    except TimeLimit:
+        notes.append(f"This run reached its time limit (SIGTERM) during shape {n_cfg + 1} of {len(cfgs)} (T, C, K, "
+                     f"prefix = {cfgs[n_cfg]}): that shape's remaining rows and the {len(cfgs) - n_cfg - 1} shapes "
+                     "after it were not measured.")
     notes.append("x_copy: time / copy_ of x in the same run (floor: fwd 1, bwd 1.5, fwd+bwd 2.5); the CUDA-graph rows "
                  "(20 calls captured, replays timed) divide by the same eager copy_ (a captured copy_ of x measured "
                  "0.396 ms against 0.258 ms eager at T=32768 C=8192 on the H200 of 2026-12-02), and their fwd+bwd is the sum of the fwd and "
@@ -160,6 +99,83 @@ def run_conv(quick=False, device=None) -> list[dict]:
                  "FLA rows: no prefix (its varlen conv takes no per-sequence prefix rows). Qwen3.5's layer shape "
                  "(transformers' Qwen3_5TextConfig: 2*16*128 key + 32*128 value channels = 8192, K=4) is the C=8192 K=4 row.")
     return rows, notes
+
+
+class TimeLimit(Exception):
+    """Raised by the SIGTERM handler of the command line (a time limit): the shapes measured so far are kept."""
+
+
+def _one_shape(t, dev, dtype, nseq, n_cfg, cfg, fla_conv, quick, rows, notes):
+    """The rows of one (T, C, K, with_prefix) shape."""
+    T, C, K, with_prefix = cfg
+    rng = random.Random(0)
+    cu = cu_from_lengths(_lengths(nseq, T, rng))
+    cu_dev = torch.tensor(cu, dtype=torch.int64)  # host metadata, as the facade passes it
+    x = torch.randn(T, C, device=dev, dtype=dtype)
+    w = torch.randn(C, K, device=dev, dtype=dtype) * 0.5
+    b = torch.randn(C, device=dev, dtype=dtype)
+    dy = torch.randn(T, C, device=dev, dtype=dtype)
+    p = torch.randn(nseq, K - 1, C, device=dev, dtype=dtype) if with_prefix else None
+    shape = f"T={T} C={C} K={K} {str(dtype)[6:]} seqs={nseq}" + (" prefix" if with_prefix else "")
+    dst = torch.empty_like(x)
+    copy_ms = t.median_ms(lambda: dst.copy_(x))
+    fwd = t.median_ms(lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu"))
+    bwd = t.median_ms(lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_dev, p, 1))
+    leaves = [v.detach().requires_grad_() for v in (x, w, b) + ((p,) if with_prefix else ())]
+
+    def fwd_bwd(f):
+        def go():
+            torch.autograd.grad(f(), leaves, dy)
+        return go
+
+    ours = fwd_bwd(lambda: packcuda.causal_conv1d(leaves[0], leaves[1], leaves[2], cu_seqlens=cu,
+                                                  prefix=leaves[3] if with_prefix else None, activation="silu"))
+    both = t.median_ms(ours)
+    timed = [("fwd", fwd, 1.0, copy_ms), ("bwd", bwd, 1.5, copy_ms), ("fwd+bwd", both, 2.5, copy_ms)]
+    if dev.type == "cuda":  # kernel time alone: the same ops captured in a CUDA graph (no host, no autograd)
+        cu_d = torch.tensor(cu, dtype=torch.int64, device=dev)
+        fwd_g = lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu_d, prefix=p, activation="silu")
+        bwd_g = lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_d, p, 1)
+        ms_fg, ms_bg = graph_ms(t, fwd_g), graph_ms(t, bwd_g)
+        timed += [("fwd (CUDA graph)", ms_fg, 1.0, copy_ms), ("bwd (CUDA graph)", ms_bg, 1.5, copy_ms),
+                  ("fwd+bwd kernels (CUDA graph)", ms_fg + ms_bg, 2.5, copy_ms)]
+    for op, ms, floor, cms in timed:
+        rows.append(dict(op=f"causal_conv1d {op}", shape=shape, packcuda_ms=ms, copy_ms=cms,
+                         x_copy=ms / cms, floor_x_copy=floor, baseline="-", baseline_ms=float("nan"),
+                         speedup=float("nan")))
+        print(f"{rows[-1]['op']:45s} {shape:45s} {ms:.4f} ms  {ms / cms:.2f}x copy", flush=True)
+    if fla_conv is not None and not with_prefix:
+        try:
+            cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+            f = lambda: fla_conv(leaves[0][None], leaves[1], leaves[2], activation="silu", cu_seqlens=cu_t)[0][0]
+            ms_f = t.median_ms(lambda: fla_conv(x[None], w, b, activation="silu", cu_seqlens=cu_t))
+            ms_b = t.median_ms(fwd_bwd(f))
+            rows.append(dict(op="causal_conv1d fwd", shape=shape, packcuda_ms=fwd, copy_ms=copy_ms,
+                             x_copy=fwd / copy_ms, baseline="FLA causal_conv1d (varlen)", baseline_ms=ms_f,
+                             speedup=ms_f / fwd))
+            rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
+                             x_copy=both / copy_ms, baseline="FLA causal_conv1d (varlen)", baseline_ms=ms_b,
+                             speedup=ms_b / both))
+            print(f"FLA varlen conv {shape}: fwd {ms_f:.4f} ms, fwd+bwd {ms_b:.4f} ms", flush=True)
+        except Exception as e:  # pragma: no cover
+            notes.append(f"FLA varlen conv failed: {type(e).__name__}: {e}")
+    if n_cfg == 0:  # the per-sequence reference (one F.conv1d per sequence): eager and compiled
+        ref = fwd_bwd(lambda: torch.nn.functional.silu(_reference_conv(leaves[0], leaves[1], leaves[2], cu)))
+        ms = t.median_ms(ref, reps=3 if quick else 10)
+        rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
+                         x_copy=both / copy_ms, baseline="F.conv1d per sequence (eager)", baseline_ms=ms,
+                         speedup=ms / both))
+        if not quick:
+            try:
+                cref = torch.compile(
+                    lambda: torch.nn.functional.silu(_reference_conv(leaves[0], leaves[1], leaves[2], cu)))
+                ms = t.median_ms(fwd_bwd(cref), reps=10)
+                rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
+                                 x_copy=both / copy_ms, baseline="torch.compile(F.conv1d per sequence)",
+                                 baseline_ms=ms, speedup=ms / both))
+            except Exception as e:  # pragma: no cover
+                notes.append(f"torch.compile baseline skipped: {type(e).__name__}: {e}")
+    del x, dy, dst, leaves
 
 
 def run_exchange(quick=False) -> list[dict]:
@@ -313,8 +329,16 @@ def run(quick=False, device=None, write=False, exchange_only=False) -> list[dict
     return rows
 
 
+def _on_sigterm(signum, frame):
+    raise TimeLimit()
+
+
 if __name__ == "__main__":
+    import signal
+
     import torch.distributed as dist
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
     quick = "--quick" in sys.argv
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
