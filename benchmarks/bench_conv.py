@@ -92,10 +92,10 @@ def run_conv(quick=False, device=None) -> list[dict]:
                      "after it were not measured.")
     notes.append("x_copy: time / copy_ of x in the same run (floor: fwd 1, bwd 1.5, fwd+bwd 2.5); the CUDA-graph rows "
                  "(20 calls captured, replays timed) divide by the same eager copy_ (a captured copy_ of x measured "
-                 "0.396 ms against 0.258 ms eager at T=32768 C=8192 on the H200 of 2026-12-02), and their fwd+bwd is the sum of the fwd and "
-                 "bwd graphs (the kernels alone: the eager fwd+bwd row also carries autograd's host work and its hand-off to the "
-                 "backward thread, which a short kernel cannot hide). bwd is the raw "
-                 "backward op (dx, dweight, dbias and, with a prefix, its gradient) as autograd calls it. "
+                 "0.396 ms against 0.258 ms eager at T=32768 C=8192 on the H200 of 2026-12-02), and their fwd+bwd "
+                 "is the sum of the fwd and bwd graphs (the kernels alone: the eager fwd+bwd row also carries "
+                 "autograd's host work and its hand-off to the backward thread, which a short kernel cannot hide). "
+                 "bwd is the raw backward op (dx, dweight, dbias and, with a prefix, its gradient) as autograd calls it. "
                  "FLA rows: no prefix (its varlen conv takes no per-sequence prefix rows). Qwen3.5's layer shape "
                  "(transformers' Qwen3_5TextConfig: 2*16*128 key + 32*128 value channels = 8192, K=4) is the C=8192 K=4 row.")
     return rows, notes
@@ -103,6 +103,9 @@ def run_conv(quick=False, device=None) -> list[dict]:
 
 class TimeLimit(Exception):
     """Raised by the SIGTERM handler of the command line (a time limit): the shapes measured so far are kept."""
+
+
+_FLOORS = {"fwd": 1.0, "bwd": 1.5, "fwd+bwd": 2.5}  # x copy_: the bytes each pass must move
 
 
 def _one_shape(t, dev, dtype, nseq, n_cfg, cfg, fla_conv, quick, rows, notes):
@@ -131,48 +134,46 @@ def _one_shape(t, dev, dtype, nseq, n_cfg, cfg, fla_conv, quick, rows, notes):
     ours = fwd_bwd(lambda: packcuda.causal_conv1d(leaves[0], leaves[1], leaves[2], cu_seqlens=cu,
                                                   prefix=leaves[3] if with_prefix else None, activation="silu"))
     both = t.median_ms(ours)
-    timed = [("fwd", fwd, 1.0, copy_ms), ("bwd", bwd, 1.5, copy_ms), ("fwd+bwd", both, 2.5, copy_ms)]
+    def add(op, ms, base=None):
+        """One row: our time `ms` as a multiple of copy_; with `base` = (name, ms) the baseline's time and ours
+        over it, else the floor of `op` (fwd 1, bwd 1.5, fwd+bwd 2.5)."""
+        row = dict(op=f"causal_conv1d {op}", shape=shape, packcuda_ms=ms, copy_ms=copy_ms, x_copy=ms / copy_ms)
+        if base is None:
+            row.update(floor_x_copy=_FLOORS[op.split()[0]], baseline="-", baseline_ms=float("nan"), speedup=float("nan"))
+            print(f"{row['op']:45s} {shape:45s} {ms:.4f} ms  {ms / copy_ms:.2f}x copy", flush=True)
+        else:
+            row.update(baseline=base[0], baseline_ms=base[1], speedup=base[1] / ms)
+        rows.append(row)
+
+    add("fwd", fwd)
+    add("bwd", bwd)
+    add("fwd+bwd", both)
     if dev.type == "cuda":  # kernel time alone: the same ops captured in a CUDA graph (no host, no autograd)
         cu_d = torch.tensor(cu, dtype=torch.int64, device=dev)
-        fwd_g = lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu_d, prefix=p, activation="silu")
-        bwd_g = lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_d, p, 1)
-        ms_fg, ms_bg = graph_ms(t, fwd_g), graph_ms(t, bwd_g)
-        timed += [("fwd (CUDA graph)", ms_fg, 1.0, copy_ms), ("bwd (CUDA graph)", ms_bg, 1.5, copy_ms),
-                  ("fwd+bwd kernels (CUDA graph)", ms_fg + ms_bg, 2.5, copy_ms)]
-    for op, ms, floor, cms in timed:
-        rows.append(dict(op=f"causal_conv1d {op}", shape=shape, packcuda_ms=ms, copy_ms=cms,
-                         x_copy=ms / cms, floor_x_copy=floor, baseline="-", baseline_ms=float("nan"),
-                         speedup=float("nan")))
-        print(f"{rows[-1]['op']:45s} {shape:45s} {ms:.4f} ms  {ms / cms:.2f}x copy", flush=True)
+        ms_fg = graph_ms(t, lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu_d, prefix=p, activation="silu"))
+        ms_bg = graph_ms(t, lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_d, p, 1))
+        add("fwd (CUDA graph)", ms_fg)
+        add("bwd (CUDA graph)", ms_bg)
+        add("fwd+bwd kernels (CUDA graph)", ms_fg + ms_bg)
     if fla_conv is not None and not with_prefix:
         try:
             cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
             f = lambda: fla_conv(leaves[0][None], leaves[1], leaves[2], activation="silu", cu_seqlens=cu_t)[0][0]
             ms_f = t.median_ms(lambda: fla_conv(x[None], w, b, activation="silu", cu_seqlens=cu_t))
             ms_b = t.median_ms(fwd_bwd(f))
-            rows.append(dict(op="causal_conv1d fwd", shape=shape, packcuda_ms=fwd, copy_ms=copy_ms,
-                             x_copy=fwd / copy_ms, baseline="FLA causal_conv1d (varlen)", baseline_ms=ms_f,
-                             speedup=ms_f / fwd))
-            rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
-                             x_copy=both / copy_ms, baseline="FLA causal_conv1d (varlen)", baseline_ms=ms_b,
-                             speedup=ms_b / both))
+            add("fwd", fwd, ("FLA causal_conv1d (varlen)", ms_f))
+            add("fwd+bwd", both, ("FLA causal_conv1d (varlen)", ms_b))
             print(f"FLA varlen conv {shape}: fwd {ms_f:.4f} ms, fwd+bwd {ms_b:.4f} ms", flush=True)
         except Exception as e:  # pragma: no cover
             notes.append(f"FLA varlen conv failed: {type(e).__name__}: {e}")
     if n_cfg == 0:  # the per-sequence reference (one F.conv1d per sequence): eager and compiled
         ref = fwd_bwd(lambda: torch.nn.functional.silu(_reference_conv(leaves[0], leaves[1], leaves[2], cu)))
-        ms = t.median_ms(ref, reps=3 if quick else 10)
-        rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
-                         x_copy=both / copy_ms, baseline="F.conv1d per sequence (eager)", baseline_ms=ms,
-                         speedup=ms / both))
+        add("fwd+bwd", both, ("F.conv1d per sequence (eager)", t.median_ms(ref, reps=3 if quick else 10)))
         if not quick:
             try:
                 cref = torch.compile(
                     lambda: torch.nn.functional.silu(_reference_conv(leaves[0], leaves[1], leaves[2], cu)))
-                ms = t.median_ms(fwd_bwd(cref), reps=10)
-                rows.append(dict(op="causal_conv1d fwd+bwd", shape=shape, packcuda_ms=both, copy_ms=copy_ms,
-                                 x_copy=both / copy_ms, baseline="torch.compile(F.conv1d per sequence)",
-                                 baseline_ms=ms, speedup=ms / both))
+                add("fwd+bwd", both, ("torch.compile(F.conv1d per sequence)", t.median_ms(fwd_bwd(cref), reps=10)))
             except Exception as e:  # pragma: no cover
                 notes.append(f"torch.compile baseline skipped: {type(e).__name__}: {e}")
     del x, dy, dst, leaves

@@ -704,7 +704,6 @@ def _nccl_worker(rank, world, init, results):
         results[rank] = n
 
 
-@pytest.mark.gpu
 @requires_two_gpus_nccl
 def test_conv_prefix_nccl_two_gpus(tmp_path):
     """cp=2 over NCCL: both the raw-NCCL path and the torch.distributed path equal the unsharded conv (outputs

@@ -596,7 +596,6 @@ def _nccl_exchange_worker(rank, world, init, results):
         results[rank] = n
 
 
-@pytest.mark.gpu
 @requires_two_gpus_nccl
 def test_conv_prefix_exchange_nccl_two_gpus(tmp_path):
     """cp=2 over NCCL: the static exchange equals the host plan's (values, gradients); plan build, shard, the
