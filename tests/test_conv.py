@@ -185,6 +185,30 @@ def test_causal_conv1d_device_cu_seqlens(device):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("nseg", [7, 478, 479, 480, 700])
+def test_causal_conv1d_many_segments(device, nseg):
+    # On CUDA, host cu_seqlens of up to 479 segments travel in the kernels' parameters and longer ones are
+    # uploaded: both give the results of a device cu_seqlens (bitwise) and of the reference, with prefix rows
+    # and their gradient.
+    g = _seed("manyseg", nseg)
+    lens = [int(v) for v in torch.randint(0, 7, (nseg,), generator=g)]
+    lens[0], lens[-1] = 40, 33
+    _run_vs_reference(device, torch.float32, lens, 4, 24, "silu", True, True, g)
+    cu = _cu(lens)
+    x = torch.randn(cu[-1], 24, generator=g).to(device)
+    w = torch.randn(24, 4, generator=g).to(device)
+    b = torch.randn(24, generator=g).to(device)
+    p = torch.randn(nseg, 3, 24, generator=g).to(device)
+    dy = torch.randn(cu[-1], 24, generator=g).to(device)
+    cu_dev = torch.tensor(cu, device=device)
+    assert torch.equal(packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu"),
+                       packcuda.causal_conv1d(x, w, b, cu_seqlens=cu_dev, prefix=p, activation="silu"))
+    host = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, torch.tensor(cu), p, 1)
+    dev = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_dev, p, 1)
+    for a, b_ in zip(host, dev):
+        assert torch.equal(a, b_)
+
+
 def test_opcheck(device):
     from torch.library import opcheck
 
@@ -283,6 +307,41 @@ def test_causal_conv1d_host_metadata_does_not_sync():
         y = packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu")
         y.backward(torch.ones_like(y))
     torch.cuda.synchronize()
+
+
+@requires_cuda
+def test_causal_conv1d_graph_capture_host_metadata():
+    # Host cu_seqlens are part of the captured launches (kernel parameters or an uploaded copy): replays with new
+    # data give eager's results, forward and backward.
+    g = _seed("graph-host")
+    for lens in ([300, 2, 0, 511, 1], [3] * 600):
+        cu = _cu(lens)
+        T, C = cu[-1], 264
+        x, dy = (torch.randn(T, C, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        w = torch.randn(C, 4, generator=g).to("cuda", torch.bfloat16)
+        b = torch.randn(C, generator=g).to("cuda", torch.bfloat16)
+        p = torch.randn(len(lens), 3, C, generator=g).to("cuda", torch.bfloat16)
+        cu_t = torch.tensor(cu)
+
+        def step():
+            return (packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu"),
+                    *torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_t, p, 1))
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()  # warm-up off the capture
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        for _ in range(2):
+            x.copy_(torch.randn(T, C, generator=g).to("cuda", torch.bfloat16))
+            dy.copy_(torch.randn(T, C, generator=g).to("cuda", torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            for a, b_ in zip(outs, step()):
+                assert torch.equal(a, b_)
 
 
 # ------------------------------------------------------------------------------------ conv-prefix exchange

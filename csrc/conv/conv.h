@@ -19,6 +19,10 @@ typedef struct ncclComm* ncclComm_t;
 namespace packcuda::conv {
 
 constexpr int kMaxK = 8;  // largest supported kernel size
+// Most cu entries a CUDA launch takes in its kernel parameters: host cu_seqlens of up to kInlineCu - 1
+// segments reach the kernels without an upload (no copy on the stream). 480 entries keep every conv kernel's
+// parameters within 4 KB.
+constexpr int64_t kInlineCu = 480;
 
 using packcuda::DType;  // common/dtype.h
 using packcuda::dtype_size;
@@ -28,7 +32,8 @@ struct ConvArgs {
   const void* weight = nullptr;
   const void* bias = nullptr;    // optional
   const void* prefix = nullptr;  // optional
-  const int64_t* cu = nullptr;   // on the kernel's device
+  const int64_t* cu = nullptr;       // on the kernel's device; for CUDA null when cu_host is given instead
+  const int64_t* cu_host = nullptr;  // the values on the host (CUDA, at most kInlineCu entries; else null)
   int64_t T = 0, C = 0, nseg = 0;
   int K = 0;                     // 1..8
   int activation = 0;            // 0 identity, 1 silu

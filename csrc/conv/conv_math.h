@@ -76,6 +76,29 @@ PC_HD A conv_input(const Rows& x, const S* prefix, const ConvShape& sh, int64_t 
   return val(prefix[(s * (sh.K - 1) + j) * sh.C + c]);
 }
 
+// The K-1 prefix rows of one segment for channels c .. c+V-1 in the compute type (row j in slot j; zeros
+// without a prefix). The backward's tile walk loads them together as it enters a segment, instead of one
+// dependent load per step over the segment's first K-1 tokens.
+template <typename S, int KM, int V> struct PrefixRows {
+  using A = typename Acc<S>::type;
+  A r[V][KM - 1];
+  PC_HD void load(const S* prefix, const ConvShape& sh, int64_t s, int64_t c) {
+PC_UNROLL
+    for (int v = 0; v < V; ++v)
+PC_UNROLL
+      for (int j = 0; j < KM - 1; ++j)
+        r[v][j] = prefix != nullptr && j < sh.K - 1 ? val(prefix[(s * (sh.K - 1) + j) * sh.C + c + v]) : A(0);
+  }
+  // Row j (0 <= j < K-1) of channel c + v: a select over static slots (keeps r in registers).
+  PC_HD A at(int v, int64_t j) const {
+    A out = A(0);
+PC_UNROLL
+    for (int m = 0; m < KM - 1; ++m)
+      if (m == j) out = r[v][m];
+    return out;
+  }
+};
+
 // Token tiles: tile i covers [i * len, min(T, (i + 1) * len)).
 struct Tiles {
   int64_t count;
@@ -319,6 +342,8 @@ PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const ConvTaps<S, KM,
     int64_t t = t1 - 1;
     int64_t s = find_segment(cu, sh.nseg, t);
     int64_t start = cu[s], end = cu[s + 1];
+    PrefixRows<S, KM, V> pre;  // segment s's prefix rows (the window's entries before its start)
+    pre.load(prefix, sh, s, c);
     A g[V][KM];   // g[v][d] = gz(t + d) if t + d is in t's segment, else 0 (only d < K carry weight)
     A xw[V][KM];  // xw[v][m] = xin(t - (KM-1) + m)
 PC_UNROLL
@@ -376,6 +401,7 @@ PC_UNROLL
           while (cu[s] > t);
           start = cu[s];
           end = cu[s + 1];
+          pre.load(prefix, sh, s, c);
 PC_UNROLL
           for (int v = 0; v < V; ++v) {
 PC_UNROLL
@@ -390,7 +416,7 @@ PC_UNROLL
 PC_UNROLL
           for (int v = 0; v < V; ++v)
             conv_bwd_shift<A, KM>(xw[v], g[v],
-                                  u >= start ? val(xr[i].v[v]) : conv_input<S, A>(x, prefix, sh, s, start, u, c + v),
+                                  u >= start ? val(xr[i].v[v]) : pre.at(v, (K - 1) + (u - start)),
                                   off);
         }
       }

@@ -29,6 +29,7 @@ void check_given(const char* op, const char* name, const Tensor& t) {
 struct Prepared {
   ConvArgs a;
   Tensor x, weight, cu;
+  std::vector<int64_t> cu_host;  // host cu_seqlens a CUDA launch takes in its parameters (a.cu_host)
   std::optional<Tensor> bias, prefix;
 };
 
@@ -61,11 +62,19 @@ Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, co
            " but x has dtype ", dtype_name(x_in.scalar_type()));
     p.bias = dense(b);
   }
+  // Host cu_seqlens for a CUDA x travel in the kernels' parameters when they fit (conv::kInlineCu); else (and
+  // for CPU x) cu is a tensor on x's device.
+  const bool cuda = x_in.is_cuda();
   int64_t nseg = 1;
   if (cu_seqlens.has_value()) {
-    Segments seg = segments(op, "cu_seqlens", *cu_seqlens, x_in.device(), T);
-    p.cu = seg.tensor;
+    const bool inl =
+        cuda && cu_seqlens->is_cpu() && cu_seqlens->dim() == 1 && cu_seqlens->numel() <= conv::kInlineCu;
+    Segments seg = segments(op, "cu_seqlens", *cu_seqlens, x_in.device(), T, /*upload=*/!inl);
     nseg = seg.count;
+    if (inl) p.cu_host = std::move(seg.host);
+    else p.cu = seg.tensor;
+  } else if (cuda) {
+    p.cu_host = {0, T};
   } else {
     p.cu = upload_i64({0, T}, x_in.device());
   }
@@ -83,7 +92,8 @@ Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, co
   a.weight = p.weight.const_data_ptr();
   a.bias = p.bias.has_value() ? p.bias->const_data_ptr() : nullptr;
   a.prefix = p.prefix.has_value() ? p.prefix->const_data_ptr() : nullptr;
-  a.cu = p.cu.const_data_ptr<int64_t>();
+  a.cu = p.cu_host.empty() ? p.cu.const_data_ptr<int64_t>() : nullptr;
+  a.cu_host = p.cu_host.empty() ? nullptr : p.cu_host.data();  // (a moved Prepared keeps the vector's buffer)
   a.T = T;
   a.C = C;
   a.nseg = nseg;

@@ -13,6 +13,7 @@
 // order, and writes one partial per (span, channel); conv_reduce_kernel sums the spans in order (deterministic,
 // no atomics). Odd C or unaligned rows take the same kernels with element-wise staging and P = 1.
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "common/cuda_utils.cuh"
@@ -99,6 +100,21 @@ __device__ __forceinline__ void stage_rows(S* dst, const S* src, const ConvShape
   }
 }
 
+// Host cu_seqlens of a launch (ConvArgs::cu_host), passed by value in the kernel's parameters. The kernels read
+// cu through cu_of: the device tensor when there is one, else this parameter (its address is a generic pointer
+// into the parameter space, which __grid_constant__ allows without a copy).
+struct CuParam {
+  int64_t v[kInlineCu];
+};
+CuParam cu_param(const ConvArgs& a) {
+  CuParam p;
+  if (a.cu == nullptr && a.cu_host != nullptr) std::memcpy(p.v, a.cu_host, static_cast<size_t>(a.nseg + 1) * 8);
+  return p;
+}
+__device__ __forceinline__ const int64_t* cu_of(const int64_t* cu, const CuParam& param) {
+  return cu != nullptr ? cu : param.v;
+}
+
 // Token spans: every block of a slab column takes span_len consecutive tokens (a multiple of the sub-tile), and
 // there are as many spans as fill one wave of resident blocks (at least one per slab).
 struct Spans {
@@ -169,9 +185,10 @@ template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = FwdCfg<S,
           int TT = FwdCfg<S, kVec>::TT, int NB = FwdCfg<S, kVec>::NB>
 __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3)
     conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w, const S* __restrict__ b,
-                    const S* __restrict__ prefix, const int64_t* __restrict__ cu, ConvShape sh, S* y,
-                    int64_t span_len) {
+                    const S* __restrict__ prefix, const int64_t* cu_dev, const __grid_constant__ CuParam cu_inl,
+                    ConvShape sh, S* y, int64_t span_len) {
   using L = Slab<S, P>;
+  const int64_t* const cu = cu_of(cu_dev, cu_inl);
   constexpr int ROWS = Stage<KM, TT>::kFwdRows, R = TT / L::kGroups;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   S* const buf = reinterpret_cast<S*>(smem_raw);
@@ -190,8 +207,8 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3)
   walk_subtiles(s0, s1, nsub, TT, R, g, stage, [&](int j, int64_t tb, int64_t t0, int64_t t1) {
     if (live && t0 < t1) {
       const TileRows<S> rows{buf + (j & 1) * ROWS * L::kWidth, tb - (KM - 1), c0};
-      while (__ldg(cu + seg + 1) <= t0) ++seg;
-      if (t1 - t0 == R && t0 - (K - 1) >= __ldg(cu + seg) && t1 <= __ldg(cu + seg + 1))
+      while (cu[seg + 1] <= t0) ++seg;
+      if (t1 - t0 == R && t0 - (K - 1) >= cu[seg] && t1 <= cu[seg + 1])
         conv_fwd_interior<S, KM, P, R, NB, ACT, kExact>(rows, tp, sh, y + t0 * sh.C + c, sh.C, t0, c);
       else
         conv_fwd_tile<S, KM, P, NB, ACT, kExact>(rows, tp, prefix, cu, sh, y, c, t0, t1);
@@ -203,9 +220,11 @@ template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = BwdCfg<S,
           int TT = BwdCfg<S, kVec>::TT, int NB = BwdCfg<S, kVec>::NB>
 __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
     conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
-                    const S* __restrict__ b, const S* __restrict__ prefix, const int64_t* __restrict__ cu,
-                    ConvShape sh, S* dx, S* dprefix, typename Acc<S>::type* part, int64_t span_len) {
+                    const S* __restrict__ b, const S* __restrict__ prefix, const int64_t* cu_dev,
+                    const __grid_constant__ CuParam cu_inl, ConvShape sh, S* dx, S* dprefix,
+                    typename Acc<S>::type* part, int64_t span_len) {
   using L = Slab<S, P>;
+  const int64_t* const cu = cu_of(cu_dev, cu_inl);
   using A = typename Acc<S>::type;
   constexpr int XR = Stage<KM, TT>::kBwdXRows, DR = Stage<KM, TT>::kBwdDyRows, STAGE = (XR + DR) * L::kWidth;
   constexpr int R = TT / L::kGroups;
@@ -230,8 +249,8 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
     if (live && t0 < t1) {
       const S* xb = buf + (j & 1) * STAGE;
       const TileRows<S> dyr{xb + XR * L::kWidth, tb, c0}, xr{xb, tb - KM, c0};
-      while (__ldg(cu + seg + 1) <= t0) ++seg;
-      if (t1 - t0 == R && t0 - K >= __ldg(cu + seg) && t1 + (K - 1) <= __ldg(cu + seg + 1))
+      while (cu[seg + 1] <= t0) ++seg;
+      if (t1 - t0 == R && t0 - K >= cu[seg] && t1 + (K - 1) <= cu[seg + 1])
         conv_bwd_interior<S, KM, P, R, NB, ACT, kExact>(dyr, xr, tp, sh, dx + t0 * sh.C + c, sh.C, t0, c, dw, db);
       else
         conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, prefix, cu, sh, dx, dprefix, c, t0, t1, dw, db);
@@ -313,7 +332,7 @@ void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(slabs), static_cast<unsigned>(sp.count));
   kernel<<<grid, kThreads, smem, stream>>>(static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
                                           static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu,
-                                          shape_of(a), static_cast<S*>(y), sp.len);
+                                          cu_param(a), shape_of(a), static_cast<S*>(y), sp.len);
 }
 
 // The backward's spans (and so its partial count) follow the vector path's occupancy; the element-wise path
@@ -334,8 +353,9 @@ void launch_bwd(const ConvArgs& a, const void* dy, void* dx, void* dprefix, void
   const dim3 grid(static_cast<unsigned>(ceil_div(a.C, Slab<S, P>::kWidth)), static_cast<unsigned>(sp.count));
   kernel<<<grid, kThreads, smem, stream>>>(static_cast<const S*>(dy), static_cast<const S*>(a.x),
                                           static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
-                                          static_cast<const S*>(a.prefix), a.cu, shape_of(a), static_cast<S*>(dx),
-                                          static_cast<S*>(dprefix), static_cast<A*>(work), sp.len);
+                                          static_cast<const S*>(a.prefix), a.cu, cu_param(a), shape_of(a),
+                                          static_cast<S*>(dx), static_cast<S*>(dprefix), static_cast<A*>(work),
+                                          sp.len);
 }
 
 }  // namespace
