@@ -67,8 +67,8 @@ struct NormArgs {
 
 // Largest head_dim of the fused norm + rotation (one row is held in registers by the CUDA kernel).
 constexpr int64_t kMaxNormHeadDim = 512;
-// Blocks of the CUDA backward (each writes one [2, D] partial of the weight gradients); fixed, so the
-// reduction order does not depend on the device.
+// Most blocks of the CUDA backward (each writes one [2, D] partial of the weight gradients); the grid is fixed
+// by the shape, so the reduction order does not depend on the device.
 constexpr int64_t kNormBwdBlocks = 1024;
 inline int64_t qk_norm_workspace_floats(int64_t D) { return kNormBwdBlocks * 2 * D; }
 

@@ -445,7 +445,9 @@ void dispatch(const RopeArgs& a, cudaStream_t stream) {
 // The backward reads x and the gradient once, writes dx once and keeps each lane's weight gradients of the
 // current phase in registers, then adds them into its group's own slot in shared memory; the block sums the
 // groups' slots in group order into one [2, D] partial, and a second kernel sums the partials in block order.
-// Fixed orders throughout: no atomics; no allocation, no sync.
+// Fixed orders throughout: no atomics; no allocation, no sync. The backward of 2-byte types on the 16-byte path
+// with neox pairs, head_dim 64, 128 or 256 and rotary_dim a multiple of 16 runs another structure instead, one
+// warp per token (qk_norm_bwd_wtok_kernel below).
 // ===================================================================================================
 namespace norm {
 
@@ -780,6 +782,331 @@ __global__ void __launch_bounds__(kNThreads) reduce_partials(const F* part, int 
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Backward, one warp per token: 2-byte types on the 16-byte vector path, neox pairs, head_dim D = 16 * L with
+// L lanes per row dividing 32 (D = 64, 128, 256 instantiated), rotary_dim a multiple of 16 (the structure of
+// benchmarks/variants/qk_norm_rope_bwd_structures.cu, wtok_kernel with one row of loads ahead and a per-warp
+// cos/sin table, with the shape taken at run time). A lane owns two 8-element vectors of a row: rotary lanes
+// (r < P = n / 8) the chunk at 8r and its partner n channels later, pass-through lanes (r >= P) the vector at
+// rd + 8 (r - P) and the one (D - rd) / 2 channels later. RW = 32 / L rows per warp step (row slot sub = lane / L):
+// a warp walks the q heads of its token RW at a time, then its k heads; a last step with fewer heads than RW
+// idles the other row slots (no loads, no stores, nothing summed; their lanes still take part in the shuffles).
+// Global warp gw takes tokens gw, gw + NW, gw + 2 NW, ... (NW warps in all); the next step's loads are issued
+// before the current step's math. At a token's first step the warp's lanes compute its cos/sin into the warp's
+// table. The weight gradients stay in registers over all of the warp's tokens; at the end an xor butterfly over
+// the row slots, then the block's warps summed in warp order (shared memory) into its [2, D] partial, and
+// reduce_partials sums the partials in block order. Fixed orders throughout, no atomics. The math and its
+// rounding points are the tile kernel's (qk_norm_kernel, BWD); the order of the sums differs.
+// ---------------------------------------------------------------------------------------------------
+constexpr int kWtokWarps = 8;         // warps per block
+constexpr int kWtokMinBlocks = 2;     // blocks per SM the registers are bounded for
+constexpr int kWtokBlocks = 2 * 132;  // grid: two blocks on each of an H200's 132 SMs (fewer for few tokens);
+                                      // a constant, not the device's count, so the order of the weight-gradient
+                                      // sums depends on the shape only
+static_assert(kWtokBlocks <= kNormBwdBlocks, "the workspace holds kNormBwdBlocks partials");
+
+struct WParams {
+  NormArgs a;
+  int hq, hk;          // q heads, k heads
+  int sq, steps;       // warp steps of a token over its q heads (ceil(hq / RW)) and over its q and k heads
+  int n, P;            // rotary_dim / 2, rotary lanes of a row (n / 8)
+  int64_t ntok;        // tokens
+  int64_t nw_b, nw_s;  // NW tokens as a (batch, seq) step: NW / seq, NW % seq
+};
+
+// 8 elements of a 16-byte vector <-> fp32 (exact widening; rounding to nearest even when narrowing, as Cvt).
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      f[2 * k] = __uint_as_float(w[k] << 16);
+      f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    } else {
+      __half2 h;
+      memcpy(&h, &w[k], 4);
+      const float2 v = __half22float2(h);
+      f[2 * k] = v.x;
+      f[2 * k + 1] = v.y;
+    }
+  }
+}
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+      memcpy(&w[k], &h, 4);
+    } else {
+      const __half2 h = __floats2half2_rn(f[2 * k], f[2 * k + 1]);
+      memcpy(&w[k], &h, 4);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <typename T, int D, int NK>
+__global__ void __launch_bounds__(kWtokWarps * 32, kWtokMinBlocks) qk_norm_bwd_wtok_kernel(const WParams p) {
+  constexpr int L = D / 16, RW = 32 / L, WPB = kWtokWarps;
+  static_assert(D % 16 == 0 && 32 % L == 0 && (D & (D - 1)) == 0, "L = D / 16 lanes per row divide the warp");
+  constexpr float d_inv = 1.f / static_cast<float>(D);  // D a power of two: v * d_inv == v / D
+  constexpr unsigned kFull = 0xffffffffu;
+  const NormArgs& a = p.a;
+  const RopeArgs& r = a.r;
+  __shared__ __align__(16) float gsm[2][D];                // gains of q, k: w (rms) or 1 + w (rms_offset)
+  __shared__ __align__(16) float red[WPB][2][D];           // the warps' weight-gradient sums
+  __shared__ __align__(16) CosSin<float> cst[WPB][D / 2];  // each warp's cos/sin of its current token
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rl = lane % L, sub = lane / L;
+  const int n = p.n, P = p.P, rd = 2 * n;
+  const bool rot = rl < P;
+  const int lo0 = rot ? rl * 8 : rd + (rl - P) * 8;
+  const int lo1 = rot ? lo0 + n : lo0 + (D - rd) / 2;
+  const float eps = static_cast<float>(a.eps);
+  const float scaling = static_cast<float>(r.scaling);
+  auto round = [](float v) { return Cvt<T>::load(Cvt<T>::store(v)); };
+
+  for (int c = threadIdx.x; c < 2 * D; c += WPB * 32) {
+    const float w = c < D ? static_cast<const float*>(a.w_q)[c] : static_cast<const float*>(a.w_k)[c - D];
+    gsm[c / D][c % D] = norm_gain(w, NK);
+  }
+  __syncthreads();
+
+  // a warp's position: its ordinal i among its tokens, token t = gw + i * NW as (batch b, seq s), step st of the
+  // token (st < sq: q heads st * RW + sub, else k heads (st - sq) * RW + sub)
+  struct Cur {
+    int64_t b, s;
+    int i, st;
+  };
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * WPB + warp;
+  const int64_t NW = static_cast<int64_t>(gridDim.x) * WPB;
+  const int ntw = gw < p.ntok ? static_cast<int>((p.ntok - gw + NW - 1) / NW) : 0;
+  const int S = p.steps, SQ = p.sq, hq = p.hq, hk = p.hk;
+  const int64_t seq = r.seq;
+  Cur cur;
+  {
+    const TokenIndex ti(gw, seq);
+    cur.b = ti.b;
+    cur.s = ti.s;
+    cur.i = 0;
+    cur.st = 0;
+  }
+  auto advance = [&](Cur& c) {
+    if (++c.st == S) {
+      c.st = 0;
+      ++c.i;
+      c.b += p.nw_b;
+      c.s += p.nw_s;
+      if (c.s >= seq) {
+        c.s -= seq;
+        ++c.b;
+      }
+    }
+  };
+  // head of this lane's row slot at step st, and whether the slot holds a row
+  auto head_of = [&](int st, bool& act) {
+    const bool isq = st < SQ;
+    const int h = (isq ? st : st - SQ) * RW + sub;
+    act = h < (isq ? hq : hk);
+    return h;
+  };
+  // the step's loads: x and the gradient, two vectors each (zeros for an idle row slot)
+  auto issue = [&](const Cur& c, uint4 (&b)[4]) {
+    bool act;
+    const int h = head_of(c.st, act);
+    if (act) {
+      const bool isq = c.st < SQ;  // (fields picked one by one: no dynamic reference into the kernel parameters)
+      const T* xb = static_cast<const T*>(isq ? r.q.in : r.k.in);
+      const T* gb = static_cast<const T*>(isq ? a.g_q.in : a.g_k.in);
+      const int64_t xo = c.b * (isq ? r.q.in_sb : r.k.in_sb) + c.s * (isq ? r.q.in_ss : r.k.in_ss) +
+                         h * (isq ? r.q.in_sh : r.k.in_sh);
+      const int64_t go = c.b * (isq ? a.g_q.in_sb : a.g_k.in_sb) + c.s * (isq ? a.g_q.in_ss : a.g_k.in_ss) +
+                         h * (isq ? a.g_q.in_sh : a.g_k.in_sh);
+      b[0] = __ldg(reinterpret_cast<const uint4*>(xb + xo + lo0));
+      b[1] = __ldg(reinterpret_cast<const uint4*>(xb + xo + lo1));
+      b[2] = __ldg(reinterpret_cast<const uint4*>(gb + go + lo0));
+      b[3] = __ldg(reinterpret_cast<const uint4*>(gb + go + lo1));
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) b[k] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  // cos/sin of the token's n slots (inverse rotation) into the warp's table: entry e holds slot
+  // j = u * 8 + 2 * mp + (e & 1) with (mp, u) = ((e / 2) / P, (e / 2) % P), so that the rotary lanes (consecutive
+  // u) read consecutive 16-byte pairs (the tile kernel's layout of a token)
+  auto table = [&](const Cur& c) {
+    const int64_t pb = c.b * r.pos_sb + c.s * r.pos_ss;
+    __syncwarp();  // the previous token's reads are done
+    for (int e = lane; e < n; e += 32) {
+      const int q2 = e >> 1, mp = q2 / P, u = q2 - mp * P;
+      const int j = u * 8 + 2 * mp + (e & 1);
+      const int ax = slot_axis(j, r.layout, r.section[0], r.section[1], r.section[2]);
+      const int64_t off = ax * r.pos_row_stride + pb;
+      const int64_t pos = r.pos_int64 ? __ldg(static_cast<const long long*>(r.pos) + off)
+                                      : __ldg(static_cast<const int*>(r.pos) + off);
+      CosSin<float> w;
+      rope_cos_sin(rope_angle(pos, __ldg(r.inv_freq + j)), scaling, true, &w.c, &w.s);
+      cst[warp][e] = w;
+    }
+    __syncwarp();
+  };
+
+  float acc[2][16];
+#pragma unroll
+  for (int ph = 0; ph < 2; ++ph)
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[ph][e] = 0.f;
+
+  // one row per row slot: gn = R(-a) g on the rotary pairs; dxh = gn * gain, dot = sum(dxh * xhat),
+  // dx = rstd * (dxh - xhat * dot / D); acc += gn * xhat (rounded to T for rms)
+  auto math = [&](const uint4 (&b)[4], const Cur& c, auto ph_c) {
+    constexpr int PH = decltype(ph_c)::value;
+    bool act;
+    const int h = head_of(c.st, act);
+    float x[16], g[16];
+    unpack8<T>(b[0], x);
+    unpack8<T>(b[1], x + 8);
+    unpack8<T>(b[2], g);
+    unpack8<T>(b[3], g + 8);
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) ss += x[e] * x[e];
+#pragma unroll
+    for (int off = L / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(kFull, ss, off);
+    // an idle slot (zeros) gets rstd 0: nothing summed into acc even with eps = 0
+    const float rstd = act ? norm_rstd_of_var(ss * d_inv, eps) : 0.f;
+    if (rot) {
+      const CosSin2<float>* c2 = reinterpret_cast<const CosSin2<float>*>(&cst[warp][0]);
+#pragma unroll
+      for (int mp = 0; mp < 4; ++mp) {
+        const CosSin2<float> cw = c2[mp * P + rl];
+        rotate_pair<float>(g[2 * mp], g[8 + 2 * mp], cw.a.c, cw.a.s, &g[2 * mp], &g[8 + 2 * mp]);
+        rotate_pair<float>(g[2 * mp + 1], g[9 + 2 * mp], cw.b.c, cw.b.s, &g[2 * mp + 1], &g[9 + 2 * mp]);
+      }
+    }
+    float gn[16];
+    {
+      const float4* g0 = reinterpret_cast<const float4*>(&gsm[PH][lo0]);
+      const float4* g1 = reinterpret_cast<const float4*>(&gsm[PH][lo1]);
+      const float4 t4[4] = {g0[0], g0[1], g1[0], g1[1]};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        gn[4 * q] = t4[q].x;
+        gn[4 * q + 1] = t4[q].y;
+        gn[4 * q + 2] = t4[q].z;
+        gn[4 * q + 3] = t4[q].w;
+      }
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      const float xh = norm_xhat(x[e], rstd, NK, round);
+      acc[PH][e] += g[e] * xh;
+      g[e] *= gn[e];  // dxh
+      dot += g[e] * (x[e] * rstd);
+    }
+#pragma unroll
+    for (int off = L / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(kFull, dot, off);
+    const float dot_d = dot * d_inv;
+    if (act) {
+      T* yb = static_cast<T*>(PH == 0 ? r.q.out : r.k.out);
+      const int64_t yo = c.b * (PH == 0 ? r.q.out_sb : r.k.out_sb) + c.s * (PH == 0 ? r.q.out_ss : r.k.out_ss) +
+                         h * (PH == 0 ? r.q.out_sh : r.k.out_sh);
+      float o[16];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) o[e] = norm_dx_of(g[e], x[e], rstd, dot_d);
+      *reinterpret_cast<uint4*>(yb + yo + lo0) = pack8<T>(o);
+      *reinterpret_cast<uint4*>(yb + yo + lo1) = pack8<T>(o + 8);
+    }
+  };
+
+  // the walk: warp-uniform trip counts (every lane reaches every shuffle and __syncwarp); two steps per
+  // iteration so that the two load buffers stay in registers
+  uint4 buf[2][4];
+  if (ntw > 0) issue(cur, buf[0]);
+  while (cur.i < ntw) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (cur.i < ntw) {
+        Cur nxt = cur;
+        advance(nxt);
+        if (nxt.i < ntw) issue(nxt, buf[j ^ 1]);
+        if (cur.st == 0) table(cur);
+        if (cur.st < SQ) math(buf[j], cur, std::integral_constant<int, 0>{});
+        else math(buf[j], cur, std::integral_constant<int, 1>{});
+        cur = nxt;
+      }
+    }
+  }
+
+  // the warp's sums: xor butterfly over its row slots, then the block's warps in order
+#pragma unroll
+  for (int off = L; off < 32; off <<= 1)
+#pragma unroll
+    for (int ph = 0; ph < 2; ++ph)
+#pragma unroll
+      for (int e = 0; e < 16; ++e) acc[ph][e] += __shfl_xor_sync(kFull, acc[ph][e], off);
+  if (sub == 0) {
+#pragma unroll
+    for (int ph = 0; ph < 2; ++ph) {
+      float4* d0 = reinterpret_cast<float4*>(&red[warp][ph][lo0]);
+      float4* d1 = reinterpret_cast<float4*>(&red[warp][ph][lo1]);
+      d0[0] = make_float4(acc[ph][0], acc[ph][1], acc[ph][2], acc[ph][3]);
+      d0[1] = make_float4(acc[ph][4], acc[ph][5], acc[ph][6], acc[ph][7]);
+      d1[0] = make_float4(acc[ph][8], acc[ph][9], acc[ph][10], acc[ph][11]);
+      d1[1] = make_float4(acc[ph][12], acc[ph][13], acc[ph][14], acc[ph][15]);
+    }
+  }
+  __syncthreads();
+  float* part = static_cast<float*>(a.workspace) + static_cast<int64_t>(blockIdx.x) * 2 * D;
+  for (int c = threadIdx.x; c < 2 * D; c += WPB * 32) {
+    float s = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < WPB; ++wi) s += red[wi][c / D][c % D];
+    part[c] = s;
+  }
+}
+
+template <typename T, int D, int NK>
+void launch_wtok(const NormArgs& a, cudaStream_t stream) {
+  constexpr int RW = 32 / (D / 16);
+  const RopeArgs& r = a.r;
+  PC_CHECK(r.head_dim == D && r.rotary_dim % 16 == 0 && r.seq > 0, "qk_norm_rope_backward_cuda: bad shape");
+  WParams p;
+  p.a = a;
+  p.hq = static_cast<int>(r.q.heads);
+  p.hk = static_cast<int>(r.k.heads);
+  p.sq = (p.hq + RW - 1) / RW;
+  p.steps = p.sq + (p.hk + RW - 1) / RW;
+  p.n = static_cast<int>(r.rotary_dim / 2);
+  p.P = p.n / 8;
+  p.ntok = r.tokens;
+  const int blocks = static_cast<int>(std::min<int64_t>(kWtokBlocks, (r.tokens + kWtokWarps - 1) / kWtokWarps));
+  const int64_t nw = static_cast<int64_t>(blocks) * kWtokWarps;
+  p.nw_b = nw / r.seq;
+  p.nw_s = nw % r.seq;
+  qk_norm_bwd_wtok_kernel<T, D, NK><<<static_cast<unsigned>(blocks), kWtokWarps * 32, 0, stream>>>(p);
+  PC_CUDA_LAUNCH_CHECK();
+  reduce_partials<float><<<static_cast<unsigned>((2 * D + 31) / 32), kNThreads, 0, stream>>>(
+      static_cast<const float*>(a.workspace), blocks, D, static_cast<float*>(a.dw_q), static_cast<float*>(a.dw_k));
+  PC_CUDA_LAUNCH_CHECK();
+}
+
+// The warp-per-token backward where it applies (2-byte types on the 16-byte vector path, neox; the caller
+// checks those): head_dim 64, 128 or 256 and rotary_dim a multiple of 16. Returns whether it ran.
+template <typename T, int NK>
+bool try_wtok(const NormArgs& a, cudaStream_t stream) {
+  const int64_t D = a.r.head_dim;
+  if (a.r.rotary_dim % 16 != 0) return false;
+  if (D == 64) launch_wtok<T, 64, NK>(a, stream);
+  else if (D == 128) launch_wtok<T, 128, NK>(a, stream);
+  else if (D == 256) launch_wtok<T, 256, NK>(a, stream);
+  else return false;
+  return true;
+}
+
 template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, int NK>
 void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t stream) {
   using F = typename Cvt<T>::F;
@@ -876,6 +1203,9 @@ void dispatch(const NormArgs& a, bool bwd, cudaStream_t stream) {
     // the norm kind is a template argument on the vector path (no per-element select of the gain)
     auto by_kind = [&](auto nk) {
       constexpr int NK = decltype(nk)::value;
+      if constexpr (S == 2 && !GPTJ) {
+        if (bwd && try_wtok<T, NK>(a, stream)) return;
+      }
       if constexpr (S == 8) launch_upl<T, VE16, 16, GPTJ, NK, 1, 4, 16>(a, U, P, bwd, stream);
       else launch_upl<T, VE16, 16, GPTJ, NK, 1, 4>(a, U, P, bwd, stream);
     };
