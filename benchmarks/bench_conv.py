@@ -166,7 +166,7 @@ def _one_shape(t, dev, dtype, nseq, n_cfg, cfg, fla_conv, quick, rows, notes):
             print(f"FLA varlen conv {shape}: fwd {ms_f:.4f} ms, fwd+bwd {ms_b:.4f} ms", flush=True)
         except Exception as e:  # pragma: no cover
             notes.append(f"FLA varlen conv failed: {type(e).__name__}: {e}")
-    if n_cfg == 0:  # the per-sequence reference (one F.conv1d per sequence): eager and compiled
+    if n_cfg == 0 and not with_prefix:  # the per-sequence reference (one F.conv1d per sequence): eager, compiled
         ref = fwd_bwd(lambda: torch.nn.functional.silu(_reference_conv(leaves[0], leaves[1], leaves[2], cu)))
         add("fwd+bwd", both, ("F.conv1d per sequence (eager)", t.median_ms(ref, reps=3 if quick else 10)))
         if not quick:

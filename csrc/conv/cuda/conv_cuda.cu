@@ -3,10 +3,11 @@
 // The conv kernels work on block tiles: a block owns a slab of channels (512 bytes of every row: 256 bf16/fp16,
 // 128 fp32, 64 fp64 channels) over a span of tokens, and walks the span in sub-tiles of TT tokens. Each sub-tile's
 // rows (plus the K-1 halo rows before it; the backward also the K-1 rows after it) are staged in shared memory
-// with 16-byte cp.async copies, double buffered so the next sub-tile loads while this one computes. The math is
-// the shared per-tile code of conv_math.h reading the staged rows: a thread takes P channels (4 or 8 bytes) of
-// a run of consecutive tokens, with its taps loaded once for the whole span and its segment index carried from
-// run to run. A run that lies inside one segment, away from its start and end (almost every run of long
+// with 16-byte cp.async copies into a ring of buffers, so that the next sub-tiles load while one computes (the
+// forward keeps two in flight, the backward one). The math is the shared per-tile code of conv_math.h reading the
+// staged rows: a thread takes P channels (4 or 8 bytes) of a run of consecutive tokens, with its taps loaded once
+// for the whole span and its segment and the segment's bounds carried from run to run. Host cu_seqlens of up to
+// kInlineCu entries come in the kernel parameters, so the op uploads nothing. A run that lies inside one segment, away from its start and end (almost every run of long
 // sequences), takes the straight-line interior code (conv_fwd_interior / conv_bwd_interior: no boundary tests,
 // no prefix reads); runs that touch a boundary take the general tile walk. The backward keeps each thread's
 // dweight/dbias sums in registers over the whole span, reduces them across the block's token groups in a fixed
@@ -44,26 +45,29 @@ template <typename S, int P_> struct Slab {
 };
 
 // The shapes in use (the fastest of the variants in benchmarks/RESULTS.md): forward sub-tiles of 64 tokens
-// with 8 bytes of a row per thread, backward sub-tiles of 32 tokens with 4 bytes per thread (its window and
-// gradient arrays are twice the forward's registers).
+// with 8 bytes of a row per thread in three buffers (two sub-tiles load while one computes), backward sub-tiles
+// of 32 tokens with 4 bytes per thread in two buffers (its window and gradient arrays are twice the forward's
+// registers, and its sub-tiles stage x and dy).
 template <typename S, bool kVec> struct FwdCfg {
   static constexpr int P = !kVec ? 1 : (sizeof(S) == 8 ? 1 : 8 / static_cast<int>(sizeof(S)));
   static constexpr int TT = 64;
-  static constexpr int NB = 4;  // rows per batch of shared-memory loads
+  static constexpr int NB = 4;   // rows per batch of shared-memory loads
+  static constexpr int NST = 3;  // sub-tile buffers (NST - 1 sub-tiles load while one computes)
 };
 template <typename S, bool kVec> struct BwdCfg {
   static constexpr int P = !kVec ? 1 : (sizeof(S) == 2 ? 2 : 1);
   static constexpr int TT = 32;
   static constexpr int NB = 4;
+  static constexpr int NST = 2;
 };
 
-// Staged rows per sub-tile and dynamic shared bytes (two buffers) of window size KM.
-template <int KM, int TT> struct Stage {
+// Staged rows per sub-tile and dynamic shared bytes (NST buffers) of window size KM.
+template <int KM, int TT, int NST = 2> struct Stage {
   static constexpr int kFwdRows = TT + KM - 1;         // x rows [tb - (KM-1), tb + TT)
   static constexpr int kBwdXRows = TT + 2 * KM - 1;    // x rows [tb - KM, tb + TT + KM - 1)
   static constexpr int kBwdDyRows = TT + KM - 1;       // dy rows [tb, tb + TT + KM - 1)
-  static constexpr int kFwdBytes = 2 * kFwdRows * kRowBytes;
-  static constexpr int kBwdBytes = 2 * (kBwdXRows + kBwdDyRows) * kRowBytes;
+  static constexpr int kFwdBytes = NST * kFwdRows * kRowBytes;
+  static constexpr int kBwdBytes = NST * (kBwdXRows + kBwdDyRows) * kRowBytes;
 };
 
 // Staged rows u0 .. of one slab (row stride kWidth), read through the conv_math.h row interface.
@@ -154,19 +158,22 @@ template <typename L> struct BlockSpan {
   }
 };
 
-// The double-buffered walk over a block's sub-tiles: stage(j) issues the copies of sub-tile j (into buffer j & 1);
-// once sub-tile j is resident, run(j, tb, t0, t1) gets its first token tb and this thread's run [t0, t1) of up to
+// The buffered walk over a block's sub-tiles: stage(j) issues the copies of sub-tile j (into buffer j % NST), NST - 1
+// sub-tiles ahead of the one computing; once sub-tile j is resident, run(j, tb, t0, t1) gets its first token tb and this thread's run [t0, t1) of up to
 // R tokens (token group g; empty at the span's end). Every thread takes every barrier.
-template <typename StageFn, typename RunFn>
+template <int NST, typename StageFn, typename RunFn>
 __device__ __forceinline__ void walk_subtiles(int64_t s0, int64_t s1, int nsub, int TT, int R, int g, StageFn stage,
                                               RunFn run) {
-  stage(0);
-  cuda::cp_async_commit();
+#pragma unroll
+  for (int j = 0; j < NST - 1; ++j) {
+    if (j < nsub) stage(j);
+    cuda::cp_async_commit();
+  }
   for (int j = 0; j < nsub; ++j) {
     const int64_t tb = s0 + static_cast<int64_t>(j) * TT;
-    if (j + 1 < nsub) stage(j + 1);
+    if (j + NST - 1 < nsub) stage(j + NST - 1);
     cuda::cp_async_commit();
-    cuda::cp_async_wait<1>();
+    cuda::cp_async_wait<NST - 1>();
     __syncthreads();
     const int64_t t0 = tb + static_cast<int64_t>(g) * R;
     const int64_t t1 = t0 + R < s1 ? t0 + R : s1;
@@ -175,15 +182,28 @@ __device__ __forceinline__ void walk_subtiles(int64_t s0, int64_t s1, int nsub, 
   }
 }
 
-// The segment of a thread's first token s0 + lead in its span [s0, s1) (its later runs move the index on).
-__device__ __forceinline__ int64_t first_segment(const int64_t* cu, const ConvShape& sh, int64_t s0, int64_t s1,
-                                                 int64_t lead) {
-  return find_segment(cu, sh.nseg, s0 + lead < s1 ? s0 + lead : s0);
-}
+// A thread's segment and its bounds [lo, hi): first the one holding its first token s0 + lead in its span [s0, s1),
+// then moved on run by run (cu is read only when a run enters another segment).
+struct SegCursor {
+  int64_t seg, lo, hi;
+  __device__ __forceinline__ SegCursor(const int64_t* cu, const ConvShape& sh, int64_t s0, int64_t s1,
+                                       int64_t lead) {
+    seg = find_segment(cu, sh.nseg, s0 + lead < s1 ? s0 + lead : s0);
+    lo = cu[seg];
+    hi = cu[seg + 1];
+  }
+  __device__ __forceinline__ void reach(const int64_t* cu, int64_t t) {  // to the segment holding token t
+    while (hi <= t) {
+      ++seg;
+      lo = hi;
+      hi = cu[seg + 1];
+    }
+  }
+};
 
 template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = FwdCfg<S, kVec>::P,
-          int TT = FwdCfg<S, kVec>::TT, int NB = FwdCfg<S, kVec>::NB>
-__global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3)
+          int TT = FwdCfg<S, kVec>::TT, int NB = FwdCfg<S, kVec>::NB, int NST = FwdCfg<S, kVec>::NST>
+__global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : (NST > 2 ? 2 : 3))  // (what the staging allows)
     conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w, const S* __restrict__ b,
                     const S* __restrict__ prefix, const int64_t* cu_dev, const __grid_constant__ CuParam cu_inl,
                     ConvShape sh, S* y, int64_t span_len) {
@@ -199,16 +219,16 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3)
   const int K = kExact ? KM : sh.K;
   // the thread's taps (loaded once for the span) and its segment: the one holding its current run's first token
   const ConvTaps<S, KM, P> tp(w, b, K, KM - K, live ? c : 0);
-  int64_t seg = first_segment(cu, sh, s0, s1, static_cast<int64_t>(g) * R);
+  SegCursor seg(cu, sh, s0, s1, static_cast<int64_t>(g) * R);
   auto stage = [&](int j) {
     const int64_t tb = s0 + static_cast<int64_t>(j) * TT;
-    stage_rows<S, kVec>(buf + (j & 1) * ROWS * L::kWidth, x, sh, tb - (KM - 1), ROWS, c0);
+    stage_rows<S, kVec>(buf + (j % NST) * ROWS * L::kWidth, x, sh, tb - (KM - 1), ROWS, c0);
   };
-  walk_subtiles(s0, s1, nsub, TT, R, g, stage, [&](int j, int64_t tb, int64_t t0, int64_t t1) {
+  walk_subtiles<NST>(s0, s1, nsub, TT, R, g, stage, [&](int j, int64_t tb, int64_t t0, int64_t t1) {
     if (live && t0 < t1) {
-      const TileRows<S> rows{buf + (j & 1) * ROWS * L::kWidth, tb - (KM - 1), c0};
-      while (cu[seg + 1] <= t0) ++seg;
-      if (t1 - t0 == R && t0 - (K - 1) >= cu[seg] && t1 <= cu[seg + 1])
+      const TileRows<S> rows{buf + (j % NST) * ROWS * L::kWidth, tb - (KM - 1), c0};
+      seg.reach(cu, t0);
+      if (t1 - t0 == R && t0 - (K - 1) >= seg.lo && t1 <= seg.hi)
         conv_fwd_interior<S, KM, P, R, NB, ACT, kExact>(rows, tp, sh, y + t0 * sh.C + c, sh.C, t0, c);
       else
         conv_fwd_tile<S, KM, P, NB, ACT, kExact>(rows, tp, prefix, cu, sh, y, c, t0, t1);
@@ -217,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 3)
 }
 
 template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = BwdCfg<S, kVec>::P,
-          int TT = BwdCfg<S, kVec>::TT, int NB = BwdCfg<S, kVec>::NB>
+          int TT = BwdCfg<S, kVec>::TT, int NB = BwdCfg<S, kVec>::NB, int NST = BwdCfg<S, kVec>::NST>
 __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
     conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
                     const S* __restrict__ b, const S* __restrict__ prefix, const int64_t* cu_dev,
@@ -226,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
   using L = Slab<S, P>;
   const int64_t* const cu = cu_of(cu_dev, cu_inl);
   using A = typename Acc<S>::type;
-  constexpr int XR = Stage<KM, TT>::kBwdXRows, DR = Stage<KM, TT>::kBwdDyRows, STAGE = (XR + DR) * L::kWidth;
+  constexpr int XR = Stage<KM, TT, NST>::kBwdXRows, DR = Stage<KM, TT, NST>::kBwdDyRows, STAGE = (XR + DR) * L::kWidth;
   constexpr int R = TT / L::kGroups;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   S* const buf = reinterpret_cast<S*>(smem_raw);
@@ -234,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
   const int64_t c0 = bs.c0, s0 = bs.s0, s1 = bs.s1, c = bs.c;
   const int g = bs.g, nsub = bs.nsub;
   auto stage = [&](int j) {
-    S* xb = buf + (j & 1) * STAGE;
+    S* xb = buf + (j % NST) * STAGE;
     const int64_t tb = s0 + static_cast<int64_t>(j) * TT;
     stage_rows<S, kVec>(xb, x, sh, tb - KM, XR, c0);
     stage_rows<S, kVec>(xb + XR * L::kWidth, dy, sh, tb, DR, c0);
@@ -242,15 +262,15 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
   const bool live = c < sh.C;
   const int K = kExact ? KM : sh.K;
   const ConvTaps<S, KM, P> tp(w, b, K, KM - K, live ? c : 0);  // loaded once for the span
-  int64_t seg = first_segment(cu, sh, s0, s1, static_cast<int64_t>(g) * R);
+  SegCursor seg(cu, sh, s0, s1, static_cast<int64_t>(g) * R);
   A dw[L::P][KM], db[L::P];
   conv_zero_partials(dw, db);
-  walk_subtiles(s0, s1, nsub, TT, R, g, stage, [&](int j, int64_t tb, int64_t t0, int64_t t1) {
+  walk_subtiles<NST>(s0, s1, nsub, TT, R, g, stage, [&](int j, int64_t tb, int64_t t0, int64_t t1) {
     if (live && t0 < t1) {
-      const S* xb = buf + (j & 1) * STAGE;
+      const S* xb = buf + (j % NST) * STAGE;
       const TileRows<S> dyr{xb + XR * L::kWidth, tb, c0}, xr{xb, tb - KM, c0};
-      while (cu[seg + 1] <= t0) ++seg;
-      if (t1 - t0 == R && t0 - K >= cu[seg] && t1 + (K - 1) <= cu[seg + 1])
+      seg.reach(cu, t0);
+      if (t1 - t0 == R && t0 - K >= seg.lo && t1 + (K - 1) <= seg.hi)
         conv_bwd_interior<S, KM, P, R, NB, ACT, kExact>(dyr, xr, tp, sh, dx + t0 * sh.C + c, sh.C, t0, c, dw, db);
       else
         conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, prefix, cu, sh, dx, dprefix, c, t0, t1, dw, db);
@@ -259,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
   cuda::cp_async_wait<0>();
   __syncthreads();
   // The block's token groups hold sums of the same channels: add them in group order, one partial per channel.
-  static_assert(L::kGroups * L::kWidth * (KM + 1) * sizeof(A) <= Stage<KM, TT>::kBwdBytes,
+  static_assert(L::kGroups * L::kWidth * (KM + 1) * sizeof(A) <= Stage<KM, TT, NST>::kBwdBytes,
                 "the sums fit the staging memory");
   A* red = reinterpret_cast<A*>(smem_raw);  // [kGroups][kWidth][K + 1]
   const int KP = sh.K + 1;
@@ -321,10 +341,11 @@ template <int KM, typename F> void dispatch_vec_math(const ConvArgs& a, F&& f) {
   with_act(std::true_type{});
 }
 
-template <typename S, int KM, bool kVec, int ACT, bool kExact, int P, int TT, int NB = FwdCfg<S, kVec>::NB>
+template <typename S, int KM, bool kVec, int ACT, bool kExact, int P, int TT, int NB = FwdCfg<S, kVec>::NB,
+          int NST = FwdCfg<S, kVec>::NST>
 void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
-  constexpr int smem = Stage<KM, TT>::kFwdBytes;
-  auto kernel = conv_fwd_kernel<S, KM, kVec, ACT, kExact, P, TT, NB>;
+  constexpr int smem = Stage<KM, TT, NST>::kFwdBytes;
+  auto kernel = conv_fwd_kernel<S, KM, kVec, ACT, kExact, P, TT, NB, NST>;
   static const int occ = blocks_per_sm(kernel, smem);
   PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t slabs = ceil_div(a.C, Slab<S, P>::kWidth);
@@ -339,7 +360,7 @@ void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
 // has slabs and sub-tiles of the same size and reuses them.
 template <typename S, int KM, int P, int TT, int NB = BwdCfg<S, true>::NB> Spans bwd_spans(int64_t T, int64_t C) {
   static const int occ = blocks_per_sm(conv_bwd_kernel<S, KM, true, 1, KM != 2 && KM != kMaxK, P, TT, NB>,
-                                       Stage<KM, TT>::kBwdBytes);
+                                       Stage<KM, TT, BwdCfg<S, true>::NST>::kBwdBytes);
   return make_spans(T, ceil_div(C, Slab<S, P>::kWidth), occ, TT);
 }
 
@@ -347,7 +368,7 @@ template <typename S, int KM, bool kVec, int ACT, bool kExact, int P, int TT, in
 void launch_bwd(const ConvArgs& a, const void* dy, void* dx, void* dprefix, void* work, const Spans& sp,
                 cudaStream_t stream) {
   using A = typename Acc<S>::type;
-  constexpr int smem = Stage<KM, TT>::kBwdBytes;
+  constexpr int smem = Stage<KM, TT, BwdCfg<S, kVec>::NST>::kBwdBytes;
   auto kernel = conv_bwd_kernel<S, KM, kVec, ACT, kExact, P, TT, NB>;
   PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(ceil_div(a.C, Slab<S, P>::kWidth)), static_cast<unsigned>(sp.count));
