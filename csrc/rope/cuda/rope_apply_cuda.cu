@@ -445,9 +445,12 @@ void dispatch(const RopeArgs& a, cudaStream_t stream) {
 // The backward reads x and the gradient once, writes dx once and keeps each lane's weight gradients of the
 // current phase in registers, then adds them into its group's own slot in shared memory; the block sums the
 // groups' slots in group order into one [2, D] partial, and a second kernel sums the partials in block order.
-// Fixed orders throughout: no atomics; no allocation, no sync. The backward of 2-byte types on the 16-byte path
-// with neox pairs, head_dim 64, 128 or 256 and rotary_dim a multiple of 16 runs another structure instead, one
-// warp per token (qk_norm_bwd_wtok_kernel below).
+// Fixed orders throughout: no atomics; no allocation, no sync. The forward and the backward of 2-byte types on
+// the 16-byte path with neox pairs, head_dim 64, 128 or 256 and rotary_dim a multiple of 16 run another
+// structure instead, one warp per token (qk_norm_fwd_wtok_kernel, qk_norm_bwd_wtok_kernel below): a warp walks
+// all q then k heads of each of its tokens, a fixed number of rows per step, with its loads issued steps ahead
+// into registers and the token's cos/sin in a per-warp table; the two kernels share the lane layout, the walk,
+// the table, the gains and the row addressing. The tile kernel runs everything else.
 // ===================================================================================================
 namespace norm {
 
@@ -793,9 +796,9 @@ __global__ void __launch_bounds__(kNThreads) reduce_partials(const F* part, int 
 //    the other row slots (no loads, no stores, nothing summed; their lanes still take part in the shuffles).
 //    Global warp gw takes tokens gw, gw + NW, gw + 2 NW, ... (NW warps in all); a cursor WCur names a step.
 //  - wtok_walk: the steps of a warp, the loads of step s + A issued before the work of step s (a ring of A + 1
-//    register buffers).
+//    register buffers; the backward A = 1, the forward A = kWtokFwdAhead).
 //  - wtok_table: at a token's first step the warp's lanes compute its cos/sin into the warp's table (the rotation
-//    or its inverse), read back by wtok_rotate.
+//    for the forward, its inverse for the backward), read back by wtok_rotate.
 //  - the gains in shared memory (wtok_gains, wtok_gain16), the row sums (row_sum, wtok_rstd), the row addressing
 //    (row_in, row_out) and the 16-byte loads and stores (load2, store2, unpack8, pack8).
 // ---------------------------------------------------------------------------------------------------
@@ -805,6 +808,9 @@ constexpr int kWtokBwdBlocks = 2 * 132;  // backward grid: two blocks on each of
                                          // tokens); a constant, not the device's count, so the order of the
                                          // weight-gradient sums depends on the shape only
 static_assert(kWtokBwdBlocks <= kNormBwdBlocks, "the workspace holds kNormBwdBlocks partials");
+constexpr int kWtokFwdAhead = 3;         // forward: steps whose loads are issued ahead of the math (A; a step
+                                         // reads 1 KB per warp; A = 4 does not fit the registers of 3 blocks)
+constexpr int kWtokFwdMinBlocks = 3;     // forward: blocks per SM the registers are bounded for (80 registers)
 
 struct WParams {
   NormArgs a;
@@ -1197,6 +1203,80 @@ void launch_wtok_bwd(const NormArgs& a, cudaStream_t stream) {
   PC_CUDA_LAUNCH_CHECK();
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Forward, one warp per token (the structure of benchmarks/variants/qk_norm_rope_fwd_structures.cu, wt_kernel:
+// loads issued steps ahead into a ring of registers, a grid of one wave of resident blocks; with the lane layout
+// and the per-warp cos/sin table above): a step reads x of its rows, two vectors per lane, kWtokFwdAhead steps
+// ahead, and writes y = R(a) (gain * xhat) on the rotary pairs, gain * xhat on the pass-through channels, xhat =
+// x * rstd (rounded to T for rms). In place (in == out, possibly strided views of one buffer) every row is read
+// before it is written, by the lanes that write it. The math and its rounding points are the tile kernel's
+// (qk_norm_kernel, forward); the order of the row's sum of squares differs (fixed: wtok_rstd).
+// ---------------------------------------------------------------------------------------------------
+template <typename T, int D, int NK>
+__global__ void __launch_bounds__(kWtokWarps * 32, kWtokFwdMinBlocks) qk_norm_fwd_wtok_kernel(const WParams p) {
+  constexpr int A = kWtokFwdAhead;
+  const NormArgs& a = p.a;
+  const RopeArgs& r = a.r;
+  __shared__ __align__(16) float gsm[2][D];                       // gains of q, k: w (rms) or 1 + w (rms_offset)
+  __shared__ __align__(16) CosSin<float> cst[kWtokWarps][D / 2];  // each warp's cos/sin of its current token
+  const WTok<D> w(p);
+  const float eps = static_cast<float>(a.eps);
+  auto round = [](float v) { return Cvt<T>::load(Cvt<T>::store(v)); };
+  wtok_gains<D, NK>(gsm, a);
+
+  // the step's loads: x, two vectors (zeros for an idle row slot)
+  auto issue = [&](const WCur& c, uint4 (&b)[2]) {
+    bool act;
+    const int h = w.head_of(c.st, act);
+    if (act) {
+      load2(row_in<T>(r.q, r.k, c.st < w.SQ, c, h), w.lo0, w.lo1, b);
+    } else {
+      b[0] = make_uint4(0u, 0u, 0u, 0u);
+      b[1] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  // one row per row slot
+  auto step = [&](const uint4 (&b)[2], const WCur& c) {
+    if (c.st == 0) wtok_table(&cst[w.warp][0], r, c, w.n, w.P, w.lane, false);
+    bool act;
+    const int h = w.head_of(c.st, act);
+    const bool isq = c.st < w.SQ;
+    float x[16];
+    unpack8<T>(b[0], x);
+    unpack8<T>(b[1], x + 8);
+    const float rstd = wtok_rstd<D>(x, eps, act);
+    float gn[16];
+    wtok_gain16(&gsm[isq ? 0 : 1][0], w.lo0, w.lo1, gn);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) x[e] = gn[e] * norm_xhat(x[e], rstd, NK, round);
+    if (w.rot) wtok_rotate(&cst[w.warp][0], w.P, w.rl, x);
+    if (act) store2(row_out<T>(r.q, r.k, isq, c, h), w.lo0, w.lo1, x);
+  };
+
+  uint4 buf[A + 1][2];
+  wtok_walk<A>(w, buf, issue, step);
+}
+
+// Blocks per SM of a kernel of kWtokWarps warps without dynamic shared memory.
+template <typename Kernel>
+int wtok_blocks_per_sm(Kernel k) {
+  int n = 0;
+  PC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, kWtokWarps * 32, 0));
+  return n > 0 ? n : 1;
+}
+
+// The forward has no partials: its grid is one wave of resident blocks (fewer for few tokens).
+template <typename T, int D, int NK>
+void launch_wtok_fwd(const NormArgs& a, cudaStream_t stream) {
+  auto kern = qk_norm_fwd_wtok_kernel<T, D, NK>;
+  static const int occ = wtok_blocks_per_sm(kern);
+  const int64_t wave = static_cast<int64_t>(cuda::sm_count()) * occ;
+  const int blocks = static_cast<int>(std::min<int64_t>(wave, (a.r.tokens + kWtokWarps - 1) / kWtokWarps));
+  const WParams p = make_wparams<D>(a, blocks, "qk_norm_rope_cuda");
+  kern<<<static_cast<unsigned>(blocks), kWtokWarps * 32, 0, stream>>>(p);
+  PC_CUDA_LAUNCH_CHECK();
+}
+
 // The warp-per-token kernel where it applies (2-byte types on the 16-byte vector path, neox; the caller checks
 // those): head_dim 64, 128 or 256 and rotary_dim a multiple of 16. Returns whether it ran.
 template <typename T, int NK>
@@ -1206,7 +1286,7 @@ bool try_wtok(const NormArgs& a, bool bwd, cudaStream_t stream) {
   auto go = [&](auto d_c) {
     constexpr int DD = decltype(d_c)::value;
     if (bwd) launch_wtok_bwd<T, DD, NK>(a, stream);
-    else return false;
+    else launch_wtok_fwd<T, DD, NK>(a, stream);
     return true;
   };
   if (D == 64) return go(std::integral_constant<int, 64>{});
