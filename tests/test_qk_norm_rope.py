@@ -397,6 +397,47 @@ def test_cuda_backward_head_and_token_layouts(D, rd, Hq, Hk, shape):
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("D,rd,Hq,Hk", [(64, 64, 9, 3), (64, 16, 1, 1), (128, 128, 5, 7), (128, 32, 6, 0),
+                                        (256, 64, 3, 1), (256, 48, 0, 3)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 37), (3, 1500)], ids=["T1", "T37", "B3S1500"])
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_forward_layouts_in_place_on_fused_views(D, rd, Hq, Hk, shape, norm, dtype):
+    """The forward over head counts that are not a multiple of a warp step's rows (or zero), few tokens and more
+    tokens than a grid's warps, on [B, S, H, D] views of one fused projection (q, k, v heads per token): CUDA
+    agrees with the CPU kernel, and the in-place op writes exactly q's and k's elements, bitwise equal to the
+    out-of-place op."""
+    g = _seed("cuda-fwd-fused", D, rd, Hq, Hk, shape, norm, dtype)
+    B, S = shape
+    base = torch.randn(B, S, (Hq + 2 * Hk) * D, generator=g).to(dtype)
+
+    def views(buf):
+        return (buf[..., : Hq * D].view(B, S, Hq, D), buf[..., Hq * D: (Hq + Hk) * D].view(B, S, Hk, D))
+
+    wq, wk = (1 + 0.3 * torch.randn(2, D, generator=g)).unbind(0)
+    pos = torch.randint(0, 5000, (3, B, S), generator=g)
+    n = rd // 2
+    kw = dict(norm=norm, eps=1e-6, rope_theta=1e6, rotary_dim=rd,
+              mrope_section=[n - 2 * (n // 3), n // 3, n // 3], mrope_interleaved=True)
+    want = packcuda.apply_qk_norm_rope(*views(base), pos, q_weight=wq, k_weight=wk, **kw)
+    base = base.cuda()
+    dkw = dict(kw, q_weight=wq.cuda(), k_weight=wk.cuda())
+    got = packcuda.apply_qk_norm_rope(*views(base), pos.cuda(), **dkw)
+    buf = base.clone()
+    qi, ki = views(buf)
+    packcuda.apply_qk_norm_rope_(qi, ki, pos.cuda(), **dkw)
+    assert torch.equal(qi, got[0]) and torch.equal(ki, got[1])
+    assert torch.equal(buf[..., (Hq + Hk) * D:], base[..., (Hq + Hk) * D:])  # v untouched
+    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    for a, b in zip(want, got):
+        assert a.shape == b.shape
+        if a.numel():
+            scale = float(a.double().abs().max()) + 1e-30
+            assert float((b.cpu().double() - a.double()).abs().max()) <= tol * scale
+
+
+@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("norm", NORMS)
 def test_cuda_strided_views_inplace_and_odd_alignment(norm):
     """Fused-QKV views (16-byte path), an odd head offset (scalar path), in place == out of place."""
