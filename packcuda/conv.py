@@ -122,7 +122,8 @@ def causal_conv1d(
 
     Differentiable in ``x``, ``weight``, ``bias`` and ``prefix``; ``weight`` / ``bias`` gradients are
     reduced in a fixed order (deterministic, no atomics). Syncs: none (host ``cu_seqlens`` is validated on
-    the host and uploaded without waiting; the values of a device ``cu_seqlens`` are not read back, so they
+    the host; on CUDA up to 479 segments travel in the kernels' launch parameters, more are uploaded without
+    waiting; the values of a device ``cu_seqlens`` are not read back, so they
     must already be valid: 0, non-decreasing, ending at T).
 
     Every argument is checked before anything is computed: ``ValueError`` / ``TypeError`` naming

@@ -67,6 +67,21 @@ def nccl_rank(rank: int, world: int, init: str):
         dist.destroy_process_group()
 
 
+def capture_cuda_graph(fn, warmup: int = 1):
+    """fn() captured into a CUDA graph after `warmup` calls on a side stream (allocations, caches and lazy
+    set-up stay out of the capture): (graph, fn's outputs in the capture), to be read after graph.replay()."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    return graph, outs
+
+
 class no_sync:
     """Context manager: any device synchronization inside raises (torch sync debug mode 'error')."""
 

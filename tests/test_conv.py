@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, nccl_rank, no_sync, requires_cuda, requires_two_gpus_nccl, spawn_ranks
+from conftest import (HAS_CUDA, capture_cuda_graph, nccl_rank, no_sync, requires_cuda, requires_two_gpus_nccl,
+                      spawn_ranks)
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
@@ -327,14 +328,7 @@ def test_causal_conv1d_graph_capture_host_metadata():
             return (packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu"),
                     *torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_t, p, 1))
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # warm-up off the capture
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
+        graph, outs = capture_cuda_graph(step)
         for _ in range(2):
             x.copy_(torch.randn(T, C, generator=g).to("cuda", torch.bfloat16))
             dy.copy_(torch.randn(T, C, generator=g).to("cuda", torch.bfloat16))

@@ -9,7 +9,7 @@ from torch.overrides import TorchFunctionMode
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, no_sync, requires_cuda
+from conftest import HAS_CUDA, capture_cuda_graph, no_sync, requires_cuda
 
 NORMS = ["rms", "rms_offset"]
 
@@ -502,14 +502,7 @@ def test_cuda_no_sync_graph_capture_and_bitwise_deterministic():
         return fo, bo
 
     qi, ki = q.clone(), k.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        captured()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fo, bo = captured()
+    graph, (fo, bo) = capture_cuda_graph(captured)
     qi.copy_(q)
     ki.copy_(k)
     graph.replay()

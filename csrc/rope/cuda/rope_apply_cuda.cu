@@ -808,8 +808,8 @@ constexpr int kWtokBwdBlocks = 2 * 132;  // backward grid: two blocks on each of
                                          // tokens); a constant, not the device's count, so the order of the
                                          // weight-gradient sums depends on the shape only
 static_assert(kWtokBwdBlocks <= kNormBwdBlocks, "the workspace holds kNormBwdBlocks partials");
-constexpr int kWtokFwdAhead = 3;         // forward: steps whose loads are issued ahead of the math (A; a step
-                                         // reads 1 KB per warp; A = 4 does not fit the registers of 3 blocks)
+constexpr int kWtokFwdAhead = 2;         // forward: steps whose loads are issued ahead of the math (A; a step
+                                         // reads 1 KB per warp; the fastest of the variants in benchmarks/RESULTS.md)
 constexpr int kWtokFwdMinBlocks = 3;     // forward: blocks per SM the registers are bounded for (80 registers)
 
 struct WParams {
