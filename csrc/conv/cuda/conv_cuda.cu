@@ -7,9 +7,10 @@
 // forward keeps two in flight, the backward one). The math is the shared per-tile code of conv_math.h reading the
 // staged rows: a thread takes P channels (4 or 8 bytes) of a run of consecutive tokens, with its taps loaded once
 // for the whole span and its segment and the segment's bounds carried from run to run. Host cu_seqlens of up to
-// kInlineCu entries come in the kernel parameters, so the op uploads nothing. A run that lies inside one segment, away from its start and end (almost every run of long
-// sequences), takes the straight-line interior code (conv_fwd_interior / conv_bwd_interior: no boundary tests,
-// no prefix reads); runs that touch a boundary take the general tile walk. The backward keeps each thread's
+// kInlineCu entries come in the kernel parameters, so the op uploads nothing. A run that lies inside one
+// segment, away from its start and end (almost every run of long sequences), takes the straight-line interior
+// code (conv_fwd_interior / conv_bwd_interior: no boundary tests, no prefix reads); runs that touch a boundary
+// take the general tile walk. The backward keeps each thread's
 // dweight/dbias sums in registers over the whole span, reduces them across the block's token groups in a fixed
 // order, and writes one partial per (span, channel); conv_reduce_kernel sums the spans in order (deterministic,
 // no atomics). Odd C or unaligned rows take the same kernels with element-wise staging and P = 1.
@@ -62,7 +63,7 @@ template <typename S, bool kVec> struct BwdCfg {
 };
 
 // Staged rows per sub-tile and dynamic shared bytes (NST buffers) of window size KM.
-template <int KM, int TT, int NST = 2> struct Stage {
+template <int KM, int TT, int NST> struct Stage {
   static constexpr int kFwdRows = TT + KM - 1;         // x rows [tb - (KM-1), tb + TT)
   static constexpr int kBwdXRows = TT + 2 * KM - 1;    // x rows [tb - KM, tb + TT + KM - 1)
   static constexpr int kBwdDyRows = TT + KM - 1;       // dy rows [tb, tb + TT + KM - 1)
@@ -158,9 +159,10 @@ template <typename L> struct BlockSpan {
   }
 };
 
-// The buffered walk over a block's sub-tiles: stage(j) issues the copies of sub-tile j (into buffer j % NST), NST - 1
-// sub-tiles ahead of the one computing; once sub-tile j is resident, run(j, tb, t0, t1) gets its first token tb and this thread's run [t0, t1) of up to
-// R tokens (token group g; empty at the span's end). Every thread takes every barrier.
+// The buffered walk over a block's sub-tiles: stage(j) issues the copies of sub-tile j (into buffer j % NST),
+// NST - 1 sub-tiles ahead of the one computing; once sub-tile j is resident, run(j, tb, t0, t1) gets its first
+// token tb and this thread's run [t0, t1) of up to R tokens (token group g; empty at the span's end). Every
+// thread takes every barrier.
 template <int NST, typename StageFn, typename RunFn>
 __device__ __forceinline__ void walk_subtiles(int64_t s0, int64_t s1, int nsub, int TT, int R, int g, StageFn stage,
                                               RunFn run) {
@@ -209,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : (NST > 2 ? 2 : 3))
                     ConvShape sh, S* y, int64_t span_len) {
   using L = Slab<S, P>;
   const int64_t* const cu = cu_of(cu_dev, cu_inl);
-  constexpr int ROWS = Stage<KM, TT>::kFwdRows, R = TT / L::kGroups;
+  constexpr int ROWS = Stage<KM, TT, NST>::kFwdRows, R = TT / L::kGroups;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   S* const buf = reinterpret_cast<S*>(smem_raw);
   const BlockSpan<L> bs(sh, span_len, TT);
