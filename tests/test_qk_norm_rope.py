@@ -362,6 +362,14 @@ def test_cuda_matches_cpu(layout, norm, dtype, style):
         assert float((a - b).abs().max()) <= tol * scale, (float((a - b).abs().max()), scale)
 
 
+def _interleaved_kw(norm, rd):
+    """Keywords of an interleaved mRoPE over rotary_dim rd (its n = rd / 2 slots split t, h, w as evenly as they
+    go, t taking the remainder)."""
+    n = rd // 2
+    return dict(norm=norm, eps=1e-6, rope_theta=1e6, rotary_dim=rd,
+                mrope_section=[n - 2 * (n // 3), n // 3, n // 3], mrope_interleaved=True)
+
+
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,rd,Hq,Hk", [(64, 64, 9, 3), (64, 16, 1, 1), (128, 32, 6, 0), (128, 128, 5, 7),
@@ -376,9 +384,7 @@ def test_cuda_backward_head_and_token_layouts(D, rd, Hq, Hk, shape):
     k = torch.randn(*shape, Hk, D, generator=g).bfloat16()
     wq, wk = (1 + 0.3 * torch.randn(2, D, generator=g)).unbind(0)
     pos = torch.randint(0, 5000, (3, *shape), generator=g)
-    n = rd // 2
-    kw = dict(norm="rms", eps=1e-6, rope_theta=1e6, rotary_dim=rd,
-              mrope_section=[n - 2 * (n // 3), n // 3, n // 3], mrope_interleaved=True)
+    kw = _interleaved_kw("rms", rd)
     gq, gk = torch.randn_like(q.float()).bfloat16(), torch.randn_like(k.float()).bfloat16()
 
     def run(dev):
@@ -416,9 +422,7 @@ def test_cuda_forward_layouts_in_place_on_fused_views(D, rd, Hq, Hk, shape, norm
 
     wq, wk = (1 + 0.3 * torch.randn(2, D, generator=g)).unbind(0)
     pos = torch.randint(0, 5000, (3, B, S), generator=g)
-    n = rd // 2
-    kw = dict(norm=norm, eps=1e-6, rope_theta=1e6, rotary_dim=rd,
-              mrope_section=[n - 2 * (n // 3), n // 3, n // 3], mrope_interleaved=True)
+    kw = _interleaved_kw(norm, rd)
     want = packcuda.apply_qk_norm_rope(*views(base), pos, q_weight=wq, k_weight=wk, **kw)
     base = base.cuda()
     dkw = dict(kw, q_weight=wq.cuda(), k_weight=wk.cuda())
