@@ -54,10 +54,10 @@ def _configs(quick, dev):
     """(T, C, K, with_prefix) grid; the first entry is the headline shape."""
     if quick or dev.type == "cpu":
         return [(2048, 64, 4, False), (2048, 64, 4, True)]
-    only = os.environ.get("PACKCUDA_BENCH_CONV_ONLY")  # "T,C,K,prefix" (one shape, for profiling)
+    only = os.environ.get("PACKCUDA_BENCH_CONV_ONLY")  # "T,C,K,prefix[;T,C,K,prefix...]" (some shapes)
     if only:
-        T, C, K, p = (int(v) for v in only.split(","))
-        return [(T, C, K, bool(p))]
+        specs = [[int(v) for v in spec.split(",")] for spec in only.split(";") if spec.strip()]
+        return [(T, C, K, bool(p)) for T, C, K, p in specs]
     grid = [(32768, 8192, 4, False), (32768, 8192, 4, True)]
     for T in (8192, 32768, 131072):
         for C in (2048, 8192):

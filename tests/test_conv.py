@@ -119,6 +119,32 @@ def test_causal_conv1d_block_tiles(device, dtype, C):
         _run_vs_reference(device, dtype, lens, K, C, "silu", K == 4, True, g)
 
 
+@pytest.mark.parametrize("K", [2, 3, 4, 8])
+def test_causal_conv1d_prefix_rows_near_tile_edges(device, K):
+    # Segments start on every offset around the CUDA backward's 32-token sub-tile edges, one to four per
+    # sub-tile, with empty ones between, so a tile walk enters segments (and reads their prefix rows) at every
+    # position; the prefix also comes as a view one element into its storage (the element-wise path).
+    g = _seed("prefix-edges", K)
+    lens = []
+    for r in range(34):  # a start r tokens after an edge, then one, two or three more inside the sub-tile
+        lens += [32 + r % 7, 0] + [1 + r % 3] * (r % 4) + [29 - r % 4]
+    C = 256
+    _run_vs_reference(device, torch.bfloat16, lens, K, C, "silu", True, True, g)
+    cu = _cu(lens)
+    S, T = len(lens), cu[-1]
+    x = torch.randn(T, C, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(C, K, generator=g).to(device, torch.bfloat16)
+    dy = torch.randn(T, C, generator=g).to(device, torch.bfloat16)
+    p = torch.randn(S, K - 1, C, generator=g).to(device, torch.bfloat16)
+    off = torch.empty(p.numel() + 1, device=device, dtype=p.dtype)
+    off[1:].copy_(p.flatten())
+    p_off = off[1:].view_as(p)
+    a = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, None, torch.tensor(cu), p, 1)
+    b = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, None, torch.tensor(cu), p_off, 1)
+    for name, i in (("dx", 0), ("dweight", 1), ("dprefix", 3)):
+        _close(b[i], a[i], torch.bfloat16, name)
+
+
 def test_causal_conv1d_no_cu_seqlens_equals_conv1d(device):
     g = _seed("plain")
     x = torch.randn(257, 16, generator=g).to(device)
