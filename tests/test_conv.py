@@ -123,7 +123,7 @@ def test_causal_conv1d_block_tiles(device, dtype, C):
 def test_causal_conv1d_prefix_rows_near_tile_edges(device, K):
     # Segments start on every offset around the CUDA backward's 32-token sub-tile edges, one to four per
     # sub-tile, with empty ones between, so a tile walk enters segments (and reads their prefix rows) at every
-    # position; the prefix also comes as a view one element into its storage (the element-wise path).
+    # position; a prefix given as a view one element into its storage gives the same gradients.
     g = _seed("prefix-edges", K)
     lens = []
     for r in range(34):  # a start r tokens after an edge, then one, two or three more inside the sub-tile
@@ -136,9 +136,7 @@ def test_causal_conv1d_prefix_rows_near_tile_edges(device, K):
     w = torch.randn(C, K, generator=g).to(device, torch.bfloat16)
     dy = torch.randn(T, C, generator=g).to(device, torch.bfloat16)
     p = torch.randn(S, K - 1, C, generator=g).to(device, torch.bfloat16)
-    off = torch.empty(p.numel() + 1, device=device, dtype=p.dtype)
-    off[1:].copy_(p.flatten())
-    p_off = off[1:].view_as(p)
+    p_off = torch.empty(p.numel() + 1, device=device, dtype=p.dtype)[1:].view_as(p).copy_(p)
     a = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, None, torch.tensor(cu), p, 1)
     b = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, None, torch.tensor(cu), p_off, 1)
     for name, i in (("dx", 0), ("dweight", 1), ("dprefix", 3)):
