@@ -66,14 +66,29 @@ template <typename S> struct DenseRows {
   PC_HD const S* at(int64_t u, int64_t c) const { return p + u * ld + c; }
 };
 
+// Where the tile functions read prefix rows: at(s, j, c) is the address of prefix[s, j, c] (0 <= j < K-1), and
+// none() says there are none (every entry before a segment's start is then zero). DensePrefix is the tensor
+// itself (none when p is null); NoPrefix is none at compile time, so a kernel built for it carries no prefix
+// code (the CUDA backward without a prefix).
+template <typename S> struct DensePrefix {
+  const S* p;
+  int64_t C;
+  int km1;  // K - 1
+  PC_HD bool none() const { return p == nullptr; }
+  PC_HD const S* at(int64_t s, int64_t j, int64_t c) const { return p + (s * km1 + j) * C + c; }
+};
+template <typename S> struct NoPrefix {
+  static constexpr bool none() { return true; }
+  PC_HD const S* at(int64_t, int64_t, int64_t) const { return nullptr; }
+};
+
 // Input value seen by a token of segment s (starting at `start`) at stream position u (u may be < start).
-template <typename S, typename A, typename Rows>
-PC_HD A conv_input(const Rows& x, const S* prefix, const ConvShape& sh, int64_t s, int64_t start, int64_t u,
+template <typename S, typename A, typename Rows, typename Pre>
+PC_HD A conv_input(const Rows& x, const Pre& pf, const ConvShape& sh, int64_t s, int64_t start, int64_t u,
                    int64_t c) {
   if (u >= start) return val(*x.at(u, c));
-  if (prefix == nullptr) return A(0);
-  const int64_t j = (sh.K - 1) + (u - start);  // 0 <= j < K-1
-  return val(prefix[(s * (sh.K - 1) + j) * sh.C + c]);
+  if (pf.none()) return A(0);
+  return val(*pf.at(s, (sh.K - 1) + (u - start), c));  // row 0 <= j < K-1
 }
 
 // The K-1 prefix rows of one segment for channels c .. c+V-1 in the compute type (row j in slot j; zeros
@@ -82,12 +97,12 @@ PC_HD A conv_input(const Rows& x, const S* prefix, const ConvShape& sh, int64_t 
 template <typename S, int KM, int V> struct PrefixRows {
   using A = typename Acc<S>::type;
   A r[V][KM - 1];
-  PC_HD void load(const S* prefix, const ConvShape& sh, int64_t s, int64_t c) {
+  template <typename Pre> PC_HD void load(const Pre& pf, const ConvShape& sh, int64_t s, int64_t c) {
 PC_UNROLL
     for (int v = 0; v < V; ++v)
 PC_UNROLL
       for (int j = 0; j < KM - 1; ++j)
-        r[v][j] = prefix != nullptr && j < sh.K - 1 ? val(prefix[(s * (sh.K - 1) + j) * sh.C + c + v]) : A(0);
+        r[v][j] = !pf.none() && j < sh.K - 1 ? val(*pf.at(s, j, c + v)) : A(0);
   }
   // Row j (0 <= j < K-1) of channel c + v: a select over static slots (keeps r in registers).
   PC_HD A at(int v, int64_t j) const {
@@ -205,8 +220,9 @@ PC_UNROLL
 // Forward over tokens [t0, t1) of channels c .. c+V-1 (each channel gets exactly the scalar math; the V
 // channels only share the loads/stores of a row and the segment walk).
 // tp: the taps of those channels (ConvTaps).
-template <typename S, int KM, int V = 1, int NB = kBatch, int ACT = -1, bool kExact = false, typename Rows>
-PC_HD void conv_fwd_tile(const Rows& x, const ConvTaps<S, KM, V>& tp, const S* prefix, const int64_t* cu,
+template <typename S, int KM, int V = 1, int NB = kBatch, int ACT = -1, bool kExact = false, typename Rows,
+          typename Pre>
+PC_HD void conv_fwd_tile(const Rows& x, const ConvTaps<S, KM, V>& tp, const Pre& pf, const int64_t* cu,
                          const ConvShape& sh, S* y, int64_t c, int64_t t0, int64_t t1) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
   using A = typename Acc<S>::type;
@@ -220,7 +236,7 @@ PC_UNROLL
   for (int v = 0; v < V; ++v)
 PC_UNROLL
     for (int m = 0; m < KM - 1; ++m)
-      win[v][m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t0 - (KM - 1) + m, c + v) : A(0);
+      win[v][m] = m >= off ? conv_input<S, A>(x, pf, sh, s, start, t0 - (KM - 1) + m, c + v) : A(0);
   for (int64_t tb = t0; tb < t1; tb += NB) {
     Vec<S, V> xs[NB];
 PC_UNROLL
@@ -238,7 +254,7 @@ PC_UNROLL
         for (int v = 0; v < V; ++v)
 PC_UNROLL
           for (int m = 0; m < KM - 1; ++m)
-            win[v][m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
+            win[v][m] = m >= off ? conv_input<S, A>(x, pf, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
       }
       Vec<S, V> out;
 PC_UNROLL
@@ -279,14 +295,14 @@ PC_UNROLL
 }
 
 // Pre-activation z at token t of segment s, computed from scratch (tile edges of the backward).
-template <typename S, int KM, typename A, bool kExact = false, typename Rows>
-PC_HD A conv_z_at(const Rows& x, const S* prefix, const A* wk, A bias, const ConvShape& sh, int64_t s,
+template <typename S, int KM, typename A, bool kExact = false, typename Rows, typename Pre>
+PC_HD A conv_z_at(const Rows& x, const Pre& pf, const A* wk, A bias, const ConvShape& sh, int64_t s,
                   int64_t start, int64_t t, int64_t c) {
   const int off = KM - (kExact ? KM : sh.K);
   A z = bias;
 PC_UNROLL
   for (int m = 0; m < KM; ++m)
-    if (m >= off) z += wk[m] * conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c);
+    if (m >= off) z += wk[m] * conv_input<S, A>(x, pf, sh, s, start, t - (KM - 1) + m, c);
   return z;
 }
 
@@ -329,8 +345,8 @@ PC_UNROLL
 //   dprefix[s, j] = sum_k w[k] * gz[start + j - k]  (prefix row j sits at u = start - (K-1) + j)
 //   dw[k]         = sum_t gz[t] * xin(t - (K-1) + k),  db = sum_t gz[t],  gz = dy * act'(z)
 template <typename S, int KM, int V = 1, int NB = kBatch, int ACT = -1, bool kExact = false, typename DyRows,
-          typename XRows>
-PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const ConvTaps<S, KM, V>& tp, const S* prefix,
+          typename XRows, typename Pre>
+PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const ConvTaps<S, KM, V>& tp, const Pre& pf,
                          const int64_t* cu, const ConvShape& sh, S* dx, S* dprefix, int64_t c, int64_t t0,
                          int64_t t1, typename Acc<S>::type (&dw)[V][KM], typename Acc<S>::type (&db)[V]) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
@@ -343,7 +359,7 @@ PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const ConvTaps<S, KM,
     int64_t s = find_segment(cu, sh.nseg, t);
     int64_t start = cu[s], end = cu[s + 1];
     PrefixRows<S, KM, V> pre;  // segment s's prefix rows (the window's entries before its start)
-    pre.load(prefix, sh, s, c);
+    pre.load(pf, sh, s, c);
     A g[V][KM];   // g[v][d] = gz(t + d) if t + d is in t's segment, else 0 (only d < K carry weight)
     A xw[V][KM];  // xw[v][m] = xin(t - (KM-1) + m)
 PC_UNROLL
@@ -353,13 +369,13 @@ PC_UNROLL
       for (int d = 1; d < KM; ++d) {
         g[v][d] = A(0);
         if (d < K && t + d < end) {
-          const A z = conv_z_at<S, KM, A, kExact>(x, prefix, tp.w[v], tp.b[v], sh, s, start, t + d, c + v);
+          const A z = conv_z_at<S, KM, A, kExact>(x, pf, tp.w[v], tp.b[v], sh, s, start, t + d, c + v);
           g[v][d] = val(*dy.at(t + d, c + v)) * activate_grad(z, act);
         }
       }
 PC_UNROLL
       for (int m = 0; m < KM; ++m)
-        xw[v][m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
+        xw[v][m] = m >= off ? conv_input<S, A>(x, pf, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
     }
     for (int64_t tb = t1 - 1; tb >= t0; tb -= NB) {
       Vec<S, V> dys[NB], xr[NB];  // dy[t], and raw x[t - K] (enters the window at the step to t - 1)
@@ -401,14 +417,14 @@ PC_UNROLL
           while (cu[s] > t);
           start = cu[s];
           end = cu[s + 1];
-          pre.load(prefix, sh, s, c);
+          pre.load(pf, sh, s, c);
 PC_UNROLL
           for (int v = 0; v < V; ++v) {
 PC_UNROLL
             for (int d = 0; d < KM; ++d) g[v][d] = A(0);
 PC_UNROLL
             for (int m = 0; m < KM; ++m)
-              xw[v][m] = m >= off ? conv_input<S, A>(x, prefix, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
+              xw[v][m] = m >= off ? conv_input<S, A>(x, pf, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
           }
         } else {
           // the row entering the window is u = t - (K-1), at slot off (the first slot carrying a tap)

@@ -33,7 +33,8 @@ void causal_conv1d_fwd_cpu(const ConvArgs& a, void* y) {
           conv_fwd_tile<S, KM>(DenseRows<S>{static_cast<const S*>(a.x), a.C},
                                ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
                                                   a.K, KM - a.K, c),
-                               static_cast<const S*>(a.prefix), a.cu, sh, static_cast<S*>(y), c, t0, t1);
+                               DensePrefix<S>{static_cast<const S*>(a.prefix), a.C, a.K - 1}, a.cu, sh,
+                               static_cast<S*>(y), c, t0, t1);
       }
     });
   });
@@ -61,7 +62,7 @@ void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dw
                                DenseRows<S>{static_cast<const S*>(a.x), a.C},
                                ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
                                                   a.K, KM - a.K, c),
-                               static_cast<const S*>(a.prefix), a.cu, sh,
+                               DensePrefix<S>{static_cast<const S*>(a.prefix), a.C, a.K - 1}, a.cu, sh,
                                static_cast<S*>(dx), static_cast<S*>(dprefix), c, t0, t1, dw, db);
           conv_store_partials(dw, db, a.K, part + (i * a.C + c) * (a.K + 1));
         }

@@ -233,12 +233,15 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : (NST > 2 ? 2 : 3))
       if (t1 - t0 == R && t0 - (K - 1) >= seg.lo && t1 <= seg.hi)
         conv_fwd_interior<S, KM, P, R, NB, ACT, kExact>(rows, tp, sh, y + t0 * sh.C + c, sh.C, t0, c);
       else
-        conv_fwd_tile<S, KM, P, NB, ACT, kExact>(rows, tp, prefix, cu, sh, y, c, t0, t1);
+        conv_fwd_tile<S, KM, P, NB, ACT, kExact>(rows, tp, DensePrefix<S>{prefix, sh.C, K - 1}, cu, sh, y, c, t0,
+                                                 t1);
     }
   });
 }
 
-template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = BwdCfg<S, kVec>::P,
+// kPre: with a prefix or a prefix gradient to write (dprefix); the kernel without either carries no prefix code,
+// which makes its runs at segment boundaries cheaper (RESULTS.md, 2026-12-03: 7 % at 400 segments).
+template <typename S, int KM, bool kVec, int ACT, bool kExact, bool kPre, int P = BwdCfg<S, kVec>::P,
           int TT = BwdCfg<S, kVec>::TT, int NB = BwdCfg<S, kVec>::NB, int NST = BwdCfg<S, kVec>::NST>
 __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
     conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
@@ -274,8 +277,12 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
       seg.reach(cu, t0);
       if (t1 - t0 == R && t0 - K >= seg.lo && t1 + (K - 1) <= seg.hi)
         conv_bwd_interior<S, KM, P, R, NB, ACT, kExact>(dyr, xr, tp, sh, dx + t0 * sh.C + c, sh.C, t0, c, dw, db);
+      else if constexpr (kPre)
+        conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, DensePrefix<S>{prefix, sh.C, K - 1}, cu, sh, dx,
+                                                 dprefix, c, t0, t1, dw, db);
       else
-        conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, prefix, cu, sh, dx, dprefix, c, t0, t1, dw, db);
+        conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, NoPrefix<S>{}, cu, sh, dx, static_cast<S*>(nullptr),
+                                                 c, t0, t1, dw, db);
     }
   });
   cuda::cp_async_wait<0>();
@@ -361,17 +368,18 @@ void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
 // The backward's spans (and so its partial count) follow the vector path's occupancy; the element-wise path
 // has slabs and sub-tiles of the same size and reuses them.
 template <typename S, int KM, int P, int TT, int NB = BwdCfg<S, true>::NB> Spans bwd_spans(int64_t T, int64_t C) {
-  static const int occ = blocks_per_sm(conv_bwd_kernel<S, KM, true, 1, KM != 2 && KM != kMaxK, P, TT, NB>,
+  static const int occ = blocks_per_sm(conv_bwd_kernel<S, KM, true, 1, KM != 2 && KM != kMaxK, false, P, TT, NB>,
                                        Stage<KM, TT, BwdCfg<S, true>::NST>::kBwdBytes);
   return make_spans(T, ceil_div(C, Slab<S, P>::kWidth), occ, TT);
 }
 
-template <typename S, int KM, bool kVec, int ACT, bool kExact, int P, int TT, int NB = BwdCfg<S, kVec>::NB>
+template <typename S, int KM, bool kVec, int ACT, bool kExact, bool kPre, int P, int TT,
+          int NB = BwdCfg<S, kVec>::NB>
 void launch_bwd(const ConvArgs& a, const void* dy, void* dx, void* dprefix, void* work, const Spans& sp,
                 cudaStream_t stream) {
   using A = typename Acc<S>::type;
   constexpr int smem = Stage<KM, TT, BwdCfg<S, kVec>::NST>::kBwdBytes;
-  auto kernel = conv_bwd_kernel<S, KM, kVec, ACT, kExact, P, TT, NB>;
+  auto kernel = conv_bwd_kernel<S, KM, kVec, ACT, kExact, kPre, P, TT, NB>;
   PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(ceil_div(a.C, Slab<S, P>::kWidth)), static_cast<unsigned>(sp.count));
   kernel<<<grid, kThreads, smem, stream>>>(static_cast<const S*>(dy), static_cast<const S*>(a.x),
@@ -421,12 +429,15 @@ void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* d
     const Spans sp = bwd_spans<S, KM, V::P, V::TT>(a.T, a.C);
     if (sp.count != tiles) throw std::invalid_argument("packcuda conv: inconsistent tile count");
     if (a.T > 0) {
-      if (vector_ok<S>(a.C, {a.x, dy, dx}))
-        dispatch_vec_math<KM>(a, [&](auto act, auto exact) {
-          launch_bwd<S, KM, true, decltype(act)::value, decltype(exact)::value, V::P, V::TT>(a, dy, dx, dprefix,
-                                                                                             work, sp, stream);
-        });
-      else launch_bwd<S, KM, false, -1, false, 1, V::TT>(a, dy, dx, dprefix, work, sp, stream);
+      dispatch_bool(a.prefix != nullptr || dprefix != nullptr, [&](auto pre) {
+        constexpr bool kPre = decltype(pre)::value;
+        if (vector_ok<S>(a.C, {a.x, dy, dx}))
+          dispatch_vec_math<KM>(a, [&](auto act, auto exact) {
+            launch_bwd<S, KM, true, decltype(act)::value, decltype(exact)::value, kPre, V::P, V::TT>(
+                a, dy, dx, dprefix, work, sp, stream);
+          });
+        else launch_bwd<S, KM, false, -1, false, kPre, 1, V::TT>(a, dy, dx, dprefix, work, sp, stream);
+      });
       PC_CUDA_LAUNCH_CHECK();
     }
     const ConvShape sh = shape_of(a);
