@@ -25,6 +25,7 @@ void causal_conv1d_fwd_cpu(const ConvArgs& a, void* y) {
   const ConvShape sh = shape_of(a);
   dispatch_dtype(a.dtype, [&](auto tag) {
     using S = decltype(tag);
+    const DensePrefix<S> pf{static_cast<const S*>(a.prefix), a.C, a.K - 1};
     dispatch_k(a.K, [&](auto km) {
       constexpr int KM = decltype(km)::value;
       for (int64_t t0 = 0; t0 < a.T; t0 += kCpuTile) {
@@ -33,8 +34,7 @@ void causal_conv1d_fwd_cpu(const ConvArgs& a, void* y) {
           conv_fwd_tile<S, KM>(DenseRows<S>{static_cast<const S*>(a.x), a.C},
                                ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
                                                   a.K, KM - a.K, c),
-                               DensePrefix<S>{static_cast<const S*>(a.prefix), a.C, a.K - 1}, a.cu, sh,
-                               static_cast<S*>(y), c, t0, t1);
+                               pf, a.cu, sh, static_cast<S*>(y), c, t0, t1);
       }
     });
   });
@@ -49,6 +49,7 @@ void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dw
     using S = decltype(tag);
     using A = typename Acc<S>::type;
     A* part = static_cast<A*>(work);
+    const DensePrefix<S> pf{static_cast<const S*>(a.prefix), a.C, a.K - 1};
     if (dprefix)  // empty segments keep a zero prefix gradient
       for (int64_t i = 0; i < a.nseg * (a.K - 1) * a.C; ++i) static_cast<S*>(dprefix)[i] = from_acc<S>(A(0));
     dispatch_k(a.K, [&](auto km) {
@@ -62,8 +63,7 @@ void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dw
                                DenseRows<S>{static_cast<const S*>(a.x), a.C},
                                ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
                                                   a.K, KM - a.K, c),
-                               DensePrefix<S>{static_cast<const S*>(a.prefix), a.C, a.K - 1}, a.cu, sh,
-                               static_cast<S*>(dx), static_cast<S*>(dprefix), c, t0, t1, dw, db);
+                               pf, a.cu, sh, static_cast<S*>(dx), static_cast<S*>(dprefix), c, t0, t1, dw, db);
           conv_store_partials(dw, db, a.K, part + (i * a.C + c) * (a.K + 1));
         }
       }
