@@ -366,7 +366,11 @@ void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
 }
 
 // The backward's spans (and so its partial count) follow the vector path's occupancy; the element-wise path
-// has slabs and sub-tiles of the same size and reuses them.
+// has slabs and sub-tiles of the same size and reuses them. The spans fill one wave only if every kernel launched
+// with them (with or without prefix, K exact or not) reaches that occupancy: today this kernel's is the lowest
+// of them (2 blocks per SM for K <= 4, 1 for K = 8). A change that lowers the registers of this one kernel
+// alone gives more spans than the others fit, and their launches take more than a wave (RESULTS.md,
+// 2026-12-04: the prefix backward 5 to 39 % slower at K = 2 and 3).
 template <typename S, int KM, int P, int TT, int NB = BwdCfg<S, true>::NB> Spans bwd_spans(int64_t T, int64_t C) {
   static const int occ = blocks_per_sm(conv_bwd_kernel<S, KM, true, 1, KM != 2 && KM != kMaxK, false, P, TT, NB>,
                                        Stage<KM, TT, BwdCfg<S, true>::NST>::kBwdBytes);
