@@ -377,7 +377,7 @@ def _unsharded_case(plan, seed, C, K, act):
     return (X, w, b, G, yr, *torch.autograd.grad(yr, (Xr, wr, br), G))
 
 
-def _exchange_cases():
+def _exchange_cases(cps=(2, 3, 4), Ks=(2, 3, 4), names=None):
     import random
 
     rng = random.Random(1234)
@@ -388,10 +388,12 @@ def _exchange_cases():
         "many_short": [rng.randint(1, 6) for _ in range(20)],
     }
     cases = []
-    for cp in (2, 3, 4):
+    for cp in cps:
         for layout in ("zigzag", "contiguous"):
-            for K in (2, 3, 4):
+            for K in Ks:
                 for name, lens in packs.items():
+                    if names is not None and name not in names:
+                        continue
                     bucket = None
                     if name == "random":  # bucket segment at the tail
                         bucket = 8 * cp * (3 if layout == "zigzag" else 1)
@@ -400,44 +402,53 @@ def _exchange_cases():
     return cases
 
 
+def _check_exchange_cases(rank, cases, groups):
+    """Runs the sharded conv of every case this rank takes part in against the unsharded reference (outputs and
+    every gradient; the "short" packs also twice, bitwise); returns how many it ran."""
+    import torch.distributed as dist
+
+    n = 0
+    for ci, (cp, layout, K, name, lens, bucket, act) in enumerate(cases):
+        if rank >= cp:
+            continue
+        group = groups[cp]
+        cu = _cu(lens)
+        plan = packcuda.shard_plan(cu, cp, rank, layout=layout, bucket=bucket)
+        C = 3
+        X, w, b, G, yr, dXr, dwr, dbr = _unsharded_case(plan, ci, C, K, act)
+        rows = ref.local_padded_rows(plan)
+        xl = X[rows].clone().requires_grad_()
+        wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+        prefix = packcuda.conv_prefix(xl, plan, K, group)
+        assert prefix.shape == (len(plan.pieces_host) - 1, K - 1, C)
+        y = packcuda.causal_conv1d(xl, wl, bl, cu_seqlens=plan.pieces, prefix=prefix, activation=act)
+        what = f"cp={cp} {layout} K={K} {name} rank={rank}"
+        assert torch.allclose(y, yr.detach()[rows], atol=1e-12, rtol=1e-10), f"outputs differ: {what}"
+        dx, dw, db = torch.autograd.grad(y, (xl, wl, bl), G[rows])
+        assert torch.allclose(dx, dXr[rows], atol=1e-12, rtol=1e-10), f"grad x differs: {what}"
+        dist.all_reduce(dw, group=group)
+        dist.all_reduce(db, group=group)
+        assert torch.allclose(dw, dwr, atol=1e-10, rtol=1e-10), f"grad weight differs: {what}"
+        assert torch.allclose(db, dbr, atol=1e-10, rtol=1e-10), f"grad bias differs: {what}"
+        if name != "short":
+            n += 1
+            continue
+        # the same call twice gives bit-identical results (deterministic)
+        dx2 = torch.autograd.grad(packcuda.causal_conv1d(
+            xl, wl, bl, cu_seqlens=plan.pieces, prefix=packcuda.conv_prefix(xl, plan, K, group),
+            activation=act), xl, G[rows])[0]
+        assert torch.equal(dx, dx2), what
+        n += 1
+    return n
+
+
 def _dist_worker(rank, world, init, results):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         groups = {cp: (dist.new_group(list(range(cp))) if cp < world else dist.group.WORLD) for cp in (2, 3, 4)}
-        n = 0
-        for ci, (cp, layout, K, name, lens, bucket, act) in enumerate(_exchange_cases()):
-            if rank >= cp:
-                continue
-            group = groups[cp]
-            cu = _cu(lens)
-            plan = packcuda.shard_plan(cu, cp, rank, layout=layout, bucket=bucket)
-            C = 3
-            X, w, b, G, yr, dXr, dwr, dbr = _unsharded_case(plan, ci, C, K, act)
-            rows = ref.local_padded_rows(plan)
-            xl = X[rows].clone().requires_grad_()
-            wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
-            prefix = packcuda.conv_prefix(xl, plan, K, group)
-            assert prefix.shape == (len(plan.pieces_host) - 1, K - 1, C)
-            y = packcuda.causal_conv1d(xl, wl, bl, cu_seqlens=plan.pieces, prefix=prefix, activation=act)
-            what = f"cp={cp} {layout} K={K} {name} rank={rank}"
-            assert torch.allclose(y, yr.detach()[rows], atol=1e-12, rtol=1e-10), f"outputs differ: {what}"
-            dx, dw, db = torch.autograd.grad(y, (xl, wl, bl), G[rows])
-            assert torch.allclose(dx, dXr[rows], atol=1e-12, rtol=1e-10), f"grad x differs: {what}"
-            dist.all_reduce(dw, group=group)
-            dist.all_reduce(db, group=group)
-            assert torch.allclose(dw, dwr, atol=1e-10, rtol=1e-10), f"grad weight differs: {what}"
-            assert torch.allclose(db, dbr, atol=1e-10, rtol=1e-10), f"grad bias differs: {what}"
-            if name != "short":
-                n += 1
-                continue
-            # the same call twice gives bit-identical results (deterministic)
-            dx2 = torch.autograd.grad(packcuda.causal_conv1d(
-                xl, wl, bl, cu_seqlens=plan.pieces, prefix=packcuda.conv_prefix(xl, plan, K, group),
-                activation=act), xl, G[rows])[0]
-            assert torch.equal(dx, dx2), what
-            n += 1
+        n = _check_exchange_cases(rank, _exchange_cases(), groups)
         # debug-check mode: ranks holding different plans fail loudly instead of hanging
         group = groups[2]
         if rank < 2:
@@ -464,6 +475,39 @@ def test_conv_prefix_gloo_equivalence(tmp_path):
     n_cases = len(_exchange_cases())
     per_rank = {r: sum(1 for c in _exchange_cases() if r < c[0]) for r in range(world)}
     assert results == per_rank and n_cases == 72
+
+
+def _dist_worker_cp8(rank, world, init, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        n = _check_exchange_cases(rank, _exchange_cases(cps=(8,), Ks=(2, 4)), {8: dist.group.WORLD})
+        # one rank holding another plan: every rank gets the error (none waits for the others)
+        plan = packcuda.shard_plan([0, 40, 80 + (16 if rank == 5 else 0)], 8, rank)
+        try:
+            packcuda.conv_prefix(torch.randn(plan.total_local, 4, dtype=torch.float64), plan, 4, check=True,
+                                 group=dist.group.WORLD)
+            results[(rank, "mismatch")] = "accepted"
+        except ValueError as e:
+            results[(rank, "mismatch")] = str(e)
+        results[rank] = n
+    finally:
+        dist.destroy_process_group()
+
+
+def test_conv_prefix_gloo_cp8(tmp_path):
+    """cp = 8 (an 8-process gloo job): zigzag and contiguous, K in {2, 4}, a random pack with a bucket segment,
+    sequences shorter than 2*cp*(K-1) (a prefix gathered from several pieces and ranks; most pieces empty), one
+    long sequence, many short ones: the sharded conv equals the unsharded one (outputs and all gradients); with
+    check=True, a rank holding another plan makes every rank raise."""
+    world = 8
+    results = spawn_ranks(_dist_worker_cp8, world, tmp_path)
+    cases = _exchange_cases(cps=(8,), Ks=(2, 4))
+    assert len(cases) == 16
+    for r in range(world):
+        assert results[r] == 16, r
+        assert "disagree on the plan" in results[(r, "mismatch")], (r, results[(r, "mismatch")])
 
 
 def _mismatch_worker(rank, world, init, results):

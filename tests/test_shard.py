@@ -326,10 +326,10 @@ def _gather_worker(rank, world, init, out_dir):
         dist.destroy_process_group()
 
 
-def test_gather_gloo():
+@pytest.mark.parametrize("world", [3, 8])
+def test_gather_gloo(world):
     import torch.multiprocessing as mp
 
-    world = 3
     with tempfile.TemporaryDirectory() as d:
         init = "file://" + os.path.join(d, "rendezvous")
         # spawn, not fork: a forked worker cannot run backward once an earlier test in this process has
