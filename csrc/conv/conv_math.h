@@ -219,17 +219,18 @@ PC_UNROLL
 
 // Forward over tokens [t0, t1) of channels c .. c+V-1 (each channel gets exactly the scalar math; the V
 // channels only share the loads/stores of a row and the segment walk).
-// tp: the taps of those channels (ConvTaps).
+// tp: the taps of those channels (ConvTaps); s0: the segment holding t0 (find_segment(cu, nseg, t0); a caller
+// that walks its tokens in order already knows it).
 template <typename S, int KM, int V = 1, int NB = kBatch, int ACT = -1, bool kExact = false, typename Rows,
           typename Pre>
 PC_HD void conv_fwd_tile(const Rows& x, const ConvTaps<S, KM, V>& tp, const Pre& pf, const int64_t* cu,
-                         const ConvShape& sh, S* y, int64_t c, int64_t t0, int64_t t1) {
+                         const ConvShape& sh, S* y, int64_t c, int64_t t0, int64_t t1, int64_t s0) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
   using A = typename Acc<S>::type;
   const int off = KM - (kExact ? KM : sh.K);
   const int act = ACT >= 0 ? ACT : sh.act;
   if (t1 <= t0) return;
-  int64_t s = find_segment(cu, sh.nseg, t0);
+  int64_t s = s0;
   int64_t start = cu[s], end = cu[s + 1];
   A win[V][KM - 1];  // win[v][m] = xin(t - (KM-1) + m, c + v) for m < KM-1
 PC_UNROLL
@@ -341,6 +342,7 @@ PC_UNROLL
 // Backward over tokens [t0, t1) of channels c .. c+V-1 (taps tp), walking t downwards. Writes dx[t, c+v] for t
 // in the tile, dprefix[s, :, c+v] for every non-empty segment that starts in the tile (when dprefix is given),
 // and adds this tile's sums of dweight[c+v, :] and dbias[c+v] to dw[v][m] (slot m = tap m - (KM - K)) and db[v].
+// s1: the segment holding t1 - 1 (find_segment(cu, nseg, t1 - 1), or known to the caller).
 //   dx[u]         = sum_k w[k] * gz[u + K-1-k]      over taps inside u's segment
 //   dprefix[s, j] = sum_k w[k] * gz[start + j - k]  (prefix row j sits at u = start - (K-1) + j)
 //   dw[k]         = sum_t gz[t] * xin(t - (K-1) + k),  db = sum_t gz[t],  gz = dy * act'(z)
@@ -348,7 +350,8 @@ template <typename S, int KM, int V = 1, int NB = kBatch, int ACT = -1, bool kEx
           typename XRows, typename Pre>
 PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const ConvTaps<S, KM, V>& tp, const Pre& pf,
                          const int64_t* cu, const ConvShape& sh, S* dx, S* dprefix, int64_t c, int64_t t0,
-                         int64_t t1, typename Acc<S>::type (&dw)[V][KM], typename Acc<S>::type (&db)[V]) {
+                         int64_t t1, int64_t s1, typename Acc<S>::type (&dw)[V][KM],
+                         typename Acc<S>::type (&db)[V]) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
   using A = typename Acc<S>::type;
   const int K = kExact ? KM : sh.K;
@@ -356,7 +359,7 @@ PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const ConvTaps<S, KM,
   const int act = ACT >= 0 ? ACT : sh.act;
   if (t1 > t0) {
     int64_t t = t1 - 1;
-    int64_t s = find_segment(cu, sh.nseg, t);
+    int64_t s = s1;
     int64_t start = cu[s], end = cu[s + 1];
     PrefixRows<S, KM, V> pre;  // segment s's prefix rows (the window's entries before its start)
     pre.load(pf, sh, s, c);

@@ -30,11 +30,12 @@ void causal_conv1d_fwd_cpu(const ConvArgs& a, void* y) {
       constexpr int KM = decltype(km)::value;
       for (int64_t t0 = 0; t0 < a.T; t0 += kCpuTile) {
         const int64_t t1 = t0 + kCpuTile < a.T ? t0 + kCpuTile : a.T;
+        const int64_t s0 = find_segment(a.cu, a.nseg, t0);
         for (int64_t c = 0; c < a.C; ++c)
           conv_fwd_tile<S, KM>(DenseRows<S>{static_cast<const S*>(a.x), a.C},
                                ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
                                                   a.K, KM - a.K, c),
-                               pf, a.cu, sh, static_cast<S*>(y), c, t0, t1);
+                               pf, a.cu, sh, static_cast<S*>(y), c, t0, t1, s0);
       }
     });
   });
@@ -56,6 +57,7 @@ void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dw
       constexpr int KM = decltype(km)::value;
       for (int64_t i = 0; i < tl.count && a.T > 0; ++i) {
         const int64_t t0 = i * tl.len, t1 = t0 + tl.len < a.T ? t0 + tl.len : a.T;
+        const int64_t s1 = find_segment(a.cu, a.nseg, t1 - 1);
         for (int64_t c = 0; c < a.C; ++c) {
           A dw[1][KM], db[1];
           conv_zero_partials(dw, db);
@@ -63,7 +65,7 @@ void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dw
                                DenseRows<S>{static_cast<const S*>(a.x), a.C},
                                ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
                                                   a.K, KM - a.K, c),
-                               pf, a.cu, sh, static_cast<S*>(dx), static_cast<S*>(dprefix), c, t0, t1, dw, db);
+                               pf, a.cu, sh, static_cast<S*>(dx), static_cast<S*>(dprefix), c, t0, t1, s1, dw, db);
           conv_store_partials(dw, db, a.K, part + (i * a.C + c) * (a.K + 1));
         }
       }

@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : (NST > 2 ? 2 : 3))
         conv_fwd_interior<S, KM, P, R, NB, ACT, kExact>(rows, tp, sh, y + t0 * sh.C + c, sh.C, t0, c);
       else
         conv_fwd_tile<S, KM, P, NB, ACT, kExact>(rows, tp, DensePrefix<S>{prefix, sh.C, K - 1}, cu, sh, y, c, t0,
-                                                 t1);
+                                                 t1, seg.seg);
     }
   });
 }
@@ -275,14 +275,17 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
       const S* xb = buf + (j % NST) * STAGE;
       const TileRows<S> dyr{xb + XR * L::kWidth, tb, c0}, xr{xb, tb - KM, c0};
       seg.reach(cu, t0);
-      if (t1 - t0 == R && t0 - K >= seg.lo && t1 + (K - 1) <= seg.hi)
+      if (t1 - t0 == R && t0 - K >= seg.lo && t1 + (K - 1) <= seg.hi) {
         conv_bwd_interior<S, KM, P, R, NB, ACT, kExact>(dyr, xr, tp, sh, dx + t0 * sh.C + c, sh.C, t0, c, dw, db);
-      else if constexpr (kPre)
-        conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, DensePrefix<S>{prefix, sh.C, K - 1}, cu, sh, dx,
-                                                 dprefix, c, t0, t1, dw, db);
-      else
-        conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, NoPrefix<S>{}, cu, sh, dx, static_cast<S*>(nullptr),
-                                                 c, t0, t1, dw, db);
+      } else {
+        seg.reach(cu, t1 - 1);  // the walk starts at the run's last token (later runs start after it)
+        if constexpr (kPre)
+          conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, DensePrefix<S>{prefix, sh.C, K - 1}, cu, sh, dx,
+                                                   dprefix, c, t0, t1, seg.seg, dw, db);
+        else
+          conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, NoPrefix<S>{}, cu, sh, dx,
+                                                   static_cast<S*>(nullptr), c, t0, t1, seg.seg, dw, db);
+      }
     }
   });
   cuda::cp_async_wait<0>();
