@@ -100,6 +100,23 @@ def test_causal_conv1d_unaligned_storage(device, dtype):
             _close(a, r, dtype, "grad")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_unaligned_prefix(device, dtype):
+    # a prefix view one element into its storage (x, dy aligned, C a multiple of every vector width: the vector
+    # path of the CUDA backward) gives bitwise the gradients of an aligned copy of it
+    g = _seed("unaligned-prefix", dtype)
+    lens = [5, 0, 1, 40, 2, 30]
+    cu, C, K = _cu(lens), 16, 4
+    x, dy = (torch.randn(cu[-1], C, generator=g).to(device, dtype) for _ in range(2))
+    w = torch.randn(C, K, generator=g).to(device, dtype)
+    b = torch.randn(C, generator=g).to(device, dtype)
+    p = torch.randn(len(lens) * (K - 1) * C + 1, generator=g).to(device, dtype)[1:].view(len(lens), K - 1, C)
+    got = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, torch.tensor(cu), p, 1)
+    want = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, torch.tensor(cu), p.clone(), 1)
+    for a, r in zip(got, want):
+        assert torch.equal(a, r)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("C", [8, 264, 257])
 def test_causal_conv1d_block_tiles(device, dtype, C):
