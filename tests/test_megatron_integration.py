@@ -5,7 +5,8 @@ megatron-core index-selects the Megatron-padded stream with TransformerEngine's 
 ``cu_seqlens`` ``[1, n]``, ``local_cp_size`` and ``hybrid_cp_group``) in 0.19. TransformerEngine needs a GPU, so
 on the CPU its partition is the plain reference of that function (``reference.thd_partitioned_indices``), which
 the shard-plan tests check against TransformerEngine's semantics; 0.19 reads the CP size and rank from its
-process group, answered here for a stand-in group. The tests run against whichever megatron-core is importable
+process group, answered here for a stand-in group. The rotary test runs megatron-core's own THD rotary
+(``rope_utils._apply_rotary_pos_emb_thd``, pure PyTorch) on the split. The tests run against whichever megatron-core is importable
 (CI runs them with 0.16.1 and again with 0.19.2 first on PYTHONPATH); skipped, with the reason, without one."""
 import random
 import types
@@ -192,6 +193,32 @@ def test_thd_batch_takes_megatron_core_batch_dicts(cp, mcore):
                     assert torch.equal(got[k][:, 0], want[k]), (stage, k)
                 else:
                     assert torch.equal(got[k], want[k].to(got[k].dtype)), (stage, k)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_thd_positions_give_megatron_core_rotary(cp, monkeypatch):
+    """megatron-core's own THD rotary (RotaryEmbedding's table over the longest padded sequence, applied per
+    padded sequence to this rank's zigzag chunks by rope_utils._apply_rotary_pos_emb_thd) equals
+    packcuda.apply_rope with the split's position_ids, on every local slot, pads included. (RotaryEmbedding
+    moves its table to the current CUDA device; here the current device is the CPU.)"""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    rope_mod = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils", reason=NEEDS_MCORE)
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    D, H = 32, 2
+    rope = RotaryEmbedding(kv_channels=D, rotary_percent=1.0, rotary_base=10000, use_cpu_initialization=True)
+    lens = [5, 17, 1, 30]
+    cu, tokens, _ = _inputs(lens, cp)
+    g = torch.Generator().manual_seed(cp)
+    for rank in range(cp):
+        plan = packcuda.shard_plan(cu, cp, rank, bucket=16 * cp)
+        q = torch.randn(plan.total_local, H, D, generator=g)
+        group = types.SimpleNamespace(size=lambda: cp, rank=lambda: rank)
+        freqs = rope(plan.max_seqlen_padded)  # [max_seqlen, 1, 1, D]
+        want = rope_mod._apply_rotary_pos_emb_thd(q, plan.cu_seqlens_padded.to(torch.int32), freqs, cp_group=group)
+        pos = pm.thd_batch_on_this_cp_rank({"tokens": tokens[None]}, plan)["position_ids"][0]
+        got, _ = packcuda.apply_rope(q, q, pos, inv_freq=rope.inv_freq.float())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"megatron-core {_version()}: cp={cp} rank={rank}")
 
 
 def test_thd_batch_refuses_hybrid_context_parallelism():
