@@ -7,7 +7,7 @@ of the packed stream describes exactly that split, so:
 
 - :func:`packed_seq_params` — ``megatron.core.packed_seq_params.PackedSeqParams`` of the plan (``qkv_format
   "thd"``, global ``cu_seqlens_q/kv`` and ``cu_seqlens_q/kv_padded`` int32 on the plan's device, the padded
-  ``max_seqlen_q/kv``; ``total_tokens`` where the installed megatron-core has that field);
+  ``max_seqlen_q/kv``; ``total_tokens`` and ``seq_idx`` where the installed megatron-core has those fields);
 - :func:`thd_batch_on_this_cp_rank` — this rank's ``tokens``, ``labels``, ``loss_mask`` and ``position_ids``
   from the *unpadded* packed batch, with labels built per sequence before the split when the batch has
   none. It takes the batch dicts megatron-core's ``get_batch_on_this_tp_rank`` makes (0.19 adds
