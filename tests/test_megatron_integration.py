@@ -6,8 +6,9 @@ megatron-core index-selects the Megatron-padded stream with TransformerEngine's 
 on the CPU its partition is the plain reference of that function (``reference.thd_partitioned_indices``), which
 the shard-plan tests check against TransformerEngine's semantics; 0.19 reads the CP size and rank from its
 process group, answered here for a stand-in group. The rotary test runs megatron-core's own THD rotary
-(``rope_utils._apply_rotary_pos_emb_thd``, pure PyTorch) on the split. The tests run against whichever megatron-core is importable
-(CI runs them with 0.16.1 and again with 0.19.2 first on PYTHONPATH); skipped, with the reason, without one."""
+(``rope_utils._apply_rotary_pos_emb_thd``, pure PyTorch) on the split. The tests run against whichever
+megatron-core is importable (CI runs them with 0.16.1 and again with 0.19.2 first on PYTHONPATH); skipped, with
+the reason, without one."""
 import random
 import types
 
@@ -16,6 +17,7 @@ import torch
 
 import packcuda
 import reference as ref
+from conftest import no_sync, requires_cuda
 from packcuda.integrations import megatron as pm
 
 IGNORE, PAD = -100, 0
@@ -218,7 +220,8 @@ def test_thd_positions_give_megatron_core_rotary(cp, monkeypatch):
         want = rope_mod._apply_rotary_pos_emb_thd(q, plan.cu_seqlens_padded.to(torch.int32), freqs, cp_group=group)
         pos = pm.thd_batch_on_this_cp_rank({"tokens": tokens[None]}, plan)["position_ids"][0]
         got, _ = packcuda.apply_rope(q, q, pos, inv_freq=rope.inv_freq.float())
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"megatron-core {_version()}: cp={cp} rank={rank}")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                   msg=f"megatron-core {_version()}: cp={cp} rank={rank}")
 
 
 def test_thd_batch_refuses_hybrid_context_parallelism():
@@ -324,6 +327,38 @@ def test_every_positions_function_takes_every_b1_form(shape, dtype):
         got = plan.shard(pos, dim=-1)
         assert got.shape == pos.shape[:-1] + (plan.total_local,) and got.dtype == dtype
         assert torch.equal(got.reshape(-1, plan.total_local)[:, real].long(), want[:, real])
+
+
+@requires_cuda
+def test_no_sync_on_cuda():
+    """On CUDA, the split (mRoPE positions [3, 1, T] included) and PackedSeqParams (with megatron-core 0.19's
+    total_tokens / seq_idx) never wait on the device; the same values as on the CPU."""
+    lens = [100, 0, 37, 512, 9]
+    cu, tokens, pos = _inputs(lens, 5, 3)
+    batch = {"tokens": tokens[None].cuda(), "position_ids": pos[:, None].cuda().to(torch.int32),
+             "attention_mask": None}
+    cpu = [pm.thd_batch_on_this_cp_rank({"tokens": tokens[None], "position_ids": pos[:, None].to(torch.int32)},
+                                        packcuda.shard_plan(cu, 4, r, bucket=64)) for r in range(4)]
+    with no_sync():
+        plans = [packcuda.shard_plan(cu, 4, r, bucket=64, device="cuda") for r in range(4)]
+        got = [pm.thd_batch_on_this_cp_rank(batch, p) for p in plans]
+        psp = [pm.packed_seq_params(p) for p in plans] if _has_mcore() else []
+    for g, c in zip(got, cpu):
+        for k in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert torch.equal(g[k].cpu(), c[k]), k
+    for p, plan in zip(psp, plans):
+        want = pm.packed_seq_params(packcuda.shard_plan(cu, 4, plan.cp_rank, bucket=64))
+        for f in ("cu_seqlens_q", "cu_seqlens_q_padded", "seq_idx"):
+            if getattr(want, f, None) is not None:
+                assert torch.equal(getattr(p, f).cpu(), getattr(want, f)), f
+
+
+def _has_mcore():
+    try:
+        import megatron.core.packed_seq_params  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def test_refusals():
