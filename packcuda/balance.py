@@ -126,6 +126,12 @@ def plan_micro_batches(
     ``[0, min(max_tokens, 2^30)]``; ``workload_coef`` in ``[0, 2^40]``; the total workload below ``2^61``.
     Deterministic (integer arithmetic, index tie-breaks): the same input gives the same plan on every rank.
     Host work only; no device sync.
+
+    With ``"karmarkar_karp"`` the plan never has more micro-batches than verl's ``rearrange_micro_batches``
+    (Karmarkar–Karp, retried with ``multiple_of`` more micro-batches until the cap holds), and at the same count
+    its largest workload is never higher: the Karmarkar–Karp split here is verl's (ties broken the same way), so
+    where verl's split meets the cap it is the local search's start, and the search never raises the maximum
+    (unless the count scan jumps, which takes ``2^19 / (n + k)`` failed counts).
     """
     op = "plan_micro_batches"
     max_tokens = check_int(op, "max_tokens", max_tokens, lo=1)
@@ -148,7 +154,8 @@ def balance_across_ranks(
     workload_coef: int = DEFAULT_WORKLOAD_COEF,
 ) -> List[List[int]]:
     """Partition a global batch across ``world_size`` data-parallel ranks, minimizing the largest rank
-    workload (Karmarkar–Karp plus a local search). Returns ``world_size`` lists of sequence indices (rank r
+    workload (Karmarkar–Karp plus a local search; never above verl's ``get_seqlen_balanced_partitions``, whose
+    split is the search's start). Returns ``world_size`` lists of sequence indices (rank r
     gets list r, ascending). ``equal_count=True`` gives every rank the same number of sequences (needs
     ``len(seqlens) % world_size == 0``). ``world_size`` in ``[1, 2^20]``; lengths in ``[0, 2^30]``;
     ``workload_coef`` in ``[0, 2^40]``; the total workload below ``2^61``. Deterministic; host work only."""

@@ -188,24 +188,32 @@ class ShardPlan:
         return _gather(x, self.index, _fill_arg("ShardPlan.shard", fill, "fill", x.dtype), d)
 
     def shard_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's share of position ids laid out on the original stream along their last dim: ``[T]``,
-        mRoPE ``[R, T]`` or ``[R, 1, T]`` (R = 3 or 4). Real slots get the token's positions; pad slots get
-        the plan's own :attr:`position_ids` there on every row: a sequence's tail pads continue counting from
-        its padded offset (``L_i, L_i+1, ...``, above every real position of the sequence, which starts at 0
-        and grows by at most 1 per token) and the bucket segment counts from 0. So positions restart at 0
-        only where a segment starts, and a run of pads is never split into one-token sequences by
-        position-based packed-sequence detection (transformers' ``find_packed_sequence_indices`` /
-        ``prepare_fa_kwargs_from_position_ids``). No sync."""
-        op = "ShardPlan.shard_positions"
+        """This rank's share of position ids laid out on the original stream along their last dim, returned in
+        the form given: ``[T]``, ``[1, T]``, mRoPE ``[R, T]`` (R = 3 or 4), ``[R, 1, T]`` (transformers' and
+        Megatron's ``[R, B, T]`` with B = 1) or ``[1, R, T]`` (verl's ``[B, R, T]``), int32 or int64 (other
+        leading sizes are refused: ``[2, T]`` could be two rows or a batch of two). Real slots get
+        the token's positions; pad slots get the plan's own :attr:`position_ids` there on every row: a
+        sequence's tail pads continue counting from its padded offset (``L_i, L_i+1, ...``, above every real
+        position of the sequence, which starts at 0 and grows by at most 1 per token) and the bucket segment
+        counts from 0. So positions restart at 0 only where a segment starts, and a run of pads is never split
+        into one-token sequences by position-based packed-sequence detection (transformers'
+        ``find_packed_sequence_indices`` / ``prepare_fa_kwargs_from_position_ids``). No sync."""
+        return self._shard_positions("ShardPlan.shard_positions", "position_ids", position_ids)
+
+    def _shard_positions(self, op: str, name: str, position_ids) -> torch.Tensor:
+        """:meth:`shard_positions` for ``op``, whose refusals name the argument ``name``."""
         if not isinstance(position_ids, torch.Tensor):
-            raise TypeError(f"packcuda.{op}: position_ids must be a tensor, got {type(position_ids).__name__}")
+            raise TypeError(f"packcuda.{op}: {name} must be a tensor, got {type(position_ids).__name__}")
         if position_ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"packcuda.{op}: position_ids must be an int32/int64 tensor, got {position_ids.dtype}")
-        if position_ids.dim() not in (1, 2, 3) or (position_ids.dim() == 3 and position_ids.shape[1] != 1):
-            raise ValueError(f"packcuda.{op}: position_ids must be [T], [R, T] or [R, 1, T], got shape "
-                             f"{tuple(position_ids.shape)}")
-        d = self._rows("shard_positions", position_ids, -1, self.total, "position_ids")
-        out = _gather(position_ids, self.index, 0.0, d)
+            raise TypeError(f"packcuda.{op}: {name} must be an int32/int64 tensor, got {position_ids.dtype}")
+        shape = tuple(position_ids.shape)
+        rows = [n for n in shape[:-1] if n != 1]  # R (3 or 4) or nothing: B is 1
+        if not 1 <= len(shape) <= 3 or shape[-1] != self.total or rows not in ([], [3], [4]):
+            raise ValueError(f"packcuda.{op}: {name} must be [T], [1, T], [R, T], [R, 1, T] or [1, R, T] (R = 3 "
+                             f"or 4, B = 1) with T = {self.total} tokens of the plan, got shape {shape}")
+        if position_ids.device != self.device:
+            raise ValueError(f"packcuda.{op}: {name} is on {position_ids.device}, but the plan is on {self.device}")
+        out = _gather(position_ids, self.index, 0.0, len(shape) - 1)
         return torch.where(self._pad_mask, self.position_ids.to(out.dtype), out)
 
     @property

@@ -26,8 +26,11 @@ struct Partition {
 
 // Multi-way largest differencing (Karmarkar-Karp) of `weights` (n entries, >= 0) into k >= 1 parts:
 // part[i] in [0, k). equal_count (n % k == 0): every part gets n / k items (the weights are sorted, cut into
-// groups of k, and each group starts as one k-way state). Ties are broken by position, so the result is
-// deterministic. Exposed for tests and C++ users; the planners below add the token cap and a local search.
+// groups of k, and each group starts as one k-way state). Ties are broken as verl's
+// get_seqlen_balanced_partitions breaks them (see balance_cpu.cpp), so the two make the same partition of the
+// same weights; deterministic. Exposed for tests and C++ users; the planners below add the token cap and a
+// local search, which start from this partition whenever it meets the cap: their largest workload is then never
+// above the plain Karmarkar-Karp split's.
 void karmarkar_karp(const int64_t* weights, int64_t n, int64_t k, bool equal_count, int64_t* part);
 
 // Micro-batches under a token cap. Preconditions (checked by the torch layer): 0 <= seqlens[i] <= max_tokens,
