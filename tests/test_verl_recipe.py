@@ -1,4 +1,4 @@
-"""README recipe "verl-style padding": shard plans with a bucket reproduce verl's FSDP-engine padding and
+"""The verl recipe of docs/integrations/verl.md: shard plans with a bucket reproduce verl's FSDP-engine padding and
 Ulysses slicing (contiguous) and its Megatron-engine THD preprocessing (zigzag).
 
 verl is not a dependency; the verl steps are written out here from their documented behaviour (packed row
