@@ -4,7 +4,9 @@ The blocks of one page run in order in one namespace, in a child process of thei
 process group or patch a model class). A block right after ``<!-- skip: REASON -->`` does not run (it needs a
 GPU, several GPUs or a file the page does not make); a page's blocks after ``<!-- also: world_size=N -->``
 run a second time as N processes over gloo (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set).
+A page with ``<!-- requires: MODULE -->`` is skipped where MODULE does not import (e.g. megatron.core).
 """
+import importlib
 import json
 import os
 import re
@@ -21,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 MARK = re.compile(r"<!--\s*(skip|also):\s*(.*?)\s*-->\s*$")
+REQUIRES = re.compile(r"<!--\s*requires:\s*(\S+)\s*-->")
 
 RUNNER = r"""
 import json, sys
@@ -80,6 +83,11 @@ def test_page_blocks_run(page, tmp_path):
     runnable = [b for b in blocks(page) if b[2] != "skip"]
     if not runnable:
         pytest.skip("no runnable python block")
+    for module in REQUIRES.findall(page.read_text()):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pytest.skip(f"needs {module}")
     _run(runnable, tmp_path)
     for value in sorted({value for _, _, kind, value in runnable if kind == "also"}):
         _run(runnable, tmp_path, world_size=int(re.fullmatch(r"world_size=(\d+)", value).group(1)))
