@@ -1,8 +1,8 @@
 """Shard plans for context parallelism: how a global packed stream maps to one CP rank's local buffer.
 
-A :class:`ShardPlan` is built once per batch from host ``cu_seqlens`` (no device sync) and then moves any
-tensor laid out on the original stream to the rank's local layout (:meth:`ShardPlan.shard`,
-:meth:`ShardPlan.labels`) and back (:meth:`ShardPlan.unshard`, :meth:`ShardPlan.gather`). Two layouts:
+A ``ShardPlan`` is built once per batch from host ``cu_seqlens`` (no device sync) and then moves any
+tensor laid out on the original stream to the rank's local layout (``ShardPlan.shard``,
+``ShardPlan.labels``) and back (``ShardPlan.unshard``, ``ShardPlan.gather``). Two layouts:
 
 ``zigzag`` (Megatron / TransformerEngine THD): sequence ``i`` is padded at its tail to
 ``P_i = roundup(L_i, align)`` and cut into ``2*cp`` chunks of ``h_i = P_i / (2*cp)`` rows; rank ``r`` holds
@@ -15,8 +15,8 @@ multiple of ``cp`` (and of ``bucket``), rank ``r`` holds padded rows ``[r*Tp/cp,
 from 0) so that the padded total is a multiple of ``bucket``; it is present only when its length
 (``pad_size``) is non-zero, and it never lengthens a real sequence.
 
-:func:`static_shard_plan` builds the same plan on the device from device ``cu_seqlens`` with shapes fixed by
-``(capacity, max_seqs, cp_size)`` (a :class:`StaticShardPlan`: no host read, capturable in a CUDA graph).
+``static_shard_plan`` builds the same plan on the device from device ``cu_seqlens`` with shapes fixed by
+``(capacity, max_seqs, cp_size)`` (a ``StaticShardPlan``: no host read, capturable in a CUDA graph).
 """
 from __future__ import annotations
 
