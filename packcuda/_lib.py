@@ -33,6 +33,11 @@ def library_dir() -> Path:
 
 
 def library_path() -> Path:
+    """The compiled op library this package loads.
+
+    Returns:
+        The path of ``libpackcuda_torch.so``: the in-place build's when there is one, else the installed one's.
+    """
     return library_dir() / "libpackcuda_torch.so"
 
 
@@ -51,13 +56,21 @@ def load() -> None:
 
 
 def built_with_cuda() -> bool:
-    """True when the library carries CUDA kernels."""
+    """Whether the library was built with its CUDA kernels (else every op runs on the CPU only).
+
+    Returns:
+        True when the ops have CUDA kernels.
+    """
     load()
     return torch._C._dispatch_has_kernel_for_dispatch_key("packcuda::gather_rows", "CUDA")
 
 
 def cmake_prefix_path() -> str:
-    """Directory to put on CMAKE_PREFIX_PATH so that `find_package(packcuda CONFIG)` finds this install."""
+    """The folder for ``CMAKE_PREFIX_PATH`` (also ``python -m packcuda cmake-prefix-path``).
+
+    Returns:
+        The directory with which ``find_package(packcuda CONFIG)`` finds this install's headers and libraries.
+    """
     return os.fspath(library_dir() / "cmake")
 
 

@@ -286,10 +286,18 @@ _INV_FREQ_CACHE: dict = {}
 
 
 def default_inv_freq(rope_theta: float, rotary_dim: int) -> torch.Tensor:
-    """fp32 ``[rotary_dim // 2]`` CPU tensor ``1 / rope_theta ** (arange(0, rotary_dim, 2) / rotary_dim)``,
-    computed with the same float32 torch ops, in the same order, as transformers' default rope init (so the
-    frequencies are bit-identical to the model's ``inv_freq`` buffer). ``rope_theta``: a finite number > 0 whose
-    frequencies are finite in fp32; ``rotary_dim``: an even integer in [2, 8192]."""
+    """The default rotary frequencies, bit-identical to a transformers model's ``inv_freq`` buffer.
+
+    ``1 / rope_theta ** (arange(0, rotary_dim, 2) / rotary_dim)``, computed with the same float32 torch ops, in
+    the same order, as transformers' default rope init.
+
+    Args:
+        rope_theta: a finite number > 0 whose frequencies are finite in fp32.
+        rotary_dim: an even integer in [2, 8192].
+
+    Returns:
+        fp32 ``[rotary_dim // 2]`` on the CPU.
+    """
     return _default_inv_freq("default_inv_freq", rope_theta, rotary_dim)
 
 
@@ -451,25 +459,35 @@ def apply_rope(
     rotary_style: str = "neox",
     attention_scaling: float = 1.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embeddings of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` in one fused pass (out of place).
-
-    - ``q``/``k``: bf16, fp16 or fp32; any strides on the token and head dims (views into a fused QKV
-      buffer are fine, no copies), last dim contiguous. ``[B, S, H, D]`` works too (then positions may be
-      ``[B, S]`` / ``[3, B, S]``); more leading token dims are flattened.
-    - ``positions``: int32/int64 (or a nested list of ints; floats are refused, never truncated), ``[T]`` for
-      plain RoPE or ``[3, T]`` (t, h, w rows) with ``mrope_section``.
-      Per token: packed sequences restart wherever the positions restart; CP shards pass their own.
-      Host (CPU) positions with CUDA q/k are uploaded without a sync.
-    - ``inv_freq``: fp32 ``[rotary_dim / 2]``; by default computed from ``rope_theta`` over ``rotary_dim``
-      (default ``D``) exactly as transformers does. Channels ``>= rotary_dim`` are copied unchanged.
-    - ``mrope_section`` ``[sT, sH, sW]`` (sum ``rotary_dim / 2``): sectioned (Qwen2/2.5-VL) or, with
-      ``mrope_interleaved=True``, interleaved (Qwen3-VL, Qwen3.5) slot -> axis map.
-    - ``rotary_style``: ``"neox"`` pairs channel j with j + rotary_dim/2 (rotate_half), ``"gptj"`` pairs 2j
-      with 2j+1. ``attention_scaling`` multiplies cos and sin.
+    """Rotary embeddings of ``q`` and ``k`` in one fused pass (out of place).
 
     Math in fp32 (angle = float32(pos) * inv_freq[j], accurate sin/cos), one rounding to the output dtype.
-    Differentiable in q and k; the backward is the same kernel with the negated angle. No sync with device
-    positions/inv_freq; CUDA-graph capturable then. Returns ``(q_out, k_out)``.
+    Channels ``>= rotary_dim`` are copied unchanged. Differentiable in q and k; the backward is the same kernel
+    with the negated angle. CUDA-graph capturable with device positions and ``inv_freq``.
+
+    Args:
+        q: ``[T, Hq, D]`` (or ``[B, S, Hq, D]``; more leading token dims are flattened), bf16 / fp16 / fp32
+            (fp64 too), CPU or CUDA; any strides on the token and head dims (views into a fused QKV buffer are
+            fine, no copies), last dim contiguous.
+        k: ``[T, Hk, D]`` (or ``[B, S, Hk, D]``), ``q``'s dtype and device.
+        positions: int32/int64 (or a nested list of ints; floats are refused, never truncated): ``[T]`` for
+            plain RoPE or ``[3, T]`` (t, h, w rows) with ``mrope_section`` (``[B, S]`` / ``[3, B, S]`` for 4-D
+            q/k). Per token: packed sequences restart wherever the positions restart; CP shards pass their own.
+            On ``q``'s device (no sync), or host positions with CUDA q/k (uploaded without a sync).
+        rope_theta: the base of the default frequencies (ignored with ``inv_freq``).
+        inv_freq: fp32 ``[rotary_dim / 2]``; default: computed from ``rope_theta`` over ``rotary_dim`` exactly
+            as transformers does.
+        rotary_dim: the rotated channels, even, <= D; default D.
+        mrope_section: ``[sT, sH, sW]`` summing to ``rotary_dim / 2``: the slot -> axis map of mRoPE; None for
+            plain RoPE.
+        mrope_interleaved: False: sectioned (Qwen2/2.5-VL); True: interleaved (Qwen3-VL, Qwen3.5).
+        rotary_style: ``"neox"`` pairs channel j with j + rotary_dim/2 (rotate_half), ``"gptj"`` pairs 2j with
+            2j+1.
+        attention_scaling: multiplies cos and sin.
+
+    Returns:
+        q_out: ``q``'s shape (contiguous), dtype and device.
+        k_out: ``k``'s shape (contiguous), dtype and device.
     """
     positions, inv, rd, section, inter, gptj, scale = _resolve(
         "apply_rope", q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
@@ -495,15 +513,25 @@ def apply_rope_(
     rotary_style: str = "neox",
     attention_scaling: float = 1.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """In-place twin of :func:`apply_rope`: rotates ``q`` and ``k`` where they are and returns them.
+    """In-place twin of ``apply_rope``: rotates ``q`` and ``k`` where they are and returns them.
 
-    Only the rotated channels are read and written: with partial rotary (``rotary_dim < D``) the
-    passthrough channels are never touched, and on views into a fused QKV buffer every other byte of the
-    buffer stays as it was. q and k must share no element with each other (views of one buffer that
-    interleave, e.g. q and k heads of a fused QKV row, are fine), neither may repeat an element (no stride 0,
-    e.g. an expanded tensor), and ``positions`` / ``inv_freq`` may not lie in their memory; everything is
-    checked before anything is written. Differentiable (mark-dirty semantics, like other in-place torch ops:
-    q and k must not be leaves, or views of leaves, that require grad)."""
+    Only the rotated channels are read and written: with partial rotary (``rotary_dim < D``) the passthrough
+    channels are never touched, and on views into a fused QKV buffer every other byte of the buffer stays as it
+    was. q and k must share no element with each other (views of one buffer that interleave, e.g. q and k heads
+    of a fused QKV row, are fine), neither may repeat an element (no stride 0, e.g. an expanded tensor), and
+    ``positions`` / ``inv_freq`` may not lie in their memory; everything is checked before anything is
+    written. Differentiable (mark-dirty semantics, like other in-place torch ops: q and k must not be leaves,
+    or views of leaves, that require grad).
+
+    Args:
+        q: as in ``apply_rope``; written in place.
+        k: as in ``apply_rope``; written in place.
+        positions: as in ``apply_rope``.
+        rope_theta: as in ``apply_rope``, and so is every other keyword.
+
+    Returns:
+        ``(q, k)``, the same tensors. No sync with device positions.
+    """
     positions, inv, rd, section, inter, gptj, scale = _resolve(
         "apply_rope_", q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
         rotary_style, attention_scaling)
@@ -561,8 +589,6 @@ def apply_qk_norm_rope(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of ``q`` and ``k`` followed by their rotary embedding, in one fused pass (out of place).
 
-    Everything about ``q``, ``k``, ``positions`` and the rotary keywords is as in :func:`apply_rope`.
-    ``q_weight`` / ``k_weight``: ``[head_dim]``, float32 or the dtype of q, on q's device (head_dim <= 512).
     The norm covers the whole head (all ``head_dim`` channels); the rotation only the first ``rotary_dim``
     channels, the others come out normalized.
 
@@ -572,9 +598,24 @@ def apply_qk_norm_rope(
     - ``norm="rms_offset"`` (Qwen3.5's ``Qwen3_5RMSNorm``): ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32,
       rotated in fp32, rounded once.
 
-    ``eps``: finite, >= 0. Differentiable in q, k, q_weight and k_weight; the backward reads q, k and the
-    gradients once and reduces the weight gradients in a fixed order (bitwise reproducible, no atomics). No sync
-    with device positions; CUDA-graph capturable. Returns ``(q_out, k_out)``.
+    Differentiable in q, k, ``q_weight`` and ``k_weight``; the backward reads q, k and the gradients once and
+    reduces the weight gradients in a fixed order (bitwise reproducible, no atomics). CUDA-graph capturable
+    with device positions.
+
+    Args:
+        q: ``[T, Hq, D]`` as in ``apply_rope`` (``D <= 512``).
+        k: ``[T, Hk, D]``, ``q``'s dtype and device.
+        positions: as in ``apply_rope``.
+        q_weight: ``[D]``, fp32 or ``q``'s dtype, on ``q``'s device.
+        k_weight: ``[D]``, fp32 or ``q``'s dtype, on ``q``'s device.
+        eps: finite, >= 0.
+        norm: ``"rms"`` or ``"rms_offset"``.
+        rope_theta: as in ``apply_rope`` (and every other rotary keyword: ``inv_freq``, ``rotary_dim``,
+            ``mrope_section``, ``mrope_interleaved``, ``rotary_style``, ``attention_scaling``).
+
+    Returns:
+        q_out: ``q``'s shape (contiguous), dtype and device. No sync with device positions.
+        k_out: ``k``'s shape (contiguous), dtype and device.
     """
     name = "apply_qk_norm_rope"
     qf, kf, pos, inv, cfg = _qk_norm_args(name, q, k, positions, q_weight, k_weight, eps, norm, rope_theta,
@@ -603,14 +644,24 @@ def apply_qk_norm_rope_(
     rotary_style: str = "neox",
     attention_scaling: float = 1.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """In-place twin of :func:`apply_qk_norm_rope`: normalizes and rotates ``q`` and ``k`` where they are (every
-    channel of every head is written) and returns them. Works on strided views of one fused projection output
-    (e.g. Qwen3.5's q, interleaved with its gate); the memory rules are those of :func:`apply_rope_` (q and k
-    share no element, neither repeats one, the read-only tensors - positions, inv_freq, the weights - do not lie
-    in their memory), all checked before anything is written.
+    """In-place twin of ``apply_qk_norm_rope``: normalizes and rotates ``q`` and ``k`` where they are.
 
-    Differentiable with mark-dirty semantics (q and k must not be leaves, or views of leaves, that require grad).
-    When a gradient is needed, the inputs are saved (one copy of q and k) for the backward, which needs them."""
+    Every channel of every head is written. Works on strided views of one fused projection output (e.g.
+    Qwen3.5's q, interleaved with its gate); the memory rules are those of ``apply_rope_`` (q and k share no
+    element, neither repeats one, the read-only tensors - positions, inv_freq, the weights - do not lie in their
+    memory), all checked before anything is written. Differentiable with mark-dirty semantics (q and k must not
+    be leaves, or views of leaves, that require grad). When a gradient is needed, the inputs are saved (one copy
+    of q and k) for the backward, which needs them.
+
+    Args:
+        q: as in ``apply_qk_norm_rope``; written in place.
+        k: as in ``apply_qk_norm_rope``; written in place.
+        positions: as in ``apply_rope``.
+        q_weight: as in ``apply_qk_norm_rope``, and so is every other keyword.
+
+    Returns:
+        ``(q, k)``, the same tensors. No sync with device positions.
+    """
     name = "apply_qk_norm_rope_"
     qf, kf, pos, inv, cfg = _qk_norm_args(name, q, k, positions, q_weight, k_weight, eps, norm, rope_theta,
                                           inv_freq, rotary_dim, mrope_section, mrope_interleaved, rotary_style,
@@ -645,11 +696,12 @@ def _config_rope_parameters(op, config) -> dict:
 
 
 def rope_kwargs_from_config(config) -> dict:
-    """Keyword arguments of :func:`apply_rope` for a transformers text config: ``rope_theta``,
-    ``rotary_dim`` (``head_dim * partial_rotary_factor``) and, for the Qwen-VL / Qwen3.5 families, the
-    ``mrope_section`` and layout their rotary modules use (the config's section, else the module's default;
-    Qwen2/2.5-VL sectioned, Qwen3-VL and Qwen3.5 interleaved). Other models: ``mrope_section`` from
-    ``rope_parameters`` if present, with its ``mrope_interleaved`` flag. Default rope type only.
+    """The keyword arguments of ``apply_rope`` for a transformers text config.
+
+    ``rope_theta``, ``rotary_dim`` (``head_dim * partial_rotary_factor``) and, for the Qwen-VL / Qwen3.5
+    families, the ``mrope_section`` and layout their rotary modules use (the config's section, else the
+    module's default; Qwen2/2.5-VL sectioned, Qwen3-VL and Qwen3.5 interleaved). Other models: ``mrope_section``
+    from ``rope_parameters`` if present, with its ``mrope_interleaved`` flag. Default rope type only.
 
     The parameters are read from ``config.rope_parameters`` (transformers 5), else the legacy
     ``config.rope_scaling``, with ``rope_theta`` / ``partial_rotary_factor`` on the config itself as fallbacks.
@@ -657,7 +709,14 @@ def rope_kwargs_from_config(config) -> dict:
     ``rotary_dim / 2`` slots by the section, so it must sum to that (else refused); the interleaved layout
     assigns slot ``j`` to h when ``j % 3 == 1 and j < 3 * sH``, to w when ``j % 3 == 2 and j < 3 * sW``, else to
     t, so a section that over- or under-covers the slots is clipped to the equivalent one summing to
-    ``rotary_dim / 2``. Anything else that the model could not run is refused with a ValueError/TypeError."""
+    ``rotary_dim / 2``. Anything else that the model could not run is refused with a ValueError/TypeError.
+
+    Args:
+        config: a transformers text config (``model.config.get_text_config()``) or its dict.
+
+    Returns:
+        A dict with ``rope_theta``, ``rotary_dim``, ``mrope_section`` and ``mrope_interleaved``.
+    """
     op = "rope_kwargs_from_config"
     if config is None:
         raise TypeError(f"packcuda.{op}: config must be a transformers config, got None")

@@ -36,7 +36,7 @@ void karmarkar_karp(const int64_t* weights, int64_t n, int64_t k, bool equal_cou
 // Micro-batches under a token cap. Preconditions (checked by the torch layer): 0 <= seqlens[i] <= max_tokens,
 // min_micro_batches >= 1, multiple_of >= 1, coef >= 0, and the total workload fits comfortably in int64.
 //  - count: start at max(ceil(sum / max_tokens), min_micro_batches) rounded up to multiple_of;
-//  - partition the workloads into that many micro-batches (KK or first-fit-decreasing, see README);
+//  - partition the workloads into that many micro-batches (KK or first-fit-decreasing, see docs/design.md);
 //  - if a micro-batch exceeds max_tokens, repair by moving / swapping sequences into micro-batches with room;
 //    only when that fails, add multiple_of micro-batches and start over (terminates: with one sequence per
 //    micro-batch every cap holds);

@@ -59,14 +59,23 @@ def _cu_seqlens_q(plan) -> list:
 
 
 def packed_seq_params(plan):
-    """``megatron.core.packed_seq_params.PackedSeqParams`` of a zigzag :func:`packcuda.shard_plan` for this
-    rank: ``qkv_format="thd"``, ``cu_seqlens_q`` = ``cu_seqlens_kv`` = the real boundaries of the global stream
-    (a bucket segment appears as an empty sequence), ``cu_seqlens_q_padded`` = ``cu_seqlens_kv_padded`` =
-    ``plan.cu_seqlens_padded``, all int32 on the plan's device; ``max_seqlen_q`` = ``max_seqlen_kv`` = the
-    longest padded sequence (a host int, no ``.item()``); ``total_tokens`` (the padded total) and ``seq_idx``
-    (int32 ``[1, total_padded]``, the segment of every padded slot, as megatron-core derives it) when the
-    installed ``PackedSeqParams`` has those fields. Boundaries are global, as TransformerEngine's CP attention
-    takes them. Syncs: none (the host copies are uploaded without waiting)."""
+    """Megatron-core's ``PackedSeqParams`` of a zigzag shard plan, for TransformerEngine's THD attention.
+
+    Boundaries are global, as TransformerEngine's CP attention takes them. megatron-core is imported here, lazily
+    (``pip install packcuda[megatron]``).
+
+    Args:
+        plan: a zigzag ``packcuda.ShardPlan`` of the packed stream.
+
+    Returns:
+        ``megatron.core.packed_seq_params.PackedSeqParams`` with ``qkv_format="thd"``; ``cu_seqlens_q`` =
+        ``cu_seqlens_kv``: int32 ``[N' + 1]`` on the plan's device, the real boundaries of the global stream (a
+        bucket segment appears as an empty sequence); ``cu_seqlens_q_padded`` = ``cu_seqlens_kv_padded``: int32
+        ``[N' + 1]`` on the plan's device, ``plan.cu_seqlens_padded``; ``max_seqlen_q`` = ``max_seqlen_kv``: a
+        host int, the longest padded sequence (no ``.item()``); ``total_tokens`` (the padded total) and ``seq_idx``
+        (int32 ``[1, total_padded]``, the segment of every padded slot, as megatron-core derives it) when the
+        installed ``PackedSeqParams`` has those fields. No sync (the host copies are uploaded without waiting).
+    """
     op = "megatron.packed_seq_params"
     _check_plan(op, plan)
     try:
@@ -111,31 +120,34 @@ def _rows(op: str, name: str, v, plan) -> torch.Tensor:
 
 def thd_batch_on_this_cp_rank(batch: Dict[str, Optional[torch.Tensor]], plan, *, pad_token_id: int = 0,
                               ignore_index: int = -100) -> Dict[str, Optional[torch.Tensor]]:
-    """This CP rank's part of a packed Megatron batch, from a zigzag :func:`packcuda.shard_plan` of it.
+    """This CP rank's part of a packed Megatron batch, from a zigzag shard plan of it.
 
-    ``batch`` holds the **unpadded** packed stream of the plan's ``T`` tokens, as megatron-core's
-    ``get_batch_on_this_tp_rank`` gives it: ``tokens`` ``[1, T]`` (or ``[T]``), optionally ``labels`` and
-    ``loss_mask`` (same shape), ``position_ids`` ``[1, T]`` / ``[T]`` or mRoPE ``[3, 1, T]`` / ``[4, 1, T]``
-    (Megatron VLM trainers' ``[3, B, S]`` with B = 1), ``[3, T]`` / ``[4, T]`` or ``[1, R, T]``, int32 or
-    int64, ``attention_mask`` None (THD has no mask), and the pass-through keys ``cu_seqlens`` /
-    ``cu_seqlens_padded`` / ``max_seqlen`` (returned unchanged). ``local_cp_size`` and ``hybrid_cp_group``
-    (megatron-core >= 0.19) must be None and are returned as None: hybrid context parallelism splits each
-    sample over a group of ``local_cp_size`` ranks picked per micro-batch, not the plan's ranks, and is
-    refused. Pipeline stages' batches work too: a tensor may be None (the later stages carry no ``tokens``
-    and ``position_ids``, the middle ones only the pass-through keys). Returns a new dict with
-    ``[1, T_local]`` tensors (position ids in the form given):
+    Equal to megatron-core's ``get_thd_batch_on_this_cp_rank`` on the Megatron-padded stream.
 
-    - ``tokens``: the local tokens, ``pad_token_id`` on pad slots (None when the batch has none);
-    - ``labels``: the given labels sharded (``ignore_index`` on pads), or, when the batch has none, the next
-      token of the same sequence built on the whole stream before the split (``ignore_index`` at each
-      sequence's last token and on pads) — correct at every chunk boundary; None without tokens and labels;
-    - ``loss_mask``: the given mask sharded (0 on pads), or ``labels != ignore_index`` as float (None without
-      labels);
-    - ``position_ids``: sharded with :meth:`packcuda.ShardPlan.shard_positions` (pads continue counting
-      through each sequence's tail, as Megatron's padded stream does); built per sequence from 0 when absent
-      and the batch has tokens, None otherwise.
+    Args:
+        batch: the **unpadded** packed stream of the plan's ``T`` tokens: ``tokens`` ``[1, T]`` (or ``[T]``),
+            optionally ``labels`` and ``loss_mask`` (same shape), ``position_ids`` ``[1, T]`` / ``[T]`` or mRoPE
+            ``[3, 1, T]`` / ``[4, 1, T]`` (Megatron VLM trainers' ``[3, B, S]`` with B = 1), ``[3, T]`` / ``[4, T]``
+            or ``[1, R, T]``, int32 or int64, ``attention_mask`` None (THD has no mask), and the pass-through keys
+            ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen`` (returned unchanged); tensors on the plan's
+            device. ``local_cp_size`` and ``hybrid_cp_group`` (megatron-core >= 0.19) must be None and are
+            returned as None: hybrid context parallelism splits each sample over a group of ``local_cp_size``
+            ranks picked per micro-batch, not the plan's ranks, and is refused. Pipeline stages' batches work
+            too: a tensor may be None (the later stages carry no ``tokens`` and ``position_ids``).
+        plan: a zigzag ``packcuda.ShardPlan`` of the stream.
+        pad_token_id: the token of pad slots.
+        ignore_index: the label of pad slots and of each sequence's last token.
 
-    Equal to megatron-core's THD split on the Megatron-padded stream. No host sync.
+    Returns:
+        A new dict, every tensor on the plan's device (no sync): ``tokens`` ``[1, T_local]``, the local tokens
+            (``pad_token_id`` on pad slots); ``labels`` ``[1, T_local]``, the given labels sharded
+            (``ignore_index`` on pads) or, when the batch has none, the next token of the same sequence built on
+            the whole stream before the split (``ignore_index`` at each sequence's last token and on pads),
+            correct at every chunk boundary; ``loss_mask`` ``[1, T_local]``, the given mask sharded (0 on pads)
+            or ``labels != ignore_index`` as float; ``position_ids`` with ``T_local`` tokens in the form given,
+            sharded with ``ShardPlan.shard_positions`` (pads continue counting through each sequence's tail, as
+            Megatron's padded stream does), built per sequence from 0 when absent and the batch has tokens; ``attention_mask`` None.
+            A tensor that cannot be built (no tokens, no labels) is None.
     """
     op = "megatron.thd_batch_on_this_cp_rank"
     _check_plan(op, plan)
