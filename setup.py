@@ -58,12 +58,15 @@ class CMakeBuild(build_ext):
             "-DPACKCUDA_PYTHON_LAYOUT=ON",
         ]
         if shutil.which("ninja") is None:
-            args.remove("-G"); args.remove("Ninja")
+            args.remove("-G")
+            args.remove("Ninja")
         cuda = os.environ.get("PACKCUDA_CUDA")
         args.append(f"-DPACKCUDA_CUDA={'AUTO' if cuda is None else ('ON' if cuda == '1' else 'OFF')}")
         print("packcuda: building against torch", torch.__version__, "->", pkg_dir, flush=True)
         subprocess.check_call(args)
         subprocess.check_call(["cmake", "--build", str(build_temp), "--parallel", jobs])
+        # the installed headers are exactly the public ones: none left over from an earlier build
+        shutil.rmtree(pkg_dir / "include" / "packcuda", ignore_errors=True)
         subprocess.check_call(["cmake", "--install", str(build_temp)])
 
 
