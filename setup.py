@@ -5,7 +5,8 @@ installed tree (libraries, headers, CMake package) inside the ``packcuda`` Pytho
 
 Environment knobs:
   MAX_JOBS               parallel compile jobs (default 2)
-  TORCH_CUDA_ARCH_LIST   CUDA architectures, e.g. "9.0" (default) or "8.0;9.0"
+  TORCH_CUDA_ARCH_LIST   CUDA architectures in torch's syntax, e.g. "9.0" or "8.0;9.0+PTX"; by default
+                         "8.0;8.6;8.9;9.0+PTX" (cmake/packcudaCudaArchs.cmake)
   PACKCUDA_CUDA          "0" forces a CPU-only build; "1" requires CUDA; unset: auto-detect nvcc
   PACKCUDA_BUILD_TYPE    CMake build type (default Release)
 """
