@@ -1,9 +1,12 @@
-"""The build's CUDA architectures (no GPU needed).
+"""The build's CUDA architectures and the refusal of a GPU the build has no code for (no GPU needed).
 
 The architecture list goes through cmake/packcudaCudaArchs.cmake, the one place the build reads it, and is
 compared with the nvcc flags that torch derives from the same TORCH_CUDA_ARCH_LIST (torch.utils.cpp_extension,
-whose syntax it takes).
+whose syntax it takes). The refusal message comes from the core (csrc/common/build_info.cpp), compiled here
+into a small program.
 """
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,8 +17,10 @@ from torch.utils import cpp_extension
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS_CMAKE = ROOT / "cmake" / "packcudaCudaArchs.cmake"
 CMAKE = shutil.which("cmake")
+CXX = shutil.which(os.environ.get("CXX", "c++"))
 
 needs_cmake = pytest.mark.skipif(CMAKE is None or not ARCHS_CMAKE.exists(), reason="needs cmake and the source tree")
+needs_cxx = pytest.mark.skipif(CXX is None or not (ROOT / "csrc").exists(), reason="needs a C++ compiler and csrc/")
 
 
 def cmake_archs(arch_list: str) -> subprocess.CompletedProcess:
@@ -75,3 +80,51 @@ def test_bad_arch_list_refused(arch_list):
     assert "TORCH_CUDA_ARCH_LIST" in r.stderr
     if arch_list != ";":
         assert f"'{arch_list}'" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def refusal(tmp_path_factory):
+    """Runs the core's device_refusal_message for (device, name, major, minor, error) in a build whose
+    TORCH_CUDA_ARCH_LIST is "8.0;8.6;8.9;9.0+PTX"."""
+    d = tmp_path_factory.mktemp("refusal")
+    (d / "main.cpp").write_text(
+        '#include <cstdio>\n#include <cstdlib>\n#include "common/build_info.h"\n'
+        "int main(int, char** v) {\n"
+        "  packcuda::DeviceRefusal r{std::atoi(v[1]), v[2], std::atoi(v[3]), std::atoi(v[4]), v[5],\n"
+        "                            packcuda::cuda_arch_list()};\n"
+        "  std::fputs(packcuda::device_refusal_message(r).c_str(), stdout);\n}\n")
+    exe = d / "refusal"
+    subprocess.run([CXX, "-std=c++17", "-Wall", "-Werror", f"-I{ROOT / 'csrc'}",
+                    '-DPACKCUDA_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0+PTX"', str(d / "main.cpp"),
+                    str(ROOT / "csrc" / "common" / "build_info.cpp"), "-o", str(exe)], check=True, timeout=300)
+
+    def run(device, name, major, minor, error):
+        return subprocess.run([str(exe), str(device), name, str(major), str(minor), error], capture_output=True,
+                              text=True, check=True).stdout
+    return run
+
+
+@needs_cxx
+@pytest.mark.parametrize("error", ["cudaErrorNoKernelImageForDevice", "cudaErrorInvalidDeviceFunction"])
+def test_refusal_names_device_build_and_rebuild(refusal, error):
+    msg = refusal(1, "Tesla T4", 7, 5, error)
+    assert msg.startswith("packcuda: CUDA device 1 (Tesla T4, compute capability 7.5) cannot run this build")
+    assert 'TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0+PTX"' in msg and error in msg
+    rebuild = re.findall(r'TORCH_CUDA_ARCH_LIST="([^"]*)" pip install', msg)
+    assert rebuild == ["7.5", "7.5"]
+    if CMAKE is not None and ARCHS_CMAKE.exists():  # the list it tells the user to build with is one the build takes
+        assert derived(rebuild[0])[0] == "75-real"
+
+
+@needs_cxx
+def test_refusal_of_ptx_newer_than_the_driver(refusal):
+    msg = refusal(0, "NVIDIA B200", 10, 0, "cudaErrorUnsupportedPtxVersion")
+    assert "compute capability 10.0" in msg and "driver" in msg and "cudaErrorUnsupportedPtxVersion" in msg
+    assert 'TORCH_CUDA_ARCH_LIST="10.0" pip install' in msg
+
+
+@needs_cxx
+def test_refusal_of_other_errors_names_the_error(refusal):
+    msg = refusal(3, "NVIDIA H100", 9, 0, "cudaErrorJitCompilerNotFound")
+    assert "CUDA device 3 (NVIDIA H100" in msg and "cudaErrorJitCompilerNotFound" in msg
+    assert 'TORCH_CUDA_ARCH_LIST="9.0" pip install' in msg
