@@ -10,7 +10,7 @@
 #include "common/checked.h"
 #include "common/torch/checks.h"
 #include "conv/conv.h"
-#include "shard/shard_args.h"
+#include "shard/torch/shard_args.h"
 #include "shard/shard_math.h"
 
 namespace packcuda::th {

@@ -10,7 +10,7 @@
 #include "common/checked.h"
 #include "common/torch/checks.h"
 #include "shard/shard.h"
-#include "shard/shard_args.h"
+#include "shard/torch/shard_args.h"
 
 namespace packcuda::th {
 namespace {

@@ -1,4 +1,5 @@
 #include "common/torch/tensors.h"
+#include "common/build_info.h"  // require_kernel_image
 
 #include <cstring>
 
@@ -53,6 +54,7 @@ Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Devic
 
 cudaStream_t current_stream(int32_t device_index) {
 #ifdef USE_CUDA
+  require_kernel_image(device_index);
   void* stream = nullptr;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device_index, &stream));
   return reinterpret_cast<cudaStream_t>(stream);

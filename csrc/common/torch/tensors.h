@@ -34,7 +34,9 @@ Tensor new_like(const Tensor& like, const std::vector<int64_t>& sizes, ST dtype)
 // host allocator keeps the source alive until it has run.
 void copy_into(Tensor& dst, const Tensor& src, bool non_blocking);
 
-// Current CUDA stream of a device (only valid in CUDA builds).
+// Current CUDA stream of a device (only valid in CUDA builds). Every kernel launch gets its stream here, so this
+// is where a device the build has no code for is refused, with the command that rebuilds for it
+// (require_kernel_image, common/build_info.h).
 cudaStream_t current_stream(int32_t device_index);
 
 // Device guard + current stream of a tensor's CUDA device.
