@@ -335,8 +335,8 @@ int64_t conv_exchange_prepare(Tensor send_index, std::vector<int64_t> send_count
          " rows but unpack_index has ", unpack_index.size(0));
   PC_ARG(unpack_index.size(1) <= INT_MAX, op, "unpack_index may hold at most ", INT_MAX, " sources per row, got ",
          unpack_index.size(1));
-  PC_ARG(send_index.is_cuda(), op, "send_index must be a CUDA tensor, got ", device_str(send_index));
   check_same_device(op, "unpack_index", unpack_index, "send_index", send_index);
+  PC_ARG(send_index.is_cuda(), op, "send_index must be a CUDA tensor, got ", device_str(send_index));
   {
     std::lock_guard<std::mutex> lock(comm_mutex());
     PC_ARG(comms().count(comm) == 1, op, "comm=", comm, " is not a communicator from conv_nccl_comm_init");

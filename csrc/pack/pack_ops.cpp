@@ -168,7 +168,7 @@ Tensor scatter_rows(Tensor src, Tensor index, int64_t num_rows, int64_t dim) {
 Tensor segment_positions(Tensor cu_seqlens, int64_t total, std::optional<Device> device) {
   const char* op = "segment_positions";
   PC_ARG(total >= 0, op, "total must be >= 0, got ", total);
-  const Device target = target_device(cu_seqlens, device);
+  const Device target = target_device(op, cu_seqlens, device);
   Segments seg = segments(op, "cu_seqlens", cu_seqlens, target, total);
   checked_nbytes(op, "total", {total}, ST::Long);
   Tensor out = new_tensor({total}, ST::Long, target);
@@ -209,7 +209,7 @@ Tensor right_pad_indices(Tensor cu_seqlens, int64_t seqlen, int64_t total, std::
   const char* op = "right_pad_indices";
   PC_ARG(seqlen >= 0, op, "seqlen must be >= 0, got ", seqlen);
   PC_ARG(total >= 0, op, "total must be >= 0, got ", total);
-  const Device target = target_device(cu_seqlens, device);
+  const Device target = target_device(op, cu_seqlens, device);
   Segments seg = segments(op, "cu_seqlens", cu_seqlens, target, total);
   // the flat positions b * seqlen + j must fit int64
   checked::mul(op, "batch size * seqlen", seg.count, seqlen);

@@ -35,13 +35,6 @@ void check_total_local(const char* op, int64_t total_local) {
   PC_ARG(total_local >= 0 && total_local <= kMax, op, "total_local must be in [0, ", kMax, "], got ", total_local);
 }
 
-// The device the outputs go to (`device`, else the metadata's): packcuda has kernels for cpu and cuda only.
-Device checked_target(const char* op, const Tensor& meta, const std::optional<Device>& device) {
-  const Device target = target_device(meta, device);
-  check_device_kind(op, "device", target);
-  return target;
-}
-
 }  // namespace
 
 std::vector<int64_t> checked_layout_args(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank,
@@ -162,7 +155,7 @@ using PlanOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
 PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
                        std::optional<int64_t> bucket_opt, std::optional<Device> device) {
   const char* op = "shard_plan";
-  const Device target = checked_target(op, cu_seqlens, device);
+  const Device target = target_device(op, cu_seqlens, device);
   const CheckedLayout c = checked_layout(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket_opt);
   const shard::HostLayout& h = c.h;
   const int64_t nseq = static_cast<int64_t>(c.cu.size()) - 1;
@@ -246,7 +239,7 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
   const int64_t concat = checked::mul(op, "cp_size * total_local", cp_size, total_local);
   PC_ARG(concat <= kMax, op, "cp_size * total_local = ", concat, " does not fit int32 boundaries (at most ", kMax,
          ")");
-  const Device target = checked_target(op, cu_seqlens, device);
+  const Device target = target_device(op, cu_seqlens, device);
   PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
          device_str(cu_seqlens));
   PC_ARG(cu_seqlens_padded.is_cpu(), op,
