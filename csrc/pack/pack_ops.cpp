@@ -270,13 +270,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def("mask_indices(Tensor attention_mask, Tensor cu_seqlens, int total) -> Tensor");
 }
 
-#define PC_PACK_IMPLS(m)                                                    \
-  m.impl("gather_rows", TORCH_BOX(&packcuda::th::gather_rows));             \
-  m.impl("scatter_rows", TORCH_BOX(&packcuda::th::scatter_rows));           \
-  m.impl("segment_positions", TORCH_BOX(&packcuda::th::segment_positions)); \
-  m.impl("next_token_labels", TORCH_BOX(&packcuda::th::next_token_labels)); \
-  m.impl("right_pad_indices", TORCH_BOX(&packcuda::th::right_pad_indices)); \
-  m.impl("mask_indices", TORCH_BOX(&packcuda::th::mask_indices));
+#define PC_PACK_IMPLS(m)                                             \
+  PC_IMPL(m, "gather_rows", &packcuda::th::gather_rows);             \
+  PC_IMPL(m, "scatter_rows", &packcuda::th::scatter_rows);           \
+  PC_IMPL(m, "segment_positions", &packcuda::th::segment_positions); \
+  PC_IMPL(m, "next_token_labels", &packcuda::th::next_token_labels); \
+  PC_IMPL(m, "right_pad_indices", &packcuda::th::right_pad_indices); \
+  PC_IMPL(m, "mask_indices", &packcuda::th::mask_indices);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_PACK_IMPLS(m) }
 #ifdef USE_CUDA

@@ -293,14 +293,14 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
-  m.impl("mrope_status_token", TORCH_BOX(&packcuda::th::mrope_status_token));
+  PC_IMPL(m, "mrope_status_token", &packcuda::th::mrope_status_token);
 }
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
-  m.impl("mrope_position_ids", TORCH_BOX(&packcuda::th::mrope_position_ids));
+  PC_IMPL(m, "mrope_position_ids", &packcuda::th::mrope_position_ids);
 }
 #ifdef USE_CUDA
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
-  m.impl("mrope_position_ids", TORCH_BOX(&packcuda::th::mrope_position_ids));
+  PC_IMPL(m, "mrope_position_ids", &packcuda::th::mrope_position_ids);
 }
 #endif

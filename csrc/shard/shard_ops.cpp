@@ -258,7 +258,7 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
              " rows, not a multiple of 2*cp_size=", 2 * cp_size);
   }
   const int64_t total = cu.host.back();
-  Tensor out = torch::stable::new_empty(cu.tensor, {total}, ST::Long);
+  Tensor out = new_tensor({total}, ST::Long, target);
   if (total == 0) return out;
   run_kernel(out, [&] {
     shard::unshard_index_cpu(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
@@ -508,15 +508,15 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 
 // The host-plan ops take host metadata (their CUDA registration only answers a device tensor with a clear error);
 // the static-plan ops run on the device of their inputs.
-#define PC_SHARD_IMPLS(m)                                                       \
-  m.impl("shard_plan", TORCH_BOX(&packcuda::th::shard_plan));                   \
-  m.impl("shard_unshard_index", TORCH_BOX(&packcuda::th::shard_unshard_index));         \
-  m.impl("static_shard_plan", TORCH_BOX(&packcuda::th::static_shard_plan));             \
-  m.impl("shard_static_unshard_index", TORCH_BOX(&packcuda::th::shard_static_unshard_index)); \
-  m.impl("shard_static_exchange_index", TORCH_BOX(&packcuda::th::shard_static_exchange_index));
+#define PC_SHARD_IMPLS(m)                                                              \
+  PC_IMPL(m, "shard_plan", &packcuda::th::shard_plan);                                 \
+  PC_IMPL(m, "shard_unshard_index", &packcuda::th::shard_unshard_index);               \
+  PC_IMPL(m, "static_shard_plan", &packcuda::th::static_shard_plan);                   \
+  PC_IMPL(m, "shard_static_unshard_index", &packcuda::th::shard_static_unshard_index); \
+  PC_IMPL(m, "shard_static_exchange_index", &packcuda::th::shard_static_exchange_index);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
-  m.impl("shard_plan_fields", TORCH_BOX(&packcuda::th::shard_plan_fields));
+  PC_IMPL(m, "shard_plan_fields", &packcuda::th::shard_plan_fields);
 }
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_SHARD_IMPLS(m) }
 #ifdef USE_CUDA

@@ -39,6 +39,16 @@ std::string device_str(const torch::stable::Device& d);  // "cpu", "cuda:0", "me
       throw std::invalid_argument(::packcuda::detail::cat("packcuda.", op, ": ", __VA_ARGS__)); \
   } while (0)
 
+// Registers `fn` as the kernel of packcuda::<name> (m.impl with TORCH_BOX) behind run_boxed, so that an
+// allocation failure inside it names the op: "packcuda.<name>: could not allocate <bytes> for a <dtype> tensor of
+// shape <shape> on <device> ...". Every op registers through it.
+#define PC_IMPL(m, name, fn)                                                                   \
+  (m).impl(name, [](StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {              \
+    ::packcuda::th::run_boxed(name, TORCH_BOX(fn), stack, num_args, num_outputs);              \
+  })
+void run_boxed(const char* op, void (*boxed)(StableIValue*, uint64_t, uint64_t), StableIValue* stack,
+               uint64_t num_args, uint64_t num_outputs);
+
 void check_dtype(const char* op, const char* name, const Tensor& t, std::initializer_list<ST> allowed);
 void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim);
 void check_same_device(const char* op, const char* name, const Tensor& t, const char* ref_name,
