@@ -79,8 +79,9 @@ Grids read_grids(const Tensor& image_grid, const Tensor& video_grid, const Tenso
   if (tps.has_value())
     PC_ARG(std::isfinite(*tps) && *tps >= 0 && *tps <= FLT_MAX, kOp,
            "tokens_per_second must be finite, >= 0 and within float32, got ", *tps);
+  PC_ARG(spg.is_cpu(), kOp, "second_per_grid_ts must be host metadata (a list or CPU tensor), got a tensor on ",
+         device_str(spg));
   if (spg.numel() > 0) {
-    PC_ARG(spg.is_cpu(), kOp, "second_per_grid_ts must be host metadata (a list or CPU tensor)");
     check_dtype(kOp, "second_per_grid_ts", spg, {ST::Float});
     check_dim(kOp, "second_per_grid_ts", spg, 1);
     PC_ARG(spg.numel() == g.n_videos, kOp, "second_per_grid_ts has ", spg.numel(), " entries but video_grid_thw has ",

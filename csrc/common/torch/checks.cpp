@@ -131,7 +131,7 @@ Segments segments(const char* op, const char* name, const Tensor& cu, const torc
   } else {
     PC_ARG(cu.is_cuda() && target.type() == torch::headeronly::DeviceType::CUDA &&
                cu.get_device_index() == target.index(),
-           op, name, " is on ", device_str(cu), " but the data is on another device");
+           op, name, " is on ", device_str(cu), " but the data is on ", device_str(target));
     Tensor t = cu;
     if (t.scalar_type() != ST::Long) t = torch::stable::to(t, ST::Long);
     if (!t.is_contiguous()) t = torch::stable::contiguous(t);
