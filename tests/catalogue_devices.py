@@ -3,19 +3,19 @@
 The rule the ops are held to (stated here on its own; ``packcuda/_meta.py: check_devices`` implements it for the
 fake kernels, each C++ op for real tensors): every tensor argument is on the data's device — the op's ``device``
 argument when given, else the device of its first tensor argument that is not metadata. Metadata arguments
-(``HOST``) may also be on the CPU; host-only ones (``HOST_ONLY``) must be. A meta tensor is the data's device
+(``Baseline.host``) may also be on the CPU; host-only ones (``Baseline.host_only``) must be. A meta tensor is the data's device
 only when the data is meta too (as under FakeTensor, where every tensor carries its real device): mixed with real
 tensors it goes to the fake kernel, which must refuse it rather than return uninitialized memory.
 
 From one valid CPU call per raw op (``BASELINES``), each tensor argument A gives two calls: A alone on the other
-device, and every tensor but A on it. A call the rule refuses becomes a Case: a ValueError naming the op, A and
-the device. The other device is ``meta`` (runs everywhere: the fake kernels) and ``cuda`` (GPU only: the C++
-ops). An op with an output ``device`` argument is also asked for a CUDA device it cannot use (any device on a
-machine without a usable GPU). ``test_bad_inputs.py`` fails for a raw op with a tensor argument and no baseline
-here.
+device, and every tensor but A on it. A call the rule refuses becomes a Case: a ValueError naming the op, the
+device and a tensor out of place (A, or one on another device than A when A sets the data's device). The other
+device is ``meta`` (runs everywhere: the fake kernels) and ``cuda`` (GPU only: the C++ ops). An op with an output
+``device`` argument is also asked for a CUDA device it cannot use (any device on a machine without a usable GPU).
+``test_bad_inputs.py`` fails for a raw op with a tensor argument and no baseline here.
 """
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -168,8 +168,13 @@ def _variants(op: str, b: Baseline, device: str) -> list:
             probe = {n: v.to("meta") if n in moving else v for n, v in kw.items()}
             if not moving or not refused(b, probe):
                 continue
+            # the message names the device and a tensor out of place: `arg`, or (when `arg` sets the data's
+            # device) one whose device differs from it
+            data = [n for n in tensor_args(kw) if n not in b.host and n not in b.host_only]
+            sets_device = "device" not in kw and data[:1] == [arg]
+            involved = (arg, *(n for n in tensor_args(kw) if sets_device and probe[n].device != probe[arg].device))
             name = f"{arg}_{device}" if not others else f"{arg}_cpu_others_{device}"
-            out.append(Case(f"ops.{op}", name, _moved(b, op, arg, device, others), arg=(arg, device),
+            out.append(Case(f"ops.{op}", name, _moved(b, op, arg, device, others), arg=(involved, device),
                             cuda=device == "cuda"))
     return out
 
