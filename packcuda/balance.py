@@ -10,7 +10,7 @@ from typing import List
 import torch
 
 from . import _lib
-from ._meta import INT64_MAX, IntsLike, check_int, host_tensor
+from ._meta import INT64_MAX, IntsLike, check_int, fake_kernel, host_tensor
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -31,14 +31,14 @@ _WORKLOADS = ("attention", "tokens")
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernels: the number of micro-batches depends on the values, so it is a dynamic size
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::plan_micro_batches")
+@fake_kernel("plan_micro_batches", host_only=["seqlens"])
 def _plan_micro_batches_fake(seqlens, max_tokens, min_micro_batches=1, multiple_of=1, workload="attention",
                              workload_coef=DEFAULT_WORKLOAD_COEF, method="karmarkar_karp", order="as_planned"):
     n_offsets = torch.library.get_ctx().new_dynamic_size(min=2)  # micro-batches + 1
     return seqlens.new_empty(seqlens.shape, dtype=torch.int64), seqlens.new_empty(n_offsets, dtype=torch.int64)
 
 
-@torch.library.register_fake("packcuda::balance_across_ranks")
+@fake_kernel("balance_across_ranks", host_only=["seqlens"])
 def _balance_across_ranks_fake(seqlens, world_size, equal_count=False, workload="attention",
                                workload_coef=DEFAULT_WORKLOAD_COEF):
     return (seqlens.new_empty(seqlens.shape, dtype=torch.int64),

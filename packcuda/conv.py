@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import _lib
-from ._meta import IntsLike, check_int, op_metadata, resolve_device
+from ._meta import IntsLike, check_int, fake_kernel, op_metadata, resolve_device
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -39,21 +39,31 @@ def _check_tensor(op: str, name: str, value, *, optional: bool = False) -> None:
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernels
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::causal_conv1d_fwd")
+@fake_kernel("causal_conv1d_fwd", host=["cu_seqlens"])
 def _conv_fwd_fake(x, weight, bias, cu_seqlens, prefix, activation):
     return x.new_empty(x.shape)
 
 
-@torch.library.register_fake("packcuda::causal_conv1d_bwd")
+@fake_kernel("causal_conv1d_bwd", host=["cu_seqlens"])
 def _conv_bwd_fake(grad_y, x, weight, bias, cu_seqlens, prefix, activation):
     C, K = weight.shape
     S = prefix.shape[0] if prefix is not None else 0
     return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty((C,)), x.new_empty((S, K - 1, C))
 
 
-@torch.library.register_fake("packcuda::conv_gather_sum")
+@fake_kernel("conv_gather_sum")
 def _gather_sum_fake(a, b, index):
     return a.new_empty((index.shape[0], a.shape[1]))
+
+
+@fake_kernel("conv_prefix_schedule", host_only=["cu_seqlens"])
+def _prefix_schedule_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket, kernel_size):
+    # host lists whose lengths depend on the values (ConvPrefixSchedule reads them in this order)
+    ctx = torch.library.get_ctx()
+    n_send, n_unpack, n_bwd_send, n_local, bwd_m = (ctx.new_dynamic_size() for _ in range(5))
+    e = lambda *n: torch.empty(n, dtype=torch.int64)  # noqa: E731
+    return [e(n_send), e(cp_size), e(cp_size), e(n_unpack), e(n_bwd_send), e(n_local, bwd_m), e(2), e(cp_size),
+            e(cp_size)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -492,7 +502,7 @@ def conv_prefix(
     return call.forward(x_local)
 
 
-@torch.library.register_fake("packcuda::conv_exchange_run")
+@fake_kernel("conv_exchange_run")
 def _exchange_run_fake(src, handle, out_lead):
     return src.new_empty((*out_lead, src.shape[-1]))
 

@@ -10,7 +10,8 @@ import torch
 
 from . import _lib
 from ._families import MROPE_FAMILIES
-from ._meta import IntsLike, check_float, check_int, is_device_tensor, op_metadata, plain_ints
+from ._meta import (IntsLike, check_float, check_int, fake_kernel, is_device_tensor, op_metadata, plain_ints,
+                    tensor_device)
 from ._meta import config_field as _get
 
 _lib.load()
@@ -23,7 +24,8 @@ GridLike = Union[torch.Tensor, Sequence[Sequence[int]], None]
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernel
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::mrope_position_ids")
+@fake_kernel("mrope_position_ids", host=["cu_seqlens"],
+             host_only=["image_grid_thw", "video_grid_thw", "second_per_grid_ts"])
 def _mrope_position_ids_fake(input_ids, cu_seqlens, image_grid_thw, video_grid_thw, second_per_grid_ts,
                              image_token_id, video_token_id, spatial_merge_size=2, tokens_per_second=None,
                              per_frame=False, text_after_max=False):
@@ -67,7 +69,10 @@ def _grid(g: GridLike, name: str, op: str = _FN) -> torch.Tensor:
         if g.dim() != 2 or g.shape[1] != 3:
             raise ValueError(f"packcuda.{op}: {name} must have shape [n, 3] (rows [t, h, w]), got "
                              f"{list(g.shape)}")
-        return g if g.is_cpu else g.detach().to("cpu", torch.int64)
+        if g.is_cpu:
+            return g
+        tensor_device(op, name, g)  # read back below: a meta tensor has nothing to read
+        return g.detach().to("cpu", torch.int64)
     if type(g) in (list, tuple) and g and not torch.compiler.is_compiling():
         # Columns at C level: zip(strict=True) insists on rows of one length (unpacking: three of them), then
         # host metadata's fast path packs the columns (plain ints only: bools and other integer-likes take the
@@ -118,6 +123,7 @@ def _seconds(s, op: str = _FN) -> torch.Tensor:
             raise ValueError(f"packcuda.{op}: second_per_grid_ts must be 1-D, got shape {list(s.shape)}")
         if s.is_cpu and s.dtype == torch.float32:
             return s
+        tensor_device(op, "second_per_grid_ts", s)  # read back below: a meta tensor has nothing to read
         return s.detach().to("cpu", torch.float32)
     if type(s) in (list, tuple) and s and set(map(type, s)) <= {int, float} and not torch.compiler.is_compiling():
         try:  # array("f") rounds each double to float32 exactly as torch.tensor(..., dtype=float32) does

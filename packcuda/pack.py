@@ -8,7 +8,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from . import _lib
-from ._meta import INT64_MAX, IntsLike, check_int, cu_from_lengths, op_metadata, resolve_device, to_device_async
+from ._meta import (INT64_MAX, IntsLike, check_int, cu_from_lengths, fake_kernel, op_metadata, output_device,
+                    resolve_device, to_device_async)
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -38,12 +39,6 @@ def _check_tensor(op: str, name: str, t) -> torch.Tensor:
 def _same_device(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.device != ref.device:
         raise ValueError(f"packcuda.{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
-
-
-def _host_or_same_device(op: str, name: str, meta: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    """Metadata is either on the host or on the data's device."""
-    if meta.device.type != "cpu" and meta.device != ref.device:
-        raise ValueError(f"packcuda.{op}: {name} is on {meta.device} but {ref_name} is on {ref.device}")
 
 
 def _check_dim(op: str, name: str, t: torch.Tensor, dim) -> int:
@@ -102,8 +97,7 @@ def _split_fill(fill: Union[int, float]) -> Tuple[float, Optional[int]]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# fake (meta) kernels: the same shape and device rules as the kernels (a meta tensor mixed with real ones is
-# refused instead of producing an uninitialized result)
+# fake (meta) kernels: the same shape and device rules as the kernels (devices: _meta.fake_kernel)
 # ---------------------------------------------------------------------------------------------------
 def _resized(src, dim, n):
     d = dim % src.dim()
@@ -116,22 +110,13 @@ def _fake_rows(op, src, index, dim):
     return d
 
 
-def _fake_target(op, cu_seqlens, device):
-    if device is None:
-        return cu_seqlens.device
-    d = resolve_device(op, "device", device)
-    if cu_seqlens.device.type != "cpu" and cu_seqlens.device != d:
-        raise ValueError(f"packcuda.{op}: cu_seqlens is on {cu_seqlens.device} but the output device is {d}")
-    return d
-
-
-@torch.library.register_fake("packcuda::gather_rows")
+@fake_kernel("gather_rows")
 def _gather_rows_fake(src, index, fill=0.0, dim=0, fill_int=None):
     d = _fake_rows("gather_rows", src, index, dim)
     return src.new_empty(_resized(src, d, index.shape[0]))
 
 
-@torch.library.register_fake("packcuda::scatter_rows")
+@fake_kernel("scatter_rows")
 def _scatter_rows_fake(src, index, num_rows, dim=0):
     d = _fake_rows("scatter_rows", src, index, dim)
     if num_rows < 0:
@@ -139,25 +124,23 @@ def _scatter_rows_fake(src, index, num_rows, dim=0):
     return src.new_empty(_resized(src, d, num_rows))
 
 
-@torch.library.register_fake("packcuda::segment_positions")
+@fake_kernel("segment_positions", host=["cu_seqlens"])
 def _segment_positions_fake(cu_seqlens, total, device=None):
-    return torch.empty(total, dtype=torch.int64, device=_fake_target("segment_positions", cu_seqlens, device))
+    return torch.empty(total, dtype=torch.int64, device=output_device("segment_positions", cu_seqlens, device))
 
 
-@torch.library.register_fake("packcuda::next_token_labels")
+@fake_kernel("next_token_labels", host=["cu_seqlens"])
 def _next_token_labels_fake(input_ids, cu_seqlens, ignore_index=-100):
-    _host_or_same_device("next_token_labels", "cu_seqlens", cu_seqlens, "input_ids", input_ids)
     return torch.empty_like(input_ids, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("packcuda::right_pad_indices")
+@fake_kernel("right_pad_indices", host=["cu_seqlens"])
 def _right_pad_indices_fake(cu_seqlens, seqlen, total, device=None):
-    return torch.empty(total, dtype=torch.int64, device=_fake_target("right_pad_indices", cu_seqlens, device))
+    return torch.empty(total, dtype=torch.int64, device=output_device("right_pad_indices", cu_seqlens, device))
 
 
-@torch.library.register_fake("packcuda::mask_indices")
+@fake_kernel("mask_indices", host=["cu_seqlens"])
 def _mask_indices_fake(attention_mask, cu_seqlens, total):
-    _host_or_same_device("mask_indices", "cu_seqlens", cu_seqlens, "attention_mask", attention_mask)
     return torch.empty(total, dtype=torch.int64, device=attention_mask.device)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from . import _lib
 from ._families import rotary_family
-from ._meta import check_float, check_int
+from ._meta import check_float, check_int, fake_kernel
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -30,31 +30,31 @@ _NORMS = {"rms": 0, "rms_offset": 1}
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernels
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::apply_rope")
+@fake_kernel("apply_rope", host=["positions", "inv_freq"])
 def _apply_rope_fake(q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved=False, gptj=False,
                      attention_scaling=1.0, inverse=False):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@torch.library.register_fake("packcuda::apply_rope_")
+@fake_kernel("apply_rope_", host=["positions", "inv_freq"])
 def _apply_rope_inplace_fake(q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved=False,
                              gptj=False, attention_scaling=1.0, inverse=False):
     return None
 
 
-@torch.library.register_fake("packcuda::apply_qk_norm_rope")
+@fake_kernel("apply_qk_norm_rope", host=["positions", "inv_freq"])
 def _qk_norm_rope_fake(q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim, mrope_section,
                        mrope_interleaved=False, gptj=False, attention_scaling=1.0):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@torch.library.register_fake("packcuda::apply_qk_norm_rope_")
+@fake_kernel("apply_qk_norm_rope_", host=["positions", "inv_freq"])
 def _qk_norm_rope_inplace_fake(q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim, mrope_section,
                                mrope_interleaved=False, gptj=False, attention_scaling=1.0):
     return None
 
 
-@torch.library.register_fake("packcuda::apply_qk_norm_rope_backward")
+@fake_kernel("apply_qk_norm_rope_backward", host=["positions", "inv_freq"])
 def _qk_norm_rope_backward_fake(grad_q, grad_k, q, k, positions, inv_freq, q_weight, k_weight, eps, norm,
                                 rotary_dim, mrope_section, mrope_interleaved=False, gptj=False,
                                 attention_scaling=1.0):

@@ -25,7 +25,8 @@ from typing import List, Optional, Union
 import torch
 
 from . import _lib
-from ._meta import IntsLike, check_int, host_tensor, is_device_tensor, resolve_device, tensor_device
+from ._meta import (IntsLike, check_int, fake_kernel, host_tensor, is_device_tensor, output_device, resolve_device,
+                    tensor_device)
 from .pack import _fill_arg, _gather
 
 _lib.load()
@@ -43,10 +44,10 @@ MAX_PADDED_TOTAL = 2**31 - 1
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernels
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::shard_plan")
+@fake_kernel("shard_plan", host_only=["cu_seqlens"])
 def _shard_plan_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket=None, device=None):
     ctx = torch.library.get_ctx()
-    dev = device if device is not None else cu_seqlens.device
+    dev = output_device("shard_plan", cu_seqlens, device)
     total_local, nseg, npieces, n_meta = (ctx.new_dynamic_size() for _ in range(4))
     cpu = torch.device("cpu")
     e = lambda n, dt, d=dev: torch.empty(n, dtype=dt, device=d)  # noqa: E731
@@ -55,9 +56,9 @@ def _shard_plan_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket=None, d
             e(npieces + 1, i32), e(npieces, i64), e(npieces, i32), e(n_meta, i32, cpu), e(_N_INFO, i64, cpu))
 
 
-@torch.library.register_fake("packcuda::shard_unshard_index")
+@fake_kernel("shard_unshard_index", host_only=["cu_seqlens", "cu_seqlens_padded"])
 def _shard_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, layout, total_local, device=None):
-    dev = device if device is not None else cu_seqlens.device
+    dev = output_device("shard_unshard_index", cu_seqlens, device)
     return torch.empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64, device=dev)
 
 
@@ -428,7 +429,7 @@ _shard_plan_op = ops.shard_plan.default
 # ---------------------------------------------------------------------------------------------------
 # static plans: fixed shapes, built on the device
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::static_shard_plan")
+@fake_kernel("static_shard_plan")
 def _static_shard_plan_fake(cu_seqlens, num_seqs, num_seqs_host, cp_size, cp_rank, layout, align, capacity,
                             max_seqs):
     dev = cu_seqlens.device
@@ -441,12 +442,12 @@ def _static_shard_plan_fake(cu_seqlens, num_seqs, num_seqs_host, cp_size, cp_ran
             e(npieces + 1, i32), e(npieces, i64), e(npieces, i32), e(nseg, i32), e(_N_STATUS, i64))
 
 
-@torch.library.register_fake("packcuda::shard_static_unshard_index")
+@fake_kernel("shard_static_unshard_index")
 def _shard_static_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, layout, capacity):
     return torch.empty(capacity, dtype=torch.int64, device=cu_seqlens.device)
 
 
-@torch.library.register_fake("packcuda::shard_static_exchange_index")
+@fake_kernel("shard_static_exchange_index")
 def _shard_static_exchange_index_fake(pieces, piece_offset, piece_seq, cu_seqlens_padded, cp_size, cp_rank, layout,
                                       capacity, kernel_size):
     sq = piece_offset.shape[0] * (kernel_size - 1)

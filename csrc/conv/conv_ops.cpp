@@ -335,8 +335,8 @@ int64_t conv_exchange_prepare(Tensor send_index, std::vector<int64_t> send_count
          " rows but unpack_index has ", unpack_index.size(0));
   PC_ARG(unpack_index.size(1) <= INT_MAX, op, "unpack_index may hold at most ", INT_MAX, " sources per row, got ",
          unpack_index.size(1));
-  PC_ARG(send_index.is_cuda(), op, "send_index must be a CUDA tensor, got ", device_str(send_index));
   check_same_device(op, "unpack_index", unpack_index, "send_index", send_index);
+  PC_ARG(send_index.is_cuda(), op, "send_index must be a CUDA tensor, got ", device_str(send_index));
   {
     std::lock_guard<std::mutex> lock(comm_mutex());
     PC_ARG(comms().count(comm) == 1, op, "comm=", comm, " is not a communicator from conv_nccl_comm_init");
@@ -432,27 +432,27 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
-  m.impl("conv_nccl_available", TORCH_BOX(&packcuda::th::conv_nccl_available));
-  m.impl("conv_nccl_unique_id", TORCH_BOX(&packcuda::th::conv_nccl_unique_id));
-  m.impl("conv_nccl_comm_init", TORCH_BOX(&packcuda::th::conv_nccl_comm_init));
-  m.impl("conv_exchange_prepare", TORCH_BOX(&packcuda::th::conv_exchange_prepare));
-  m.impl("conv_exchange_release", TORCH_BOX(&packcuda::th::conv_exchange_release));
+  PC_IMPL(m, "conv_nccl_available", &packcuda::th::conv_nccl_available);
+  PC_IMPL(m, "conv_nccl_unique_id", &packcuda::th::conv_nccl_unique_id);
+  PC_IMPL(m, "conv_nccl_comm_init", &packcuda::th::conv_nccl_comm_init);
+  PC_IMPL(m, "conv_exchange_prepare", &packcuda::th::conv_exchange_prepare);
+  PC_IMPL(m, "conv_exchange_release", &packcuda::th::conv_exchange_release);
 }
 
-#define PC_CONV_IMPLS(m)                                                    \
-  m.impl("causal_conv1d_fwd", TORCH_BOX(&packcuda::th::causal_conv1d_fwd)); \
-  m.impl("causal_conv1d_bwd", TORCH_BOX(&packcuda::th::causal_conv1d_bwd)); \
-  m.impl("conv_gather_sum", TORCH_BOX(&packcuda::th::conv_gather_sum));
+#define PC_CONV_IMPLS(m)                                             \
+  PC_IMPL(m, "causal_conv1d_fwd", &packcuda::th::causal_conv1d_fwd); \
+  PC_IMPL(m, "causal_conv1d_bwd", &packcuda::th::causal_conv1d_bwd); \
+  PC_IMPL(m, "conv_gather_sum", &packcuda::th::conv_gather_sum);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
   PC_CONV_IMPLS(m)
-  m.impl("conv_prefix_schedule", TORCH_BOX(&packcuda::th::conv_prefix_schedule));
-  m.impl("conv_exchange_run", TORCH_BOX(&packcuda::th::conv_exchange_run));  // refuses: the exchange runs on CUDA
+  PC_IMPL(m, "conv_prefix_schedule", &packcuda::th::conv_prefix_schedule);
+  PC_IMPL(m, "conv_exchange_run", &packcuda::th::conv_exchange_run);  // refuses: the exchange runs on CUDA
 }
 #ifdef USE_CUDA
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
   PC_CONV_IMPLS(m)
-  m.impl("conv_prefix_schedule", TORCH_BOX(&packcuda::th::conv_prefix_schedule));  // refuses device metadata
-  m.impl("conv_exchange_run", TORCH_BOX(&packcuda::th::conv_exchange_run));
+  PC_IMPL(m, "conv_prefix_schedule", &packcuda::th::conv_prefix_schedule);  // refuses device metadata
+  PC_IMPL(m, "conv_exchange_run", &packcuda::th::conv_exchange_run);
 }
 #endif

@@ -462,12 +462,12 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
       "bool mrope_interleaved=False, bool gptj=False, float attention_scaling=1.) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
-#define PC_ROPE_APPLY_IMPLS(m)                                  \
-  m.impl("apply_rope", TORCH_BOX(&packcuda::th::apply_rope));   \
-  m.impl("apply_rope_", TORCH_BOX(&packcuda::th::apply_rope_));   \
-  m.impl("apply_qk_norm_rope", TORCH_BOX(&packcuda::th::qk_norm_rope)); \
-  m.impl("apply_qk_norm_rope_", TORCH_BOX(&packcuda::th::qk_norm_rope_)); \
-  m.impl("apply_qk_norm_rope_backward", TORCH_BOX(&packcuda::th::qk_norm_rope_backward));
+#define PC_ROPE_APPLY_IMPLS(m)                                     \
+  PC_IMPL(m, "apply_rope", &packcuda::th::apply_rope);             \
+  PC_IMPL(m, "apply_rope_", &packcuda::th::apply_rope_);           \
+  PC_IMPL(m, "apply_qk_norm_rope", &packcuda::th::qk_norm_rope);   \
+  PC_IMPL(m, "apply_qk_norm_rope_", &packcuda::th::qk_norm_rope_); \
+  PC_IMPL(m, "apply_qk_norm_rope_backward", &packcuda::th::qk_norm_rope_backward);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_ROPE_APPLY_IMPLS(m) }
 #ifdef USE_CUDA
