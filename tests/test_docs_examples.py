@@ -31,6 +31,10 @@ blocks = json.loads(open(sys.argv[1]).read())
 ns = {"__name__": "__main__"}
 for where, code in blocks:
     exec(compile(code, where, "exec"), ns)
+import torch.distributed as dist
+if dist.is_available() and dist.is_initialized():  # a page that made a process group: leave it cleanly
+    dist.barrier()
+    dist.destroy_process_group()
 """
 
 
