@@ -116,7 +116,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
         out.loss.backward()
 
     # rotary alone, forward + backward of q and k over all layers, through the model module's own functions
-    mod = importlib.import_module(hf._FAMILIES["qwen2_5_vl"].module)
+    mod = importlib.import_module(hf._common._FAMILIES["qwen2_5_vl"].module)
     rot = model.model.language_model.rotary_emb
     q = torch.randn(1, T, Hq, D, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
     k = torch.randn(1, T, Hk, D, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()

@@ -385,7 +385,9 @@ def hf_packed_position_ids(model, input_ids, cu_seqlens, *, image_grid_thw=None,
     import itertools
 
     from packcuda._meta import host_list
-    from packcuda.integrations.transformers import UnsupportedModelError, _family_of, _flat_ids, mm_token_type_ids
+    from packcuda.integrations.transformers import UnsupportedModelError, mm_token_type_ids
+    from packcuda.integrations.transformers._common import _family_of
+    from packcuda.integrations.transformers.positions import _flat_ids
 
     fn = "hf_packed_position_ids"
     fam = _family_of(model, fn)
