@@ -5,12 +5,12 @@ from __future__ import annotations
 import threading
 from typing import List, Tuple
 
-# serializes patching and unpatching (module functions and attributes shared by several handles)
-_LOCK = threading.Lock()
-
-
 class _Patch:
     """What a patch handle shares: the attributes it set (restored in reverse order) and ``with`` semantics."""
+
+    # one lock for every handle: patching and unpatching change module functions and class attributes that
+    # several handles can share
+    _lock = threading.Lock()
 
     def __init__(self, model=None):
         self.model = model

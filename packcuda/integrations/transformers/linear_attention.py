@@ -15,7 +15,7 @@ from packcuda._meta import host_list
 
 from ._common import (_ALIASES, _FAMILIES, UnsupportedModelError, UnsupportedTransformersError, _check_source,
                       _check_version, _config_of, _import_family, _src, transformers_version)
-from ._patch import _LOCK, _Patch
+from ._patch import _Patch
 
 _QWEN3_5 = _FAMILIES["qwen3_5"]
 _GDN_CLASS = "Qwen3_5GatedDeltaNet"
@@ -291,7 +291,7 @@ class LinearAttentionPatch(_Patch):
         if not isinstance(self, LinearAttentionPatch):
             raise TypeError(f"packcuda.LinearAttentionPatch.unpatch: self must be a LinearAttentionPatch, got "
                             f"{type(self).__name__}")
-        with _LOCK:
+        with self._lock:
             if not self.active:
                 return
             for h in self._hooks:
@@ -396,7 +396,7 @@ def patch_qwen3_5_linear_attention(model, *, plan=None, group=None,
         recurrence = "fla varlen" if _fla_chunk_rule() is not None else "transformers per sample"
     state = _GdnState(mod, plan, group, cp_rule)
     handle = LinearAttentionPatch(model, state, recurrence)
-    with _LOCK:
+    with handle._lock:
         for m in gdns:
             handle._set(m, "_packcuda_original_forward", m.forward)
             handle._set(m, "_packcuda_gdn", state)

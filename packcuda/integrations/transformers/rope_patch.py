@@ -4,8 +4,10 @@ themselves instead of cos/sin tables."""
 from __future__ import annotations
 
 import copy
+import itertools
+import sys
 import types
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -15,7 +17,7 @@ from packcuda._families import Family
 from ._common import (_ALIASES, _FAMILIES, _TEXT_FAMILIES, PATCHABLE_MODEL_TYPES, UnsupportedModelError,
                       UnsupportedTransformersError, _check_source, _check_version, _family_of, _import_family,
                       _require, transformers_version)
-from ._patch import _LOCK, _Patch
+from ._patch import _Patch
 
 # rope types whose inverse frequencies change during a forward (dynamic_rope_update): not supported
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
@@ -75,21 +77,14 @@ def _check_rope_layout(module, fn: str, mrope: bool = True) -> dict:
     q = torch.zeros(1, 1, d)
     try:
         pos = torch.ones(3, 1, dtype=torch.int64) if mrope else torch.ones(1, dtype=torch.int64)
-        _rope_impl(q, q.clone(), pos, inv_freq=module.inv_freq.detach().float().cpu(),
-                   rotary_dim=d, mrope_section=lay["mrope_section"], mrope_interleaved=lay["mrope_interleaved"],
-                   attention_scaling=float(getattr(module, "attention_scaling", 1.0)))
+        packcuda.apply_rope(q, q.clone(), pos, inv_freq=module.inv_freq.detach().float().cpu(),
+                            rotary_dim=d, mrope_section=lay["mrope_section"],
+                            mrope_interleaved=lay["mrope_interleaved"],
+                            attention_scaling=float(getattr(module, "attention_scaling", 1.0)))
     except (ValueError, TypeError) as e:
         raise ValueError(f"packcuda.{fn}: the rotary layout of {type(module).__name__} ({lay}) is refused by "
                          f"packcuda.apply_rope: {e}") from e
     return lay
-
-
-def _default_rope(q, k, positions, **kw):
-    return packcuda.apply_rope(q, k, positions, **kw)
-
-
-# the rotary kernel the patched attention calls (tests can point it to a plain reference)
-_rope_impl = _default_rope
 
 
 def _rotary_forward(self, x, position_ids):
@@ -129,9 +124,6 @@ class _NormState:
         return nq, nk
 
 
-_NORM_STATES: List[_NormState] = []  # of the active patches with fuse_qk_norm
-
-
 def _deferred_norm(self, x):
     """Replacement of an attention's q_norm / k_norm forward (fuse_qk_norm): x unchanged; the norm is applied,
     fused with the rotation, by the patched apply_rotary_pos_emb that follows in the same attention forward."""
@@ -143,14 +135,6 @@ def _deferred_norm(self, x):
 def _unfused_norm(mod, x):
     """The norm module's own (transformers') forward, for an apply_rotary_pos_emb called with cos/sin tables."""
     return x if mod is None else type(mod).forward(mod, x)
-
-
-def _default_qk_norm_rope(q, k, positions, **kw):
-    return packcuda.apply_qk_norm_rope(q, k, positions, **kw)
-
-
-# the fused norm + rotary kernel the patched attention calls with fuse_qk_norm (tests can point it elsewhere)
-_qk_norm_rope_impl = _default_qk_norm_rope
 
 
 def _check_qk_norms(fam: Family, mod, model, fn: str) -> list:
@@ -203,9 +187,15 @@ def _check_qk_norms(fam: Family, mod, model, fn: str) -> list:
 
 
 def _make_apply(original):
+    """The module function ``apply_rotary_pos_emb`` of a patched modeling module, wrapping ``original``. It
+    carries the handles that patched it (``__packcuda_handles__``, in patch order): the module is restored when
+    the last of them is removed."""
+    handles: List["RopePatch"] = []
+
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if not isinstance(cos, _RopePositions):
-            pending = [st for st in _NORM_STATES if st.q is not None or st.k is not None]
+            pending = [h._norm_state for h in handles if h._norm_state is not None
+                       and (h._norm_state.q is not None or h._norm_state.k is not None)]
             if pending:  # cos/sin tables of the caller's own: the deferred norms run here, as modules
                 nq, nk = pending[0].take()
                 q, k = _unfused_norm(nq, q), _unfused_norm(nk, k)
@@ -234,13 +224,14 @@ def _make_apply(original):
                 raise RuntimeError("packcuda.patch_qwen_vl_rope: the attention called only one of q_norm / k_norm "
                                    "before apply_rotary_pos_emb; unpatch the model (fuse_qk_norm=False)")
             _, _, kind, eps = nq._packcuda_norm_slot
-            qo, ko = _qk_norm_rope_impl(qt, kt, pos, q_weight=nq.weight, k_weight=nk.weight, eps=eps, norm=kind,
-                                        **kw)
+            qo, ko = packcuda.apply_qk_norm_rope(qt, kt, pos, q_weight=nq.weight, k_weight=nk.weight, eps=eps,
+                                                 norm=kind, **kw)
         else:
-            qo, ko = _rope_impl(qt, kt, pos, **kw)
+            qo, ko = packcuda.apply_rope(qt, kt, pos, **kw)
         return qo.reshape(B, S, Hq, D).transpose(1, 2), ko.reshape(B, S, Hk, D).transpose(1, 2)
 
     apply_rotary_pos_emb.__packcuda_original__ = original
+    apply_rotary_pos_emb.__packcuda_handles__ = handles
     apply_rotary_pos_emb.__doc__ = "packcuda.apply_rope for positions from the patched rotary module; otherwise " \
                                    "the original transformers function."
     return apply_rotary_pos_emb
@@ -291,10 +282,6 @@ def _check_code(fam: Family, mod) -> None:
             f"{getattr(original, '__module__', '?')} (another kernel library?); refusing to patch over it")
 
 
-_FN_REFS: Dict[str, int] = {}  # module name -> handles that patched its apply_rotary_pos_emb
-_ACTIVE: List["RopePatch"] = []
-
-
 class RopePatch(_Patch):
     """Handle of an applied rotary patch: ``unpatch()`` (or leaving a ``with`` block) restores the originals."""
 
@@ -302,33 +289,27 @@ class RopePatch(_Patch):
         super().__init__(model)
         self.families = tuple(families)
         self.model_types = tuple(f.model_type for f in families)
-        self._modules: List[str] = []
-        self._norm_state: Optional["_NormState"] = None  # fuse_qk_norm
+        self._fns: List[Tuple[types.ModuleType, object]] = []  # (module, its patched apply_rotary_pos_emb)
+        self._norm_state: Optional["_NormState"] = None  # fuse_qk_norm: the norms its attentions deferred
+        self._order = next(RopePatch._count)
+
+    _count = itertools.count()  # patch order, for unpatch_qwen_vl_rope() (the latest patch is undone first)
 
     def unpatch(self) -> None:
         """Restores what this handle patched (idempotent)."""
         if not isinstance(self, RopePatch):
             raise TypeError(f"packcuda.RopePatch.unpatch: self must be a RopePatch, got {type(self).__name__}")
-        with _LOCK:
+        with self._lock:
             if not self.active:
                 return
             self._restore()
-            if self._norm_state is not None:
-                if self._norm_state in _NORM_STATES:
-                    _NORM_STATES.remove(self._norm_state)
-                self._norm_state = None
-            import importlib
-
-            for name in self._modules:
-                _FN_REFS[name] -= 1
-                if _FN_REFS[name] == 0:
-                    del _FN_REFS[name]
-                    mod = importlib.import_module(name)
-                    mod.apply_rotary_pos_emb = mod.apply_rotary_pos_emb.__packcuda_original__
-            self._modules.clear()
+            self._norm_state = None
+            for mod, fn in self._fns:
+                fn.__packcuda_handles__.remove(self)
+                if not fn.__packcuda_handles__ and mod.apply_rotary_pos_emb is fn:
+                    mod.apply_rotary_pos_emb = fn.__packcuda_original__
+            self._fns.clear()
             self.active = False
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
 
     def __repr__(self):
         scope = type(self.model).__name__ if self.model is not None else "all models"
@@ -422,7 +403,7 @@ def patch_qwen_vl_rope(model=None, *, model_types: Optional[Sequence[str]] = Non
         _require("apply_qk_norm_rope")
         norms = _check_qk_norms(fams[0], mods[fams[0].model_type], model, fn)
     handle = RopePatch(fams, model)
-    with _LOCK:
+    with handle._lock:
         for fam in fams:
             mod = mods[fam.model_type]
             rot_cls = getattr(mod, fam.rotary)
@@ -438,20 +419,26 @@ def patch_qwen_vl_rope(model=None, *, model_types: Optional[Sequence[str]] = Non
                     for nm, slot in ((nq, "q"), (nk, "k")):
                         handle._set(nm, "_packcuda_norm_slot", (state, slot, kind, eps))
                         handle._set(nm, "forward", types.MethodType(_deferred_norm, nm))
-                if state is not None:
-                    handle._norm_state = state
-                    _NORM_STATES.append(state)
+                handle._norm_state = state
             else:
                 handle._set(rot_cls, "_packcuda_family", fam)
                 handle._set(rot_cls, "forward", _rotary_forward)
-            if mod.__name__ not in _FN_REFS:
+            if not hasattr(mod.apply_rotary_pos_emb, "__packcuda_handles__"):
                 mod.apply_rotary_pos_emb = _make_apply(mod.apply_rotary_pos_emb)
-                _FN_REFS[mod.__name__] = 0
-            _FN_REFS[mod.__name__] += 1
-            handle._modules.append(mod.__name__)
+            patched = mod.apply_rotary_pos_emb
+            patched.__packcuda_handles__.append(handle)
+            handle._fns.append((mod, patched))
         handle.active = True
-        _ACTIVE.append(handle)
     return handle
+
+
+def _active_patches() -> set:
+    """The active handles: those that patched the apply_rotary_pos_emb of a loaded modeling module."""
+    out = set()
+    for fam in (*_FAMILIES.values(), *_TEXT_FAMILIES.values()):
+        mod = sys.modules.get(fam.module)
+        out.update(getattr(getattr(mod, "apply_rotary_pos_emb", None), "__packcuda_handles__", ()))
+    return out
 
 
 def unpatch_qwen_vl_rope(handle: Optional[RopePatch] = None) -> None:
@@ -462,14 +449,14 @@ def unpatch_qwen_vl_rope(handle: Optional[RopePatch] = None) -> None:
     if handle is not None:
         handle.unpatch()
         return
-    for h in list(reversed(_ACTIVE)):
+    for h in sorted(_active_patches(), key=lambda h: h._order, reverse=True):
         h.unpatch()
 
 
 def is_patched(model=None) -> bool:
     """Whether ``model`` (or, without an argument, any model) currently runs the packcuda rotary path."""
     if model is None:
-        return bool(_ACTIVE)
+        return bool(_active_patches())
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"packcuda.is_patched: model must be a torch.nn.Module or None, got {type(model).__name__}")
     try:
