@@ -4,6 +4,8 @@
 //   dispatch_bool(b, f)             f(std::true_type{} | std::false_type{})
 //   dispatch_first<V...>(pred, f)   f(std::integral_constant<int, V>{}) for the first V with pred(V), else the
 //                                   last V (a widest-vector cascade, a kernel-size bucket)
+//   dispatch_one_of<V...>(v, f)     f(std::integral_constant<int, V>{}) for the V equal to v; returns whether
+//                                   there was one (false: none, f not called; a shape with specialized kernels)
 #pragma once
 #include <stdexcept>
 #include <type_traits>
@@ -37,6 +39,11 @@ void dispatch_first(P&& pred, F&& f) {
     if (pred(V)) f(std::integral_constant<int, V>{});
     else dispatch_first<Rest...>(pred, f);
   }
+}
+
+template <int... Vs, typename I, typename F>
+bool dispatch_one_of(I v, F&& f) {
+  return ((v == Vs ? (static_cast<void>(f(std::integral_constant<int, Vs>{})), true) : false) || ...);
 }
 
 }  // namespace packcuda

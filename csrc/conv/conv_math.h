@@ -12,6 +12,7 @@
 
 #include "../common/dtype.h"
 #include "../common/hd.h"
+#include "../common/vec.h"
 #include "conv.h"
 
 #if defined(__CUDACC__)
@@ -130,20 +131,8 @@ PC_HD Tiles make_tiles(int64_t T, int64_t want_count) {
 // Tokens per batch of independent loads issued before the dependent arithmetic (memory-level parallelism).
 constexpr int kBatch = 8;
 
-// V consecutive channels of one token row, loaded / stored as one access (16 bytes on the CUDA vector path:
-// the row pointer must then be aligned to sizeof(Vec)). V = 1 is a plain element.
-template <typename S, int V> struct alignas(sizeof(S) * V) Vec {
-  S v[V];
-};
-// One machine word of the Vec's size, so that a device access is a single (vector) load or store: a
-// struct-of-structs copy would be split into one access per element.
-template <int N> struct Word;
-template <> struct Word<2> { using type = unsigned short; };
-template <> struct Word<4> { using type = unsigned int; };
-#if defined(__CUDACC__)
-template <> struct Word<8> { using type = uint2; };
-template <> struct Word<16> { using type = uint4; };
-#endif
+// Vec<S, V> (common/vec.h): V consecutive channels of one token row, loaded / stored as one access (16 bytes on
+// the CUDA vector path: the row pointer must then be aligned to sizeof(Vec)). V = 1 is a plain element.
 #if defined(__CUDACC__)
 template <typename S, int V> union VecWord {  // a Vec and its machine word (device accesses go through w)
   typename Word<sizeof(Vec<S, V>)>::type w;

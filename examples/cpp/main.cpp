@@ -8,9 +8,9 @@
 #include <cstring>
 #include <vector>
 
+#include <packcuda/mrope.h>
 #include <packcuda/pack.h>
 #include <packcuda/packcuda_torch.h>
-#include <packcuda/rope.h>
 #include <packcuda/shard.h>
 
 namespace {

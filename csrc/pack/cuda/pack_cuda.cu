@@ -2,6 +2,7 @@
 
 #include "common/cuda_utils.cuh"
 #include "common/dispatch.h"
+#include "common/vec.h"
 #include "pack/pack.h"
 #include "pack/pack_math.h"
 
@@ -10,13 +11,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
-
-template <int VW> struct VecT;
-template <> struct VecT<16> { using type = uint4; };
-template <> struct VecT<8> { using type = uint2; };
-template <> struct VecT<4> { using type = uint32_t; };
-template <> struct VecT<2> { using type = uint16_t; };
-template <> struct VecT<1> { using type = uint8_t; };
 
 // Each thread moves kUnroll vectors, issuing all loads before the stores (more bytes in flight).
 // Gather: out[v] = src[index[row] * vpr + col] (or fill); scatter: out[index[row] * vpr + col] = src[v].
@@ -63,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) move_rows_kernel(V* __restrict__ out
 template <bool kScatter, int VW>
 void launch_move(void* out, const void* src, const int64_t* index, int64_t n_rows, int64_t row_bytes,
                  const Fill16& f, int64_t lead, int64_t out_rows, int64_t src_lead_bytes, cudaStream_t stream) {
-  using V = typename VecT<VW>::type;
+  using V = typename Word<VW>::type;  // rows moved as machine words of VW bytes
   const int64_t vpr = row_bytes / VW;
   const int64_t n_vec = n_rows * vpr;
   if (n_vec == 0 || lead == 0) return;

@@ -1,6 +1,6 @@
 // Host block table of the mRoPE position kernels (framework-free; shared by the torch layer and C++ users).
 
-#include "rope/mrope_pos.h"
+#include "mrope/mrope_pos.h"
 
 namespace packcuda::rope {
 

@@ -1,7 +1,7 @@
 #include <cstdint>
 
-#include "rope/mrope_pos.h"
-#include "rope/mrope_pos_math.h"
+#include "mrope/mrope_pos.h"
+#include "mrope/mrope_pos_math.h"
 
 namespace packcuda::rope {
 namespace {

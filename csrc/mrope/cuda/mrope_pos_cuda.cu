@@ -12,8 +12,8 @@
 // Only ids are read per token (twice) and only the outputs are written per token: no per-token scratch. Every
 // result is independent of the order in which blocks run.
 #include "common/cuda_utils.cuh"
-#include "rope/mrope_pos.h"
-#include "rope/mrope_pos_math.h"
+#include "mrope/mrope_pos.h"
+#include "mrope/mrope_pos_math.h"
 
 namespace packcuda::rope {
 namespace {

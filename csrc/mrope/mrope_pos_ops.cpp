@@ -8,8 +8,8 @@
 
 #include "common/checked.h"
 #include "common/torch/checks.h"
-#include "rope/mrope_pos.h"
-#include "rope/mrope_pos_math.h"
+#include "mrope/mrope_pos.h"
+#include "mrope/mrope_pos_math.h"
 
 namespace packcuda::th {
 namespace {
