@@ -173,7 +173,7 @@ def _gather_setup(ctx, inputs, output):
 
 def _gather_backward(ctx, grad):
     (index,) = ctx.saved_tensors
-    return ops.scatter_rows(grad, index, ctx.n_src, ctx.dim), None, None, None, None
+    return _scatter(grad, index, ctx.n_src, ctx.dim), None, None, None, None
 
 
 def _scatter_setup(ctx, inputs, output):
@@ -184,18 +184,14 @@ def _scatter_setup(ctx, inputs, output):
 
 def _scatter_backward(ctx, grad):
     (index,) = ctx.saved_tensors
-    return ops.gather_rows(grad, index, 0.0, ctx.dim), None, None, None
-
-
-torch.library.register_autograd("packcuda::gather_rows", _gather_backward, setup_context=_gather_setup)
-torch.library.register_autograd("packcuda::scatter_rows", _scatter_backward, setup_context=_scatter_setup)
+    return _GATHER(grad.requires_grad, grad, index, 0.0, ctx.dim, None), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
-_GATHER = _lib.EagerOp(ops.gather_rows)
-_SCATTER = _lib.EagerOp(ops.scatter_rows)
+_GATHER = _lib.EagerOp(ops.gather_rows, _gather_setup, _gather_backward)
+_SCATTER = _lib.EagerOp(ops.scatter_rows, _scatter_setup, _scatter_backward)
 
 
 def _gather(src: torch.Tensor, index: torch.Tensor, fill: Union[int, float], dim: int = 0) -> torch.Tensor:
