@@ -123,7 +123,7 @@ def _one_shape(t, dev, dtype, nseq, n_cfg, cfg, fla_conv, quick, rows, notes):
     dst = torch.empty_like(x)
     copy_ms = t.median_ms(lambda: dst.copy_(x))
     fwd = t.median_ms(lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu"))
-    bwd = t.median_ms(lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_dev, p, 1))
+    bwd = t.median_ms(lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_dev, p, "silu"))
     leaves = [v.detach().requires_grad_() for v in (x, w, b) + ((p,) if with_prefix else ())]
 
     def fwd_bwd(f):
@@ -151,7 +151,7 @@ def _one_shape(t, dev, dtype, nseq, n_cfg, cfg, fla_conv, quick, rows, notes):
     if dev.type == "cuda":  # kernel time alone: the same ops captured in a CUDA graph (no host, no autograd)
         cu_d = torch.tensor(cu, dtype=torch.int64, device=dev)
         ms_fg = graph_ms(t, lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu_d, prefix=p, activation="silu"))
-        ms_bg = graph_ms(t, lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_d, p, 1))
+        ms_bg = graph_ms(t, lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_d, p, "silu"))
         add("fwd (CUDA graph)", ms_fg)
         add("bwd (CUDA graph)", ms_bg)
         add("fwd+bwd kernels (CUDA graph)", ms_fg + ms_bg)
