@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import _lib
-from ._meta import IntsLike, check_int, op_metadata, resolve_device
+from ._meta import IntsLike, check_int, host_tensor, resolve_device
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -39,12 +39,12 @@ def _check_tensor(op: str, name: str, value, *, optional: bool = False) -> None:
 # fake (meta) kernels
 # ---------------------------------------------------------------------------------------------------
 @torch.library.register_fake("packcuda::causal_conv1d_fwd")
-def _conv_fwd_fake(x, weight, bias, cu_seqlens, prefix, activation):
+def _conv_fwd_fake(x, weight, bias, cu_seqlens, prefix, activation=None):
     return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("packcuda::causal_conv1d_bwd")
-def _conv_bwd_fake(grad_y, x, weight, bias, cu_seqlens, prefix, activation):
+def _conv_bwd_fake(grad_y, x, weight, bias, cu_seqlens, prefix, activation=None):
     C, K = weight.shape
     S = prefix.shape[0] if prefix is not None else 0
     return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty((C,)), x.new_empty((S, K - 1, C))
@@ -83,7 +83,7 @@ def _conv_backward(ctx, grad_y):
     )
 
 
-_CONV = _lib.EagerOp(ops.causal_conv1d_fwd, _conv_setup, _conv_backward)
+_CONV = _lib.EagerOp(ops.causal_conv1d_fwd, _conv_setup, _conv_backward, differentiable=(0, 1, 2, 4))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -126,7 +126,8 @@ def causal_conv1d(
     if activation is not None and not isinstance(activation, str):
         raise TypeError(f"packcuda.{op}: activation must be None or 'silu', got {activation!r} "
                         f"({type(activation).__name__})")
-    cu = op_metadata(cu_seqlens, op=op) if cu_seqlens is not None else None
+    # host lists become a CPU tensor here; a tensor goes to the op as it is (the op checks it)
+    cu = cu_seqlens if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor) else host_tensor(cu_seqlens, op=op)
     needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad) or (
         prefix is not None and prefix.requires_grad)
     return _CONV(needs_grad, x, weight, bias, cu, prefix, activation)

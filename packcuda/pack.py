@@ -190,8 +190,8 @@ def _scatter_backward(ctx, grad):
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
-_GATHER = _lib.EagerOp(ops.gather_rows, _gather_setup, _gather_backward)
-_SCATTER = _lib.EagerOp(ops.scatter_rows, _scatter_setup, _scatter_backward)
+_GATHER = _lib.EagerOp(ops.gather_rows, _gather_setup, _gather_backward, differentiable=(0,))
+_SCATTER = _lib.EagerOp(ops.scatter_rows, _scatter_setup, _scatter_backward, differentiable=(0,))
 
 
 def _gather(src: torch.Tensor, index: torch.Tensor, fill: Union[int, float], dim: int = 0) -> torch.Tensor:

@@ -66,7 +66,7 @@ def _qk_norm_rope_backward_fake(grad_q, grad_k, q, k, positions, inv_freq, q_wei
 # fixed order.
 # ---------------------------------------------------------------------------------------------------
 def _last_dim_contiguous(g: torch.Tensor) -> torch.Tensor:
-    return g if g.shape[-1] <= 1 or g.stride(-1) == 1 else g.contiguous()
+    return g if g.stride(-1) == 1 or g.shape[-1] <= 1 else g.contiguous()
 
 
 def _rope_setup(ctx, inputs, output):
@@ -82,7 +82,7 @@ def _rope_backward(ctx, gq, gk):
     return dq, dk, None, None, None, None, None, None, None, None
 
 
-_ROPE = _lib.EagerOp(ops.apply_rope, _rope_setup, _rope_backward)
+_ROPE = _lib.EagerOp(ops.apply_rope, _rope_setup, _rope_backward, differentiable=(0, 1))
 
 
 def _rope_call(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling, inverse):
@@ -114,7 +114,7 @@ def _qk_norm_backward(ctx, gq, gk):
     return dq, dk, None, None, dwq, dwk, None, None, None, None, None, None, None
 
 
-_QK_NORM = _lib.EagerOp(ops.apply_qk_norm_rope, _qk_norm_setup, _qk_norm_backward)
+_QK_NORM = _lib.EagerOp(ops.apply_qk_norm_rope, _qk_norm_setup, _qk_norm_backward, differentiable=(0, 1, 4, 5))
 
 
 class _InPlace(torch.autograd.Function):
@@ -240,7 +240,8 @@ def _positions_tensor(op, positions) -> torch.Tensor:
 def _section(op, section):
     """mrope_section as the op takes it: integers within int64 (their count, signs and sum are the op's to
     check)."""
-    if type(section) in (list, tuple) and all(type(v) is int and INT64_MIN <= v <= INT64_MAX for v in section):
+    if type(section) in (list, tuple) and section and all(type(v) is int for v in section) and (
+            INT64_MIN <= min(section) and max(section) <= INT64_MAX):
         s = section
     elif isinstance(section, (str, bytes)) or not hasattr(section, "__len__"):
         raise TypeError(f"packcuda.{op}: mrope_section must be a sequence of 3 integers, got {section!r}")
@@ -378,7 +379,7 @@ def apply_rope(
     """
     args = _rope_args("apply_rope", q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section,
                       mrope_interleaved, rotary_style, attention_scaling, False)
-    qo, ko = _rope_call(*args, False)
+    qo, ko = _ROPE(q.requires_grad or k.requires_grad, *args, False)
     if args[0] is not q:  # flattened
         return qo.view(q.shape), ko.view(k.shape)
     return qo, ko

@@ -25,6 +25,12 @@ Tensor on_device(const Tensor& meta, const Tensor& data) {
   return torch::stable::to(dense(meta), data.device(), /*non_blocking=*/true);
 }
 
+// An uninitialized output shaped like t: t's layout when t is dense in another order or a view (empty_like), else a
+// plain contiguous allocation (the same layout, without a dispatcher round trip).
+Tensor output_like(const Tensor& t) {
+  return t.is_contiguous() ? new_like(t, shape_of(t)) : torch::stable::empty_like(t);
+}
+
 struct Prepared {
   rope::RopeArgs args;
   Tensor positions, inv_freq;  // kept alive for the launch
@@ -288,8 +294,8 @@ std::tuple<Tensor, Tensor> apply_rope(Tensor q, Tensor k, Tensor positions, Tens
   const char* op = "apply_rope";
   Prepared p = prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj,
                        attention_scaling);
-  Tensor q_out = torch::stable::empty_like(q);
-  Tensor k_out = torch::stable::empty_like(k);
+  Tensor q_out = output_like(q);
+  Tensor k_out = output_like(k);
   fill_view(p.args.q, q, q_out);
   fill_view(p.args.k, k, k_out);
   p.args.inverse = inverse;
@@ -354,13 +360,14 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
   }
   PC_ARG(k_weight.scalar_type() == q_weight.scalar_type(), op, "k_weight has dtype ",
          dtype_name(k_weight.scalar_type()), " but q_weight has dtype ", dtype_name(q_weight.scalar_type()));
-  // the kernels read the weights in the compute type (exact conversions: bf16 / fp16 / fp32 -> fp32 or fp64)
+  // the kernels read the weights in the compute type (exact conversions: bf16 / fp16 / fp32 -> fp32 or fp64),
+  // 16-byte aligned (the CUDA kernel reads them with vector loads): a converted copy is a fresh allocation
   const ST acc = q.scalar_type() == ST::Double ? ST::Double : ST::Float;
-  // (and 16-byte aligned: the CUDA kernel reads them with vector loads)
   const auto as_acc = [&](const Tensor& w) {
-    Tensor d = dense(w.scalar_type() == acc ? w : torch::stable::to(w, acc));
-    if (reinterpret_cast<uintptr_t>(d.const_data_ptr()) % 16 != 0)
-      d = torch::stable::to(d, acc, std::nullopt, std::nullopt, std::nullopt, false, /*copy=*/true);
+    if (w.scalar_type() == acc && w.is_contiguous() && reinterpret_cast<uintptr_t>(w.const_data_ptr()) % 16 == 0)
+      return w;
+    Tensor d = new_like(w, {D}, acc);
+    copy_into(d, w, /*non_blocking=*/false);
     return d;
   };
   np.w_q = as_acc(q_weight);
@@ -390,8 +397,8 @@ std::tuple<Tensor, Tensor> qk_norm_rope(Tensor q, Tensor k, Tensor positions, Te
   const char* op = "apply_qk_norm_rope";
   NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
                                  mrope_section, mrope_interleaved, gptj, attention_scaling);
-  Tensor q_out = torch::stable::empty_like(q);
-  Tensor k_out = torch::stable::empty_like(k);
+  Tensor q_out = output_like(q);
+  Tensor k_out = output_like(k);
   np.n.r = np.p.args;
   fill_view(np.n.r.q, q, q_out);
   fill_view(np.n.r.k, k, k_out);
@@ -436,10 +443,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(
   }
   const int64_t D = q.size(q.dim() - 1);
   const ST acc = q.scalar_type() == ST::Double ? ST::Double : ST::Float;
-  Tensor dq = torch::stable::empty_like(q);
-  Tensor dk = torch::stable::empty_like(k);
-  Tensor dwq = torch::stable::new_empty(q, {D}, acc);
-  Tensor dwk = torch::stable::new_empty(q, {D}, acc);
+  Tensor dq = output_like(q);
+  Tensor dk = output_like(k);
+  Tensor dwq = new_like(q, {D}, acc);
+  Tensor dwk = new_like(q, {D}, acc);
   np.n.r = np.p.args;
   fill_view(np.n.r.q, q, dq);
   fill_view(np.n.r.k, k, dk);
@@ -454,7 +461,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(
   }
   Tensor ws;
   if (q.is_cuda()) {
-    ws = torch::stable::new_empty(q, {rope::qk_norm_workspace_floats(D)}, acc);
+    ws = new_like(q, {rope::qk_norm_workspace_floats(D)}, acc);
     np.n.workspace = ws.mutable_data_ptr();
   }
   launch_norm(q, np.n, true);
