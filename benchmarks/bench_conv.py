@@ -23,6 +23,7 @@ if __package__ in (None, ""):
 
 import packcuda  # noqa: E402
 from benchmarks.harness import Timer, graph_ms, record  # noqa: E402
+from benchmarks.host_time import HOST_NOTE, host_rows  # noqa: E402
 from packcuda._meta import cu_from_lengths  # noqa: E402
 
 
@@ -90,6 +91,8 @@ def run_conv(quick=False, device=None) -> list[dict]:
         notes.append(f"This run reached its time limit (SIGTERM) during shape {n_cfg + 1} of {len(cfgs)} (T, C, K, "
                      f"prefix = {cfgs[n_cfg]}): that shape's remaining rows and the {len(cfgs) - n_cfg - 1} shapes "
                      "after it were not measured.")
+    rows += host_rows(["causal_conv1d"], dev)
+    notes.append(HOST_NOTE)
     notes.append("x_copy: time / copy_ of x in the same run (floor: fwd 1, bwd 1.5, fwd+bwd 2.5); the CUDA-graph rows "
                  "(20 calls captured, replays timed) divide by the same eager copy_ (a captured copy_ of x measured "
                  "0.396 ms against 0.258 ms eager at T=32768 C=8192 on the H200 of 2026-12-02), and their fwd+bwd "
