@@ -361,9 +361,11 @@ def apply_rope(
 
     - ``q``/``k``: bf16, fp16 or fp32; any strides on the token and head dims (views into a fused QKV
       buffer are fine, no copies), last dim contiguous. ``[B, S, H, D]`` works too (then positions may be
-      ``[B, S]`` / ``[3, B, S]``); more leading token dims are flattened.
-    - ``positions``: int32/int64 (or a nested list of ints; floats are refused, never truncated), ``[T]`` for
-      plain RoPE or ``[3, T]`` (t, h, w rows) with ``mrope_section``.
+      ``[B, S]`` / ``[3, B, S]`` / ``[4, B, S]``); more leading token dims are flattened.
+    - ``positions``: int32/int64 (or a nested list of ints; floats are refused, never truncated), ``[T]`` (or
+      ``[1, T]``) for plain RoPE, or ``[3, T]`` / ``[3, 1, T]`` (t, h, w rows) with ``mrope_section``; the 4-row
+      form of transformers' Qwen-VL / Qwen3.5 models (``[4, 1, T]`` or ``[4, T]``, text positions first) is read
+      as its last three rows.
       Per token: packed sequences restart wherever the positions restart; CP shards pass their own.
       Host (CPU) positions with CUDA q/k are uploaded without a sync.
     - ``inv_freq``: fp32 ``[rotary_dim / 2]``; by default computed from ``rope_theta`` over ``rotary_dim``
