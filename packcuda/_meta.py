@@ -282,6 +282,9 @@ def op_metadata(values: IntsLike, name: str = "cu_seqlens", *, op: Optional[str]
 def host_list(values: IntsLike, name: str = "cu_seqlens", *, op: Optional[str] = None) -> list[int]:
     """Python ints of metadata; a device tensor is read back (one device sync; a meta tensor has nothing to read:
     a ValueError naming the op)."""
+    if type(values) in (list, tuple) and values and all(type(v) is int for v in values) and (
+            INT64_MIN <= min(values) and max(values) <= INT64_MAX):
+        return list(values)  # the common case, without a round trip through a tensor
     if is_device_tensor(values):
         _kernel_device(op, f"{name} on {values.device}", values.device)
         return op_metadata(values, name, op=op).tolist()

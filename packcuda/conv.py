@@ -16,14 +16,13 @@ from typing import Optional
 import torch
 
 from . import _lib
-from ._meta import IntsLike, check_int, fake_kernel, op_metadata, resolve_device
+from ._meta import IntsLike, check_int, fake_kernel, host_tensor, resolve_device
 
 _lib.load()
 ops = torch.ops.packcuda
 
 __all__ = ["causal_conv1d"]
 
-_ACT = {None: 0, "silu": 1, "swish": 1}
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -40,12 +39,12 @@ def _check_tensor(op: str, name: str, value, *, optional: bool = False) -> None:
 # fake (meta) kernels
 # ---------------------------------------------------------------------------------------------------
 @fake_kernel("causal_conv1d_fwd", host=["cu_seqlens"])
-def _conv_fwd_fake(x, weight, bias, cu_seqlens, prefix, activation):
+def _conv_fwd_fake(x, weight, bias, cu_seqlens, prefix, activation=None):
     return x.new_empty(x.shape)
 
 
 @fake_kernel("causal_conv1d_bwd", host=["cu_seqlens"])
-def _conv_bwd_fake(grad_y, x, weight, bias, cu_seqlens, prefix, activation):
+def _conv_bwd_fake(grad_y, x, weight, bias, cu_seqlens, prefix, activation=None):
     C, K = weight.shape
     S = prefix.shape[0] if prefix is not None else 0
     return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty((C,)), x.new_empty((S, K - 1, C))
@@ -67,7 +66,8 @@ def _prefix_schedule_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket, k
 
 
 # ---------------------------------------------------------------------------------------------------
-# autograd
+# autograd (one setup and one backward: registered for the op and used by the facade's eager path,
+# packcuda._lib.EagerOp)
 # ---------------------------------------------------------------------------------------------------
 def _conv_setup(ctx, inputs, output):
     x, weight, bias, cu, prefix, act = inputs
@@ -77,9 +77,12 @@ def _conv_setup(ctx, inputs, output):
     ctx.has_prefix = prefix is not None
 
 
+_CONV_GRADS = _lib.EagerOp(ops.causal_conv1d_bwd)  # (no autograd of its own: no double backward)
+
+
 def _conv_backward(ctx, grad_y):
     x, weight, bias, cu, prefix = ctx.saved_tensors
-    dx, dw, db, dp = ops.causal_conv1d_bwd(grad_y.contiguous(), x, weight, bias, cu, prefix, ctx.act)
+    dx, dw, db, dp = _CONV_GRADS(grad_y.requires_grad, grad_y.contiguous(), x, weight, bias, cu, prefix, ctx.act)
     return (
         dx,
         dw,
@@ -90,22 +93,7 @@ def _conv_backward(ctx, grad_y):
     )
 
 
-torch.library.register_autograd("packcuda::causal_conv1d_fwd", _conv_backward, setup_context=_conv_setup)
-
-
-# Eager fast path of the facade (packcuda._lib.EagerOp): the same forward kernel, context and backward as the
-# registered autograd above, in a plain Function (under torch.compile the facade calls the registered op).
-class _CausalConv1d(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, cu, prefix, act):
-        inputs = (x, weight, bias, cu, prefix, act)
-        _conv_setup(ctx, inputs, None)
-        return _CONV.below(*inputs)
-
-    backward = staticmethod(_conv_backward)
-
-
-_CONV = _lib.EagerOp(ops.causal_conv1d_fwd, _CausalConv1d)
+_CONV = _lib.EagerOp(ops.causal_conv1d_fwd, _conv_setup, _conv_backward, differentiable=(0, 1, 2, 4))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,19 +133,20 @@ def causal_conv1d(
         ``[T, C]``, ``x``'s dtype and device. No sync.
     """
     op = "causal_conv1d"
-    _check_tensor(op, "x", x)
-    _check_tensor(op, "weight", weight)
-    _check_tensor(op, "bias", bias, optional=True)
-    _check_tensor(op, "prefix", prefix, optional=True)
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and (
+            bias is None or isinstance(bias, torch.Tensor)) and (prefix is None or isinstance(prefix, torch.Tensor))):
+        _check_tensor(op, "x", x)
+        _check_tensor(op, "weight", weight)
+        _check_tensor(op, "bias", bias, optional=True)
+        _check_tensor(op, "prefix", prefix, optional=True)
     if activation is not None and not isinstance(activation, str):
         raise TypeError(f"packcuda.{op}: activation must be None or 'silu', got {activation!r} "
                         f"({type(activation).__name__})")
-    if activation not in _ACT:
-        raise ValueError(f"packcuda.{op}: activation must be None or 'silu', got {activation!r}")
-    cu = op_metadata(cu_seqlens, op=op) if cu_seqlens is not None else None
+    # host lists become a CPU tensor here; a tensor goes to the op as it is (the op checks it)
+    cu = cu_seqlens if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor) else host_tensor(cu_seqlens, op=op)
     needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad) or (
         prefix is not None and prefix.requires_grad)
-    return _CONV(needs_grad, x, weight, bias, cu, prefix, _ACT[activation])
+    return _CONV(needs_grad, x, weight, bias, cu, prefix, activation)
 
 
 # ---------------------------------------------------------------------------------------------------

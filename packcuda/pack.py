@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _lib
 from ._meta import (INT64_MAX, IntsLike, check_int, cu_from_lengths, fake_kernel, op_metadata, output_device,
-                    resolve_device, to_device_async)
+                    plain_ints, resolve_device, to_device_async)
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -156,7 +157,7 @@ def _gather_setup(ctx, inputs, output):
 
 def _gather_backward(ctx, grad):
     (index,) = ctx.saved_tensors
-    return ops.scatter_rows(grad, index, ctx.n_src, ctx.dim), None, None, None, None
+    return _scatter(grad, index, ctx.n_src, ctx.dim), None, None, None, None
 
 
 def _scatter_setup(ctx, inputs, output):
@@ -167,18 +168,14 @@ def _scatter_setup(ctx, inputs, output):
 
 def _scatter_backward(ctx, grad):
     (index,) = ctx.saved_tensors
-    return ops.gather_rows(grad, index, 0.0, ctx.dim), None, None, None
-
-
-torch.library.register_autograd("packcuda::gather_rows", _gather_backward, setup_context=_gather_setup)
-torch.library.register_autograd("packcuda::scatter_rows", _scatter_backward, setup_context=_scatter_setup)
+    return _GATHER(grad.requires_grad, grad, index, 0.0, ctx.dim, None), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
-_GATHER = _lib.EagerOp(ops.gather_rows)
-_SCATTER = _lib.EagerOp(ops.scatter_rows)
+_GATHER = _lib.EagerOp(ops.gather_rows, _gather_setup, _gather_backward, differentiable=(0,))
+_SCATTER = _lib.EagerOp(ops.scatter_rows, _scatter_setup, _scatter_backward, differentiable=(0,))
 
 
 def _gather(src: torch.Tensor, index: torch.Tensor, fill: Union[int, float], dim: int = 0) -> torch.Tensor:
@@ -288,13 +285,15 @@ def unpad(
         cu = cu_from_lengths(lengths, "lengths", op=op)  # a device tensor is read back here (one sync)
         if len(cu) - 1 != B:
             raise ValueError(f"packcuda.unpad: lengths has {len(cu) - 1} entries but x has batch size {B}")
-        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-            if b - a > S:
-                raise ValueError(f"packcuda.unpad: lengths[{i}]={b - a} exceeds seqlen {S} (x.shape[1])")
+        max_seqlen = max(map(operator.sub, cu[1:], cu[:-1]), default=0)
+        if max_seqlen > S:
+            i = next(i for i in range(B) if cu[i + 1] - cu[i] > S)
+            raise ValueError(f"packcuda.unpad: lengths[{i}]={cu[i + 1] - cu[i]} exceeds seqlen {S} (x.shape[1])")
         total = cu[-1]
-        cu_host = torch.tensor(cu, dtype=torch.int64)
+        cu_host = plain_ints(cu)
+        if cu_host is None:
+            cu_host = torch.tensor(cu, dtype=torch.int64)
         indices = ops.right_pad_indices(cu_host, S, total, x.device)
-        max_seqlen = max(b - a for a, b in zip(cu[:-1], cu[1:])) if B > 0 else 0
     else:
         attention_mask = _check_tensor(op, "attention_mask", attention_mask)
         if tuple(attention_mask.shape) != (B, S):

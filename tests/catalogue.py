@@ -150,7 +150,7 @@ def all_cases():
 # what must be covered
 # ---------------------------------------------------------------------------------------------------
 # ops that take no argument at all: nothing can be passed wrongly
-NO_ARGUMENT_OPS = {"version", "conv_nccl_available", "conv_nccl_unique_id", "shard_plan_fields"}
+NO_ARGUMENT_OPS = {"version", "conv_nccl_available", "conv_nccl_unique_id", "shard_plan_fields", "rope_max_rotary_dim"}
 
 
 def raw_ops() -> list[str]:
