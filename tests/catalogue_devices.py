@@ -54,7 +54,7 @@ def _rope(**extra):
 
 def _qk(**extra):
     return dict(q=_x(5, 2, 8), k=_x(5, 1, 8), positions=torch.arange(5), inv_freq=torch.rand(4),
-                q_weight=torch.ones(8), k_weight=torch.ones(8), eps=1e-6, norm=0, **extra)
+                q_weight=torch.ones(8), k_weight=torch.ones(8), eps=1e-6, norm="rms", **extra)
 
 
 def _qk_backward():
@@ -90,8 +90,8 @@ BASELINES = {
                                           cu_seqlens=_t(0, 2, 5), total=5), host=["cu_seqlens"]),
     "plan_micro_batches": Baseline(lambda: dict(seqlens=_t(3, 4, 5), max_tokens=10), host_only=["seqlens"]),
     "balance_across_ranks": Baseline(lambda: dict(seqlens=_t(3, 4, 5, 6), world_size=2), host_only=["seqlens"]),
-    "causal_conv1d_fwd": Baseline(lambda: _conv(activation=1), host=["cu_seqlens"]),
-    "causal_conv1d_bwd": Baseline(lambda: dict(grad_y=_x(5, 4), **_conv(activation=1)), host=["cu_seqlens"]),
+    "causal_conv1d_fwd": Baseline(lambda: _conv(activation="silu"), host=["cu_seqlens"]),
+    "causal_conv1d_bwd": Baseline(lambda: dict(grad_y=_x(5, 4), **_conv(activation="silu")), host=["cu_seqlens"]),
     "conv_gather_sum": Baseline(lambda: dict(a=_x(3, 4), b=_x(2, 4), index=_t(0, 1, 4, -1).view(2, 2))),
     "conv_prefix_schedule": Baseline(lambda: dict(cu_seqlens=_t(0, 5), cp_size=2, cp_rank=0, layout=1, align=1,
                                                   bucket=None, kernel_size=4), host_only=["cu_seqlens"]),
