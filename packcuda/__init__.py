@@ -4,7 +4,7 @@ Ops live in ``torch.ops.packcuda``; this package loads them and adds typed Pytho
 (meta) kernels and autograd formulas, so everything also works under ``torch.compile(fullgraph=True)``.
 Modules mirror the capabilities: ``pack`` (packing), ``shard`` (CP shard plans), ``mrope`` / ``rope``
 (mRoPE positions, rotary application), ``conv`` (conv-prefix exchange, varlen causal conv1d), ``balance``
-(micro-batch planning), ``integrations`` (transformers drop-in).
+(micro-batch planning), ``vision`` (vision towers under CP), ``integrations`` (transformers drop-in).
 """
 from ._lib import built_with_cuda, cmake_prefix_path, library_path
 from ._lib import load as _load
@@ -18,6 +18,7 @@ from .rope import (apply_qk_norm_rope, apply_qk_norm_rope_, apply_rope, apply_ro
                    rope_kwargs_from_config)
 from .conv import ConvPrefixSchedule, causal_conv1d, conv_prefix, conv_prefix_schedule  # noqa: E402
 from .balance import balance_across_ranks, plan_micro_batches, sequence_workloads  # noqa: E402
+from .vision import VisionPlan, vision_plan  # noqa: E402
 from . import integrations  # noqa: E402  (importing it never imports transformers)
 
 __version__ = "0.1.0"
@@ -35,5 +36,7 @@ __all__ = [
     "causal_conv1d", "conv_prefix", "conv_prefix_schedule", "ConvPrefixSchedule",
     # micro-batch planning
     "plan_micro_batches", "balance_across_ranks", "sequence_workloads",
+    # vision work under context parallelism
+    "VisionPlan", "vision_plan",
     "integrations",
 ]

@@ -506,3 +506,41 @@ def scatter_rows_dim(src, index, num_rows, dim=0):
         if r >= 0:
             out[r] = moved[i]
     return out.movedim(0, dim)
+
+
+# ------------------------------------------------------------------------------------------ vision under CP
+def vision_replicated(ids, local_index, image_embeds, video_embeds, image_token_id, video_token_id):
+    """What a rank keeps when it encodes every image and video itself (transformers' masked_scatter of the whole
+    tower output into the whole stream, then the rank's slots): (vision slots, their rows), token by token.
+    ids: the packed stream [T]; local_index: the original row of every local slot (-1 for pads)."""
+    ids = ids.tolist()
+    k_of, seen = {}, {image_token_id: 0, video_token_id: 0}
+    for t, tok in enumerate(ids):
+        if tok in seen:
+            k_of[t] = (tok, seen[tok])
+            seen[tok] += 1
+    assert seen[image_token_id] == image_embeds.shape[0] and seen[video_token_id] == video_embeds.shape[0]
+    slots, rows = [], []
+    for s, t in enumerate(local_index.tolist()):
+        if t >= 0 and t in k_of:
+            tok, k = k_of[t]
+            slots.append(s)
+            rows.append((image_embeds if tok == image_token_id else video_embeds)[k])
+    width = image_embeds.shape[1] if image_embeds.numel() else video_embeds.shape[1]
+    return slots, torch.stack(rows) if rows else image_embeds.new_zeros(0, width)
+
+
+def vision_balance_optimum(costs, cp):
+    """The smallest possible largest per-rank sum of `costs` over cp ranks (every assignment, the first unit
+    on rank 0 without loss of generality)."""
+    import itertools
+
+    if not costs:
+        return 0.0
+    best = float("inf")
+    for rest in itertools.product(range(cp), repeat=len(costs) - 1):
+        load = [0.0] * cp
+        for c, r in zip(costs, (0,) + rest):
+            load[r] += c
+        best = min(best, max(load))
+    return best
