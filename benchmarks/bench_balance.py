@@ -10,18 +10,15 @@ Reported: wall time, micro-batch count, the largest token sum, and max/mean micr
 from __future__ import annotations
 
 import math
-import os
 import random
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import packcuda  # noqa: E402
-import reference as ref  # noqa: E402
-from benchmarks.harness import Timer, record  # noqa: E402
+import packcuda
+from benchmarks.baselines import karmarkar_karp, plan_micro_batches, workloads
+from benchmarks.harness import Timer, record
 
 
 def _lengths(n, seed=0, lo=32, hi=32768):
@@ -30,7 +27,7 @@ def _lengths(n, seed=0, lo=32, hi=32768):
 
 
 def _stats(parts, lens, max_tokens=None, prefix=""):
-    w = ref.workloads(lens)
+    w = workloads(lens)
     loads = [sum(w[i] for i in p) for p in parts]
     out = {f"{prefix}parts": len(parts), f"{prefix}max_over_mean": f"{max(loads) / (sum(loads) / len(loads)):.4f}"}
     if max_tokens is not None:
@@ -55,9 +52,9 @@ def run(quick=False, device=None) -> list[dict]:
     k0 = -(-sum(lens) // max_tokens)
 
     baselines = []
-    ms, parts = _once_ms(lambda: ref.karmarkar_karp(ref.workloads(lens), k0))
+    ms, parts = _once_ms(lambda: karmarkar_karp(workloads(lens), k0))
     baselines.append(("Python KK, one pass at the start count (ignores the cap)", ms, parts))
-    ms, parts = _once_ms(lambda: ref.plan_micro_batches(lens, max_tokens))
+    ms, parts = _once_ms(lambda: plan_micro_batches(lens, max_tokens))
     baselines.append(("Python KK, +1 micro-batch and retry until the cap holds", ms, parts))
 
     rows = []
@@ -69,7 +66,7 @@ def run(quick=False, device=None) -> list[dict]:
                              baseline_ms=base_ms, speedup=base_ms / ours_ms, **_stats(ours, lens, max_tokens),
                              **_stats(base, lens, max_tokens, "baseline_")))
     world = 8
-    base_ms, base = _once_ms(lambda: ref.karmarkar_karp(ref.workloads(lens), world, equal_count=True))
+    base_ms, base = _once_ms(lambda: karmarkar_karp(workloads(lens), world, equal_count=True))
     ours_ms = timer.median_ms(lambda: packcuda.balance_across_ranks(s, world, equal_count=True))
     ours = packcuda.balance_across_ranks(s, world, equal_count=True)
     rows.append(dict(op="balance_across_ranks(8, equal_count)", shape=shape, packcuda_ms=ours_ms,

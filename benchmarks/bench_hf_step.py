@@ -17,17 +17,13 @@ backward of q and k for all layers alone).
 from __future__ import annotations
 
 import importlib
-import os
 import random
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import packcuda  # noqa: E402
-import reference as ref  # noqa: E402  (tests/reference.py: transformers' positions, per sample)
-from benchmarks.harness import cli, Timer, record  # noqa: E402
+import packcuda
+from benchmarks.baselines import hf_packed_position_ids
+from benchmarks.harness import cli, Timer, record
 
 
 def _config(tiny: bool):
@@ -104,7 +100,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
 
     # positions: transformers' get_rope_index per sample (device ids and grids, as a trainer holds them)
     grids_dev = grids.to(dev)
-    hf_pos = lambda: ref.hf_packed_position_ids(model, ids, cu, image_grid_thw=grids_dev)  # noqa: E731
+    hf_pos = lambda: hf_packed_position_ids(model, ids, cu, image_grid_thw=grids_dev)  # noqa: E731
     pc_pos = lambda: hf.packed_position_ids(ids, cu, cfg, image_grid_thw=grids, validate=False)  # noqa: E731
     want = hf_pos()
     if have:
@@ -116,7 +112,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
         out.loss.backward()
 
     # rotary alone, forward + backward of q and k over all layers, through the model module's own functions
-    mod = importlib.import_module(hf._FAMILIES["qwen2_5_vl"].module)
+    mod = importlib.import_module(hf._common._FAMILIES["qwen2_5_vl"].module)
     rot = model.model.language_model.rotary_emb
     q = torch.randn(1, T, Hq, D, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
     k = torch.randn(1, T, Hk, D, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()

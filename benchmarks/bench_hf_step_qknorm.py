@@ -13,17 +13,13 @@ driving the positions; the vision tower is not run).
 """
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import packcuda  # noqa: E402
-import reference as ref  # noqa: E402  (tests/reference.py: transformers' positions, per sample)
-from benchmarks.bench_hf_step import setup  # noqa: E402
-from benchmarks.harness import cli  # noqa: E402
+import packcuda
+from benchmarks.baselines import hf_packed_position_ids
+from benchmarks.bench_hf_step import setup
+from benchmarks.harness import cli
 
 
 def _config(tiny: bool):
@@ -59,7 +55,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
     shape = (f"{tc.num_hidden_layers}L h{tc.hidden_size} ({tc.num_attention_heads},{tc.num_key_value_heads},"
              f"{tc.head_dim}) T={T} N={len(cu) - 1} {str(dtype).replace('torch.', '')}")
     grids_dev = grids.to(dev)
-    hf_pos = lambda: ref.hf_packed_position_ids(model, ids, cu, image_grid_thw=grids_dev)  # noqa: E731
+    hf_pos = lambda: hf_packed_position_ids(model, ids, cu, image_grid_thw=grids_dev)  # noqa: E731
     pc_pos = lambda: hf.packed_position_ids(ids, cu, cfg, image_grid_thw=grids, validate=False)  # noqa: E731
 
     def step(pos_fn):

@@ -54,7 +54,8 @@ def _fwd_bwd(layer, h, g, **kw):
 
 
 def rows_and_notes(quick=False, device=None):
-    from packcuda.integrations.transformers import _fla_chunk_rule, patch_qwen3_5_linear_attention
+    from packcuda.integrations.transformers import patch_qwen3_5_linear_attention
+    from packcuda.integrations.transformers.linear_attention import _fla_chunk_rule
 
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

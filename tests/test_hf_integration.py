@@ -251,9 +251,7 @@ def test_packed_row_matches_samples_alone_packcuda_positions(fam):
 def rope_impl(request, monkeypatch):
     """'reference': the patch plumbing with a plain rotation (runs without the kernel); 'packcuda': the kernel."""
     if request.param == "reference":
-        monkeypatch.setattr(hf, "_rope_impl", ref.hf_rope_apply)
-        if not HAS_ROPE:
-            monkeypatch.setattr(packcuda, "apply_rope", ref.hf_rope_apply, raising=False)
+        monkeypatch.setattr(packcuda, "apply_rope", ref.hf_rope_apply, raising=False)
     elif not HAS_ROPE:
         pytest.skip("packcuda.apply_rope not in this build")
     yield request.param
@@ -271,7 +269,7 @@ def _loss_and_grads(model, fam, packed, pos):
 @pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
 @pytest.mark.parametrize("rope_impl", ["reference", "packcuda"], indirect=True)
 @pytest.mark.parametrize("fam", FAMILIES)
-def test_patch_matches_unpatched_logits_and_grads(fam, rope_impl):
+def test_patch_matches_unpatched_logits_and_grads(fam, rope_impl, monkeypatch):
     if fam == "qwen3_5" and importlib.util.find_spec("fla") is not None:
         pytest.skip("flash-linear-attention is installed: transformers routes Qwen3.5's linear-attention layers "
                     "to its GPU kernels, which this CPU comparison does not exercise")
@@ -280,14 +278,11 @@ def test_patch_matches_unpatched_logits_and_grads(fam, rope_impl):
     pos = _hf_positions(model, fam, packed)
     want_logits, want_grads = _loss_and_grads(model, fam, packed, pos)
     calls = []
-    inner = hf._rope_impl
-    hf._rope_impl = lambda *a, **k: calls.append(a[2].shape) or inner(*a, **k)
-    try:
-        with hf.patch_qwen_vl_rope(model) as h:
-            assert hf.is_patched(model) and h.active
-            got_logits, got_grads = _loss_and_grads(model, fam, packed, pos)
-    finally:
-        hf._rope_impl = inner
+    inner = packcuda.apply_rope
+    monkeypatch.setattr(packcuda, "apply_rope", lambda *a, **k: calls.append(a[2].shape) or inner(*a, **k))
+    with hf.patch_qwen_vl_rope(model) as h:
+        assert hf.is_patched(model) and h.active
+        got_logits, got_grads = _loss_and_grads(model, fam, packed, pos)
     tc = model.config.text_config
     n_attn = sum(t == "full_attention" for t in (getattr(tc, "layer_types", None) or
                                                   ["full_attention"] * tc.num_hidden_layers))
@@ -353,7 +348,7 @@ def test_cp_sharded_positions_and_rotated_qk(fam, rope_impl):
     import importlib
 
     model = _model(fam)
-    mod = importlib.import_module(hf._FAMILIES[fam].module)
+    mod = importlib.import_module(hf._common._FAMILIES[fam].module)
     rot = model.model.language_model.rotary_emb
     _, packed = _batch(fam, seed=3)
     T = packed["ids"].numel()
@@ -477,7 +472,7 @@ def test_gpu_positions_and_patched_rope_no_sync(fam):
     import importlib
 
     model = _model(fam, full_attention_only=True).cuda()
-    mod = importlib.import_module(hf._FAMILIES[fam].module)
+    mod = importlib.import_module(hf._common._FAMILIES[fam].module)
     _, packed = _batch(fam, seed=4)
     T = packed["ids"].numel()
     ids = packed["ids"].cuda()
@@ -655,7 +650,7 @@ def _randomize_norms(model, offset):
 
 @pytest.mark.skipif(not VERSION_OK, reason="transformers older than the patch supports")
 @pytest.mark.parametrize("fam", ["qwen3_vl", "qwen3_5", "qwen3"])
-def test_fuse_qk_norm_matches_unpatched_logits_and_grads(fam):
+def test_fuse_qk_norm_matches_unpatched_logits_and_grads(fam, monkeypatch):
     if fam == "qwen3_5" and importlib.util.find_spec("fla") is not None:
         pytest.skip("flash-linear-attention is installed (GPU kernels for the linear-attention layers)")
     if fam == "qwen3":
@@ -679,17 +674,14 @@ def test_fuse_qk_norm_matches_unpatched_logits_and_grads(fam):
 
     want_logits, want_grads = loss_and_grads()
     calls = []
-    inner = hf._qk_norm_rope_impl
-    hf._qk_norm_rope_impl = lambda *a, **k: calls.append(k["norm"]) or inner(*a, **k)
-    try:
-        with hf.patch_qwen_vl_rope(model, fuse_qk_norm=True):
-            assert hf.is_patched(model)
-            got_logits, got_grads = loss_and_grads()
-    finally:
-        hf._qk_norm_rope_impl = inner
+    inner = packcuda.apply_qk_norm_rope
+    monkeypatch.setattr(packcuda, "apply_qk_norm_rope", lambda *a, **k: calls.append(k["norm"]) or inner(*a, **k))
+    with hf.patch_qwen_vl_rope(model, fuse_qk_norm=True):
+        assert hf.is_patched(model)
+        got_logits, got_grads = loss_and_grads()
     attn = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "q_norm")]
     assert len(calls) == len(attn) and set(calls) == {"rms_offset" if fam == "qwen3_5" else "rms"}
-    assert not hf.is_patched(model) and not hf._NORM_STATES
+    assert not hf.is_patched(model) and not hf.is_patched()
     assert all("forward" not in vars(m.q_norm) and "forward" not in vars(m.k_norm) for m in attn)  # restored
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=2e-5)
     assert want_grads.keys() == got_grads.keys()
@@ -705,7 +697,7 @@ def test_fuse_qk_norm_refuses_unknown_norm_before_patching():
     attn.k_norm = torch.nn.LayerNorm(orig.weight.shape[0])
     with pytest.raises(hf.UnsupportedModelError, match="k_norm is a LayerNorm"):
         hf.patch_qwen_vl_rope(model, fuse_qk_norm=True)
-    assert not hf.is_patched(model) and not hf.is_patched() and not hf._NORM_STATES
+    assert not hf.is_patched(model) and not hf.is_patched()
     attn.k_norm = orig
     with pytest.raises(hf.UnsupportedModelError, match="no per-head q_norm"):
         hf.patch_qwen_vl_rope(_model("qwen2_vl"), fuse_qk_norm=True)

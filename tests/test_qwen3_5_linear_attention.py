@@ -196,13 +196,13 @@ def test_refusals_before_patching(monkeypatch):
     def untouched():
         assert all("forward" not in vars(m) for m in gdn)
 
-    monkeypatch.setattr(hf, "transformers_version", lambda: "5.99.0")
+    monkeypatch.setattr(hf._common, "transformers_version", lambda: "5.99.0")
     with pytest.raises(hf.UnsupportedTransformersError, match="not a supported version"):
         hf.patch_qwen3_5_linear_attention(model)
     untouched()
     monkeypatch.undo()
-    real_src = hf._src
-    monkeypatch.setattr(hf, "_src", lambda obj: real_src(obj).replace("beta = b.sigmoid()", "beta = b"))
+    real_src = hf._common._src
+    monkeypatch.setattr(hf._common, "_src", lambda obj: real_src(obj).replace("beta = b.sigmoid()", "beta = b"))
     with pytest.raises(hf.UnsupportedTransformersError, match="not the code this patch was written for"):
         hf.patch_qwen3_5_linear_attention(model)
     untouched()
@@ -221,7 +221,7 @@ def test_cp_refused_without_a_cp_recurrence(tmp_path, monkeypatch):
     """Without flash-linear-attention's CP context the CP patch is refused before anything is patched."""
     import torch.distributed as dist
 
-    monkeypatch.setattr(hf, "_fla_cp", lambda: None)
+    monkeypatch.setattr(hf.linear_attention, "_fla_cp", lambda: None)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         model = _model(2)
@@ -243,7 +243,7 @@ def _ref_cp_recurrence(q, k, v, g, beta, *, plan, group, state):
     import transformers.models.qwen3_5.modeling_qwen3_5 as mod
 
     full = [plan.gather(t[0], group)[None] for t in (q, k, v, g, beta)]
-    out = hf._per_sample_rule(mod.torch_chunk_gated_delta_rule, *full, plan.cu_seqlens_host)
+    out = hf.linear_attention._per_sample_rule(mod.torch_chunk_gated_delta_rule, *full, plan.cu_seqlens_host)
     return plan.shard(out[0])[None]
 
 
@@ -265,7 +265,7 @@ def _cp_worker(rank, world, init, results):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         groups = {cp: (dist.new_group(list(range(cp))) if cp < world else dist.group.WORLD) for cp in (2, 3, 4)}
-        hf._cp_recurrence = lambda plan: _ref_cp_recurrence
+        hf.linear_attention._cp_recurrence = lambda plan: _ref_cp_recurrence
         models = {}
         n = 0
         for ci, (cp, layout, K, lens, bucket) in enumerate(_cp_cases()):
@@ -299,7 +299,7 @@ def _cp_worker(rank, world, init, results):
             dXr, dwr = torch.autograd.grad(yr, (Xr, layer.conv1d.weight), Gc)
             # the patched conv on this rank's slots
             xl = Xp[rows].clone().requires_grad_()
-            yl = hf._gdn_conv(layer, layer.in_proj_qkv(xl), None, plan=plan, group=group)
+            yl = hf.linear_attention._gdn_conv(layer, layer.in_proj_qkv(xl), None, plan=plan, group=group)
             assert torch.allclose(yl, yr.detach()[rows], atol=1e-12, rtol=1e-10), f"conv differs: {what}"
             dxl, dwl = torch.autograd.grad(yl, (xl, layer.conv1d.weight), Gc[rows])
             dist.all_reduce(dwl, group=group)
@@ -407,8 +407,8 @@ def test_gpu_conv_with_host_boundaries_does_not_sync():
     layer = model.model.layers[1].linear_attn
     cu = [0, 300, 301, 1000, 4096]
     x = torch.randn(4096, layer.conv_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    hf._gdn_conv(layer, x, cu).sum().backward()  # warm-up
+    hf.linear_attention._gdn_conv(layer, x, cu).sum().backward()  # warm-up
     with no_sync():
-        y = hf._gdn_conv(layer, x, cu)
+        y = hf.linear_attention._gdn_conv(layer, x, cu)
         y.backward(torch.ones_like(y))
     torch.cuda.synchronize()
