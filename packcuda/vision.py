@@ -116,11 +116,12 @@ def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
 class VisionPlan:
     """One CP rank's part of the vision work of a packed batch (build it with :func:`vision_plan`).
 
-    Units are numbered in stream-independent *global order*: the image grid rows in order, then the video grid
-    rows in order, a row's temporal steps in order with ``unit="frame"``. Host values (the same on every rank):
-    ``n_units``, ``unit_modality`` (0 image, 1 video), ``unit_row`` (grid row), ``unit_step`` (first temporal
-    step), ``unit_grid`` (``[t, h, w]`` of the unit: t temporal steps of an h x w patch grid), ``unit_cost``,
-    ``assignment`` (encoding rank of every unit), and per rank ``rank_units``, ``rank_patches``,
+    Host values, the same on every rank: ``image_token_id``, ``video_token_id``, ``spatial_merge_size``,
+    ``video_frames``, ``unit``, ``n_grid_rows`` (image and video grid rows). Units are numbered in *global order*:
+    the image grid rows in order, then the video grid rows in order, a row's temporal steps in order with
+    ``unit="frame"``; ``n_units``, ``unit_modality`` (0 image, 1 video), ``unit_row`` (grid row), ``unit_step``
+    (first temporal step), ``unit_grid`` (``[t, h, w]`` of the unit: t temporal steps of an h x w patch grid),
+    ``unit_cost``, ``assignment`` (encoding rank of every unit), and per rank ``rank_units``, ``rank_patches``,
     ``rank_attention`` (sum over the rank's temporal steps of patches_per_step**2), ``rank_cost``,
     ``rank_rows`` (merged-token rows it encodes), ``rank_slots`` (vision slots it holds) and ``traffic``
     (``[cp, cp]`` rows from each encoding rank to each holding rank; the diagonal stays local).
@@ -133,6 +134,7 @@ class VisionPlan:
     def __init__(self, **fields):
         self.__dict__.update(fields)
         self._dev = {}
+        self._schedule = None
 
     def __repr__(self) -> str:
         return (f"VisionPlan(cp_size={self.cp_size}, cp_rank={self.cp_rank}, unit={self.unit!r}, "
@@ -201,6 +203,49 @@ class VisionPlan:
         ``src_row`` of the tower output of rank ``src_rank`` goes to row ``dst_slot`` of the route output of rank
         ``dst_rank`` (one move per vision token; rows with ``src_rank == dst_rank`` stay local)."""
         return self._moves
+
+    def route(self, embeds_local, group=None, *, backend: str = "auto", check: Optional[bool] = None):
+        """The merged-token embeddings this rank's vision slots need, ``[n_slots, H]`` in :attr:`vision_slots`
+        order, from whichever ranks encoded them.
+
+        ``embeds_local``: this rank's tower output ``[n_encoded, H]`` (its units' merged tokens in
+        :attr:`local_grid_thw` order; ``[0, H]`` on a rank that encodes nothing), or a list / tuple of such
+        tensors of one dtype and device (e.g. Qwen3-VL's pooled output and its deepstack levels; widths may
+        differ), which travel together in one exchange and come back as a list. ``group``: the CP process group
+        (size ``cp_size``, this process its rank ``cp_rank``); every rank of it must call ``route`` with its own
+        plan of the same batch. Rows encoded and held by this rank are copied, never sent.
+
+        One grouped exchange through :func:`packcuda.exchange.exchange_rows` (``backend``: ``"auto"``,
+        ``"nccl"`` on the current stream, ``"torch"`` through torch.distributed incl. gloo; ``check``: the
+        agreement check of the ranks' plans, by :attr:`fingerprint`, whose semantics and syncs are the
+        engine's). Differentiable: each slot's gradient goes back to its encoding rank and is summed into the
+        tower output's gradient in a fixed order (deterministic). ``cp_size == 1`` is a local copy."""
+        from .exchange import RowSchedule, exchange_rows
+
+        op = "VisionPlan.route"
+        single = isinstance(embeds_local, torch.Tensor)
+        if not single and not (isinstance(embeds_local, (list, tuple)) and embeds_local):
+            raise TypeError(f"packcuda.{op}: embeds_local must be a tensor or a non-empty list / tuple of tensors, "
+                            f"got {type(embeds_local).__name__}")
+        feats = [embeds_local] if single else list(embeds_local)
+        for i, f in enumerate(feats):
+            name = "embeds_local" if single else f"embeds_local[{i}]"
+            if not isinstance(f, torch.Tensor):
+                raise TypeError(f"packcuda.{op}: {name} must be a tensor, got {type(f).__name__}")
+            if f.dim() != 2 or f.shape[0] != self.n_encoded:
+                raise ValueError(f"packcuda.{op}: {name} must be [n_encoded, H] with n_encoded = {self.n_encoded} "
+                                 f"(this rank's tower output rows), got {list(f.shape)}")
+            if f.dtype != feats[0].dtype or f.device != feats[0].device:
+                raise ValueError(f"packcuda.{op}: {name} is {f.dtype} on {f.device}, embeds_local[0] is "
+                                 f"{feats[0].dtype} on {feats[0].device}: the features travel together")
+        widths = [f.shape[1] for f in feats]
+        x = feats[0] if single else torch.cat(feats, dim=1)
+        if self._schedule is None:
+            self._schedule = RowSchedule.from_moves(self.cp_size, self.cp_rank, self.n_encoded, self.n_slots,
+                                                    *self._moves)
+        out = exchange_rows(x, self._schedule, group, op=op, fingerprint=self.fingerprint, backend=backend,
+                            check=check)
+        return out if single else list(out.split(widths, dim=1))
 
     def _on(self, device: torch.device, what: str) -> torch.Tensor:
         key = (what, str(device))
@@ -430,6 +475,7 @@ def vision_plan(
     fingerprint = _blake(_plan_fingerprint(plan), merge, unit, video_frames, grids[0], grids[1], all_pos, assign_t)
     return VisionPlan(
         cp_size=cp, cp_rank=rank, unit=unit, video_frames=video_frames, spatial_merge_size=merge,
+        image_token_id=image_token_id, video_token_id=video_token_id, n_grid_rows=(len(grids[0]), len(grids[1])),
         device=plan.device, total_local=TL, n_units=U, unit_modality=u_mod, unit_row=u_row, unit_step=u_step,
         unit_grid=u_grid, unit_cost=costs, assignment=assignment, rank_units=rank_units,
         rank_patches=rank_patches, rank_attention=rank_attention, rank_cost=rank_cost, rank_rows=rank_rows,

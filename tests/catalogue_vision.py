@@ -113,3 +113,112 @@ CASES = [
     _m(MRG, "routed_not_a_tensor", lambda: call(_built().merge, torch.zeros(_plan().total_local, 8), None),
          exc=TypeError, arg="routed"),
 ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# VisionPlan.route and the transformers patch
+# ---------------------------------------------------------------------------------------------------
+RT = "VisionPlan.route"
+
+
+def _route(feats, rank=0):
+    vp = _built(rank)
+    return call(vp.route, feats(vp))
+
+
+CASES += [
+    _m(RT, "embeds_wrong_rows", lambda: _route(lambda vp: torch.zeros(vp.n_encoded + 1, 8)), arg="embeds_local"),
+    _m(RT, "embeds_3d", lambda: _route(lambda vp: torch.zeros(vp.n_encoded, 2, 4)), arg="embeds_local"),
+    _m(RT, "embeds_not_a_tensor", lambda: _route(lambda vp: "rows"), exc=TypeError, arg="embeds_local"),
+    _m(RT, "embeds_empty_list", lambda: _route(lambda vp: []), exc=TypeError, arg="embeds_local"),
+    _m(RT, "level_not_a_tensor", lambda: _route(lambda vp: [torch.zeros(vp.n_encoded, 8), None]), exc=TypeError,
+       arg="embeds_local[1]"),
+    _m(RT, "level_wrong_rows", lambda: _route(lambda vp: [torch.zeros(vp.n_encoded, 8), torch.zeros(1, 8)]),
+       arg="embeds_local[1]"),
+    _m(RT, "levels_of_two_dtypes", lambda: _route(lambda vp: [torch.zeros(vp.n_encoded, 8),
+                                                              torch.zeros(vp.n_encoded, 8, dtype=torch.float64)]),
+       arg="embeds_local[1]"),
+]
+
+HF_IMG, HF_VID = 150, 151  # catalogue_integrations' tiny Qwen2-VL
+
+
+def _hf():
+    from packcuda.integrations import transformers as m
+
+    return m
+
+
+def _qwen2_vl():
+    """A fresh tiny Qwen2-VL (cases may leave it patched)."""
+    import copy
+
+    from catalogue_integrations import _model
+
+    return copy.deepcopy(_model())
+
+
+def _hf_vplan(cp=1, image_token_id=HF_IMG, **kw):
+    """A plan of one image of 4 tokens ([1, 4, 4], or [1, 2, 2] without a spatial merge)."""
+    ids = torch.tensor([1] + [image_token_id] * 4 + [2])
+    plan = packcuda.shard_plan([0, 6], cp, 0)
+    grid = [[1, 2, 2]] if kw.get("spatial_merge_size") == 1 else [[1, 4, 4]]
+    return packcuda.vision_plan(ids, [0, 6], plan, image_grid_thw=grid, image_token_id=image_token_id,
+                                video_token_id=HF_VID if image_token_id != HF_VID else HF_IMG, **kw)
+
+
+def _patch(model=None, plan=None, *args, **kw):
+    return call(_hf().patch_qwen_vl_vision, _qwen2_vl() if model is None else model,
+                _hf_vplan() if plan is None else plan, *args, **kw)
+
+
+def _patched_twice():
+    m = _qwen2_vl()
+    _hf().patch_qwen_vl_vision(m, _hf_vplan())
+    return _patch(m)
+
+
+def _text_model():
+    from catalogue_integrations import _qwen3_5
+
+    return _qwen3_5()
+
+
+def _removed_handle():
+    h = _hf().patch_qwen_vl_vision(_qwen2_vl(), _hf_vplan())
+    h.unpatch()
+    return h
+
+
+PV, QVP, SP, UP = ("transformers.patch_qwen_vl_vision", "transformers.qwen_vl_vision_plan", "VisionPatch.set_plan",
+                   "VisionPatch.unpatch")
+CASES += [
+    Case(PV, "model_not_a_module", lambda: _patch(model="model"), exc=TypeError, arg="model"),
+    Case(PV, "plan_not_a_vision_plan", lambda: _patch(plan=_plan(1)), exc=TypeError, arg="plan"),
+    Case(PV, "group_not_a_group", lambda: _patch(None, None, "group"), exc=TypeError, arg="group"),
+    Case(PV, "allow_unverified_not_bool", lambda: _patch(allow_unverified_version=1), exc=TypeError,
+         arg="allow_unverified_version"),
+    Case(PV, "text_only_model", lambda: _patch(model=_text_model()), arg="Qwen3_5VisionModel"),
+    Case(PV, "plan_of_another_model", lambda: _patch(plan=_hf_vplan(image_token_id=IMG)), arg="image_token_id"),
+    Case(PV, "plan_of_another_merge", lambda: _patch(plan=_hf_vplan(spatial_merge_size=1)),
+         arg="spatial_merge_size"),
+    Case(PV, "cp_plan_without_process_group", lambda: _patch(plan=_hf_vplan(cp=2)), arg="torch.distributed"),
+    Case(PV, "already_patched", _patched_twice, arg="already patched"),
+    Case(QVP, "config_none", lambda: call(_hf().qwen_vl_vision_plan, None, torch.tensor(IDS), CU, _plan(),
+                                          **GRIDS), exc=TypeError, arg="config"),
+    Case(QVP, "config_text_only", lambda: call(_hf().qwen_vl_vision_plan, {"model_type": "qwen3"},
+                                               torch.tensor(IDS), CU, _plan(), **GRIDS), arg="model_type"),
+    Case(QVP, "unit_unknown", op="vision_plan", arg="unit",
+         make=lambda: call(_hf().qwen_vl_vision_plan, _qwen2_vl().config, torch.tensor([1, HF_IMG, HF_IMG, HF_IMG,
+                                                                                       HF_IMG, 2]), [0, 6],
+                           packcuda.shard_plan([0, 6], 1, 0), image_grid_thw=[[1, 4, 4]], unit="tubelet")),
+    Case(SP, "not_a_handle", lambda: call(_hf().VisionPatch.set_plan, object(), _hf_vplan()), op=SP, exc=TypeError,
+         arg="self"),
+    Case(SP, "handle_removed", lambda: call(_removed_handle().set_plan, _hf_vplan()), op=SP, arg="removed"),
+    Case(SP, "plan_not_a_vision_plan", op=SP, exc=TypeError, arg="plan",
+         make=lambda: call(_hf().patch_qwen_vl_vision(_qwen2_vl(), _hf_vplan()).set_plan, _plan(1))),
+    Case(SP, "plan_of_another_model", op=SP, arg="image_token_id",
+         make=lambda: call(_hf().patch_qwen_vl_vision(_qwen2_vl(), _hf_vplan()).set_plan,
+                           _hf_vplan(image_token_id=IMG))),
+    Case(UP, "not_a_handle", lambda: call(_hf().VisionPatch.unpatch, "handle"), op=UP, exc=TypeError, arg="self"),
+]

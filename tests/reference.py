@@ -392,25 +392,25 @@ def scatter_rows_dim(src, index, num_rows, dim=0):
 
 
 # ------------------------------------------------------------------------------------------ vision under CP
-def vision_replicated(ids, local_index, image_embeds, video_embeds, image_token_id, video_token_id):
-    """What a rank keeps when it encodes every image and video itself (transformers' masked_scatter of the whole
-    tower output into the whole stream, then the rank's slots): (vision slots, their rows), token by token.
-    ids: the packed stream [T]; local_index: the original row of every local slot (-1 for pads)."""
+def vision_replicated(ids, local_index, image_token_id, video_token_id):
+    """What a rank keeps when it encodes every image and video itself (transformers concatenates the tower's image
+    rows, then its video rows, and scatters them over the placeholder tokens in stream order; the rank keeps its
+    slots), token by token: (the local slots holding vision tokens, the row of each in the concatenation
+    [image rows; video rows]). ids: the packed stream [T]; local_index: the original row of every local slot
+    (-1 for pads)."""
     ids = ids.tolist()
-    k_of, seen = {}, {image_token_id: 0, video_token_id: 0}
+    n_img = sum(1 for tok in ids if tok == image_token_id)
+    k_of, seen = {}, {image_token_id: 0, video_token_id: n_img}
     for t, tok in enumerate(ids):
         if tok in seen:
-            k_of[t] = (tok, seen[tok])
+            k_of[t] = seen[tok]
             seen[tok] += 1
-    assert seen[image_token_id] == image_embeds.shape[0] and seen[video_token_id] == video_embeds.shape[0]
     slots, rows = [], []
     for s, t in enumerate(local_index.tolist()):
         if t >= 0 and t in k_of:
-            tok, k = k_of[t]
             slots.append(s)
-            rows.append((image_embeds if tok == image_token_id else video_embeds)[k])
-    width = image_embeds.shape[1] if image_embeds.numel() else video_embeds.shape[1]
-    return slots, torch.stack(rows) if rows else image_embeds.new_zeros(0, width)
+            rows.append(k_of[t])
+    return slots, torch.tensor(rows, dtype=torch.int64)
 
 
 def vision_balance_optimum(costs, cp):

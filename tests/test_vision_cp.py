@@ -93,9 +93,9 @@ def check_pack(p, cp, layout, unit, per_frame, seed, bucket=None):
         encoded.append(e)
     routed = simulate_route(vps, encoded)
     for (plan, vp), got in zip(pl, routed):
-        slots, want = ref.vision_replicated(torch.tensor(p.ids), plan.index, E_img, E_vid, IMG, VID)
+        slots, rows = ref.vision_replicated(torch.tensor(p.ids), plan.index, IMG, VID)
         assert vp.vision_slots.tolist() == slots
-        assert torch.equal(got, want), f"cp={cp} {layout} {unit} rank={vp.cp_rank}"
+        assert torch.equal(got, torch.cat([E_img, E_vid])[rows]), f"cp={cp} {layout} {unit} rank={vp.cp_rank}"
     # every rank computed the same assignment and statistics
     assert len({(tuple(vp.assignment), vp.fingerprint) for vp in vps}) == 1
     v0 = vps[0]
@@ -228,3 +228,141 @@ def test_balance_prefers_the_rank_holding_the_tokens():
         tr = vps[0].traffic
         assert sum(vp.n_encoded for vp in vps) == 8
         assert int(tr.diagonal().sum()) >= 4
+
+
+# ---------------------------------------------------------------------------------------------- the route over gloo
+PATCH, TPATCH = 4, 2
+PIX = 3 * TPATCH * PATCH * PATCH
+
+
+def tower(fam, seed=0):
+    """transformers' own vision tower of a tiny fp64 config with random weights: Qwen2.5-VL (window attention and a
+    full-attention block) or Qwen3-VL (interpolated position embeddings, two deepstack levels)."""
+    import transformers as T
+
+    vision = dict(depth=2, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TPATCH,
+                  in_channels=3, hidden_size=32, intermediate_size=64, out_hidden_size=24)
+    if fam == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as cls
+        cfg = T.Qwen2_5_VLConfig(vision_config=dict(vision, window_size=16, fullatt_block_indexes=[1])).vision_config
+    else:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as cls
+        cfg = T.Qwen3VLConfig(vision_config=dict(vision, num_position_embeddings=64,
+                                                 deepstack_visual_indexes=[0, 1])).vision_config
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return cls._from_config(cfg, dtype=torch.float64)
+
+
+def features(tw, pv, grid):
+    """The tower's pooled rows and deepstack levels (a list)."""
+    out = tw(pv, grid_thw=grid)
+    return [out.pooler_output] + list(getattr(out, "deepstack_features", None) or [])
+
+
+def _unit_rows(vp, p):
+    """The rows of the replicated tower output [image rows; video rows] that this rank's units encode, in its
+    tower's output order."""
+    starts, n = [], 0
+    for t, h, w in p.images + p.videos:
+        starts.append(n)
+        n += t * h * w // MERGE ** 2
+    out = []
+    for u in vp.local_units:
+        t, h, w = vp.unit_grid[u]
+        first = starts[vp.unit_row[u] + (len(p.images) if vp.unit_modality[u] else 0)] + vp.unit_step[u] * h * w // 4
+        out += range(first, first + t * h * w // MERGE ** 2)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _replicated(tw, p, seed):
+    """The replicated path (the whole tower on all images, then on all videos: transformers' two calls) and a loss
+    weighing every vision token's features: (pixel values, features E per level, weights G, parameter gradients)."""
+    g = torch.Generator().manual_seed(seed)
+    n_img, n_vid = (sum(t * h * w for t, h, w in grids) for grids in (p.images, p.videos))
+    pv = (torch.randn(n_img, PIX, generator=g, dtype=torch.float64) if n_img else None,
+          torch.randn(n_vid, PIX, generator=g, dtype=torch.float64) if n_vid else None)
+    parts = [features(tw, x, torch.tensor(grids)) for x, grids in zip(pv, (p.images, p.videos)) if grids]
+    E = [torch.cat(level) for level in zip(*parts)]
+    G = [torch.randn(e.shape, generator=g, dtype=torch.float64) for e in E]
+    grads = torch.autograd.grad(sum((e * w).sum() for e, w in zip(E, G)), list(tw.parameters()))
+    return pv, [e.detach() for e in E], G, grads
+
+
+def _route_case(tw, p, replicated, cp, rank, layout, unit, per_frame, group):
+    """On this rank: the route of the replicated path's rows of this rank's units gives the replicated path's slot
+    rows bit for bit; the tower run on this rank's units and routed gives them within fp64 rounding (a BLAS sums in
+    another order for another number of rows), and the tower gradients summed over the group equal the
+    single-process ones; a repeated backward is bit-identical."""
+    import torch.distributed as dist
+
+    (pv_img, pv_vid), E, G, grads_ref = replicated
+    params = list(tw.parameters())
+    plan = packcuda.shard_plan(p.cu, cp, rank, layout=layout)
+    vp = packcuda.vision_plan(torch.tensor(p.ids), p.cu, plan, image_grid_thw=p.images or None,
+                              video_grid_thw=p.videos or None, image_token_id=IMG, video_token_id=VID,
+                              video_frames="per_frame" if per_frame else "whole", unit=unit)
+    slots, rows = ref.vision_replicated(torch.tensor(p.ids), plan.index, IMG, VID)
+    assert vp.vision_slots.tolist() == slots
+    what = f"cp={cp} {layout} unit={unit} rank={rank}"
+    mine = _unit_rows(vp, p)
+    for r, e in zip(vp.route([e[mine] for e in E], group), E):
+        assert torch.equal(r, e[rows]), f"routed rows differ: {what}"
+    runs = []
+    for _ in range(2 if cp == 2 else 1):
+        for q in params:
+            q.grad = None
+        if vp.local_units:
+            feats = features(tw, vp.local_pixel_values(pv_img, pv_vid), vp.local_grid_thw)
+        else:  # nothing to encode: rows that still take part in the backward exchange
+            feats = [torch.zeros(0, e.shape[1], dtype=torch.float64, requires_grad=True) for e in E]
+        routed = vp.route(feats, group)
+        for r, e in zip(routed, E):
+            torch.testing.assert_close(r.detach(), e[rows], rtol=1e-12, atol=1e-14, msg=lambda m: f"{what}: {m}")
+        sum((r * w[rows]).sum() for r, w in zip(routed, G)).backward()
+        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
+        for gr in grads:
+            dist.all_reduce(gr, group=group)
+        for gr, gw in zip(grads, grads_ref):
+            torch.testing.assert_close(gr, gw, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
+        runs.append(grads)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[-1])), f"a repeated backward differs: {what}"
+
+
+def _gloo_worker(rank, world, init, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        groups = {cp: (dist.new_group(list(range(cp))) if cp < world else dist.group.WORLD) for cp in (2, 3, 4)}
+        n = 0
+        for fam, per_frame in (("qwen2_5_vl", False), ("qwen3_vl", True)):
+            tw = tower(fam)
+            for cp in (2, 3, 4):
+                seed = cp + 10 * per_frame
+                rng = random.Random(seed)
+                p = make_pack(rng, merge=MERGE, per_frame=per_frame, max_items=4, max_t=3)
+                while not (p.images and p.videos):
+                    p = make_pack(rng, merge=MERGE, per_frame=per_frame, max_items=4, max_t=3)
+                if rank >= cp:
+                    continue
+                replicated = _replicated(tw, p, seed)
+                for layout in ("zigzag", "contiguous"):
+                    for unit in ("image", "frame"):
+                        _route_case(tw, p, replicated, cp, rank, layout, unit, per_frame, groups[cp])
+                        n += 1
+        results[rank] = n
+    finally:
+        dist.destroy_process_group()
+
+
+def test_route_gloo_equals_replicated(tmp_path):
+    """cp 2, 3, 4 (subgroups of one 4-process gloo job), zigzag and contiguous, image and frame units, fp64
+    towers of transformers (Qwen2.5-VL, whole videos; Qwen3-VL, per-frame videos and deepstack levels in the same
+    route call): the route gives the replicated path's rows bit for bit on every rank, the towers run on each
+    rank's units give them within fp64 rounding, tower gradients summed over the ranks == single-process
+    gradients, and a repeated backward is bit-identical."""
+    from conftest import spawn_ranks
+
+    results = spawn_ranks(_gloo_worker, 4, tmp_path)
+    assert results == {0: 24, 1: 24, 2: 16, 3: 8}
