@@ -307,6 +307,43 @@ def _validated_blocks(ids: torch.Tensor, cu: torch.Tensor, igrid, vgrid, image_t
         raise type(e)(f"packcuda.{_OP}: {msg}") from e
 
 
+def _units(grids, unit: str, merge: int):
+    """The units of the grid rows, in global order (images, then videos; a row's temporal steps in order):
+    per unit its modality, grid row, first temporal step, grid [t, h, w], first token and token count in the
+    stream's vision tokens (image tokens, then video tokens, each in stream order), first patch row in its
+    modality's pixel rows; and the pixel rows of each modality."""
+    u_mod, u_row, u_step, u_grid, u_tok, u_len, u_pix = [], [], [], [], [], [], []
+    tok0 = 0
+    pixel_rows = [0, 0]
+    m2 = merge * merge
+    for m in (0, 1):
+        for r, (t, h, w) in enumerate(grids[m].tolist()):
+            per_step = h * w
+            for s, n in ([(s, 1) for s in range(t)] if unit == "frame" else [(0, t)]):
+                u_mod.append(m)
+                u_row.append(r)
+                u_step.append(s)
+                u_grid.append((n, h, w))
+                u_tok.append(tok0 + s * (per_step // m2))
+                u_len.append(n * (per_step // m2))
+                u_pix.append(pixel_rows[m] + s * per_step)
+            tok0 += t * (per_step // m2)
+            pixel_rows[m] += t * per_step
+    return u_mod, u_row, u_step, u_grid, u_tok, u_len, u_pix, pixel_rows
+
+
+def _rank_loads(assignment, grids, costs, cp):
+    """Per rank: units, patches, attention pairs (sum over temporal steps of patches_per_step**2), cost."""
+    units, patches, attention, cost = [0] * cp, [0] * cp, [0] * cp, [0.0] * cp
+    for u, r in enumerate(assignment):
+        t, h, w = grids[u]
+        units[r] += 1
+        patches[r] += t * h * w
+        attention[r] += t * (h * w) ** 2
+        cost[r] += costs[u]
+    return units, patches, attention, cost
+
+
 def vision_plan(
     input_ids: torch.Tensor,
     cu_seqlens: IntsLike,
@@ -388,25 +425,7 @@ def vision_plan(
     # tokens of every modality in stream order (validated: exactly the blocks' tokens, block after block)
     pos = [torch.nonzero(ids == tok).flatten() for tok in (image_token_id, video_token_id)]
     cp, rank = plan.cp_size, plan.cp_rank
-    # units, in global order
-    u_mod, u_row, u_step, u_grid, u_tok, u_len, u_pix = [], [], [], [], [], [], []
-    tok0 = 0
-    pixel_rows = [0, 0]
-    m2 = merge * merge
-    for m in (0, 1):
-        for r, (t, h, w) in enumerate(grids[m].tolist()):
-            per_step = h * w
-            steps = [(s, 1) for s in range(t)] if unit == "frame" else [(0, t)]
-            for s, n in steps:
-                u_mod.append(m)
-                u_row.append(r)
-                u_step.append(s)
-                u_grid.append((n, h, w))
-                u_tok.append(tok0 + s * (per_step // m2))
-                u_len.append(n * (per_step // m2))
-                u_pix.append(pixel_rows[m] + s * per_step)
-            tok0 += t * (per_step // m2)
-            pixel_rows[m] += t * per_step
+    u_mod, u_row, u_step, u_grid, u_tok, u_len, u_pix, pixel_rows = _units(grids, unit, merge)
     U = len(u_mod)
     costs = _unit_costs(cost, u_grid)
 
@@ -461,16 +480,7 @@ def vision_plan(
                                                 dtype=torch.int64)))
     local_grid = torch.tensor([list(u_grid[u]) for u in local_units], dtype=torch.int64).view(-1, 3)
 
-    rank_units = [0] * cp
-    rank_patches = [0] * cp
-    rank_attention = [0] * cp
-    rank_cost = [0.0] * cp
-    for u, r in enumerate(assignment):
-        t, h, w = u_grid[u]
-        rank_units[r] += 1
-        rank_patches[r] += t * h * w
-        rank_attention[r] += t * (h * w) ** 2
-        rank_cost[r] += costs[u]
+    rank_units, rank_patches, rank_attention, rank_cost = _rank_loads(assignment, u_grid, costs, cp)
     traffic = torch.bincount(src_rank * cp + holder, minlength=cp * cp).view(cp, cp)
     fingerprint = _blake(_plan_fingerprint(plan), merge, unit, video_frames, grids[0], grids[1], all_pos, assign_t)
     return VisionPlan(
