@@ -126,7 +126,8 @@ def _tower(device, quick):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(vc, dtype=dtype)
-    tower.gradient_checkpointing_enable()
+    enable = getattr(tower, "activation_checkpointing_enable", None) or tower.gradient_checkpointing_enable
+    enable()
     tower.train()
     return tower, dtype
 

@@ -8,6 +8,7 @@ import torch
 
 import packcuda
 import reference as ref
+from conftest import capture_cuda_graph, nccl_rank, no_sync, requires_cuda, spawn_ranks
 from test_mrope_pos import IMG, VID, make_pack
 
 MERGE = 2
@@ -362,7 +363,135 @@ def test_route_gloo_equals_replicated(tmp_path):
     route call): the route gives the replicated path's rows bit for bit on every rank, the towers run on each
     rank's units give them within fp64 rounding, tower gradients summed over the ranks == single-process
     gradients, and a repeated backward is bit-identical."""
-    from conftest import spawn_ranks
-
     results = spawn_ranks(_gloo_worker, 4, tmp_path)
     assert results == {0: 24, 1: 24, 2: 16, 3: 8}
+
+
+def _mismatch_worker(rank, world, init, results):
+    """Ranks whose vision plans differ (another unit, another grid, another feature count) all raise the same
+    ValueError before a row moves."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        p = _pack([[3, ("i", 4, 4), 2, ("v", 3, 4, 6), 2], [5, ("i", 2, 6), 1]])
+
+        def vplan(layout="zigzag", **kw):
+            args = dict(image_grid_thw=p.images, video_grid_thw=p.videos, image_token_id=IMG, video_token_id=VID)
+            args.update(kw)
+            return packcuda.vision_plan(torch.tensor(p.ids), p.cu, packcuda.shard_plan(p.cu, world, rank,
+                                                                                      layout=layout), **args)
+
+        seen = []
+        for case in ("unit", "layout", "levels"):
+            vp = vplan(unit="frame" if rank == 1 and case == "unit" else "image",
+                       layout="contiguous" if rank == 0 and case == "layout" else "zigzag")
+            n = 2 if rank == 1 and case == "levels" else 1
+            try:
+                vp.route([torch.zeros(vp.n_encoded, 4, dtype=torch.float64) for _ in range(n)], check=True)
+            except ValueError as e:
+                seen.append(str(e))
+            else:
+                seen.append("accepted")
+        good = vplan()
+        out = good.route(torch.ones(good.n_encoded, 4, dtype=torch.float64), check=True)
+        assert out.shape == (good.n_slots, 4) and bool((out == 1).all())
+        results[rank] = seen
+    finally:
+        dist.destroy_process_group()
+
+
+def test_route_refuses_ranks_that_disagree(tmp_path):
+    """cp = 2 over gloo: plans of another unit or shard layout, another number of feature tensors: every rank
+    raises the same ValueError naming VisionPlan.route; agreeing plans then route."""
+    results = spawn_ranks(_mismatch_worker, 2, tmp_path)
+    assert results[0] == results[1]
+    for msg in results[0]:
+        assert "packcuda.VisionPlan.route" in msg and "disagree" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+@requires_cuda
+def test_cuda_plan_pixels_and_merge():
+    """A plan on CUDA (device input_ids: one read) equals the host plan; local_pixel_values and merge on CUDA
+    equal CPU and do not sync."""
+    p = _pack([[3, ("i", 4, 4), 2, ("v", 3, 4, 6), 2], [5, ("i", 2, 6), 1]])
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    pv_img, pv_vid = pixels(p.images, g), pixels(p.videos, g)
+    for layout in ("zigzag", "contiguous"):
+        for r in range(2):
+            kw = dict(image_grid_thw=p.images, video_grid_thw=p.videos, image_token_id=IMG, video_token_id=VID,
+                      unit="frame")
+            host = packcuda.vision_plan(torch.tensor(p.ids), p.cu, packcuda.shard_plan(p.cu, 2, r, layout=layout),
+                                        **kw)
+            plan = packcuda.shard_plan(p.cu, 2, r, layout=layout, device=dev)
+            vp = packcuda.vision_plan(torch.tensor(p.ids, device=dev), p.cu, plan, **kw)
+            assert vp.fingerprint == host.fingerprint and vp.assignment == host.assignment
+            assert vp.vision_slots.device == plan.device and vp.vision_slots.cpu().tolist() == host.vision_slots.tolist()
+            want = host.local_pixel_values(pv_img, pv_vid)
+            emb = torch.randn(plan.total_local, 6, dtype=torch.float64, device=dev)
+            routed = torch.randn(vp.n_slots, 6, dtype=torch.float64, device=dev)
+            pv_img_d, pv_vid_d = pv_img.to(dev), pv_vid.to(dev)
+            vp.local_pixel_values(pv_img_d, pv_vid_d)  # uploads the index once
+            vp.merge(emb, routed)
+            with no_sync():
+                got = vp.local_pixel_values(pv_img_d, pv_vid_d)
+                merged = vp.merge(emb, routed)
+            assert torch.equal(got.cpu(), want)
+            assert torch.equal(merged.cpu(), host.merge(emb.cpu(), routed.cpu()))
+
+
+def _nccl_one_worker(rank, world, init, results):
+    """cp = 1 on an NCCL group of one GPU: the NCCL route equals the torch one (values and gradients, bit for bit)
+    and the replicated path (within rounding), does not sync after a warm-up, and captures into a CUDA graph."""
+    import torch.distributed as dist
+
+    with nccl_rank(rank, world, init) as dev:
+        group = dist.group.WORLD
+        tw = tower("qwen3_vl").to(dev)
+        p = _pack([[3, ("i", 4, 4), 2, ("v", 3, 4, 6), 2], [5, ("i", 2, 6), 1]])
+        replicated = _replicated(tw.cpu(), p, 0)
+        tw.to(dev)
+        (pv_img, pv_vid), E, _, _ = replicated
+        plan = packcuda.shard_plan(p.cu, 1, 0, device=dev)
+        vp = packcuda.vision_plan(torch.tensor(p.ids), p.cu, plan, image_grid_thw=p.images, video_grid_thw=p.videos,
+                                  image_token_id=IMG, video_token_id=VID, unit="frame")
+        slots, rows = ref.vision_replicated(torch.tensor(p.ids), plan.index.cpu(), IMG, VID)
+        outs = {}
+        for backend in ("nccl", "torch"):
+            feats = features(tw, vp.local_pixel_values(pv_img.to(dev), pv_vid.to(dev)), vp.local_grid_thw.to(dev))
+            routed = vp.route(feats, group, backend=backend)
+            grads = torch.autograd.grad(sum(r.square().sum() for r in routed), list(tw.parameters()))
+            outs[backend] = ([r.detach() for r in routed], grads)
+        for a, b in zip(outs["nccl"][0] + list(outs["nccl"][1]), outs["torch"][0] + list(outs["torch"][1])):
+            assert torch.equal(a, b)
+        for r, e in zip(outs["nccl"][0], E):
+            torch.testing.assert_close(r.cpu(), e[rows], rtol=1e-10, atol=1e-12)
+        # no sync once warm, forward and backward
+        x = torch.randn(plan.total_local, E[0].shape[1], dtype=torch.float64, device=dev, requires_grad=True)
+        fs = [f.detach().requires_grad_() for f in feats]
+
+        def step():
+            out = vp.merge(x, vp.route(fs[0], group, backend="nccl"))
+            out.backward(torch.ones_like(out))
+
+        step()
+        with no_sync():
+            step()
+        # CUDA graph: route + merge captured once, replayed with new features
+        es = fs[0].detach().clone()
+        xs = x.detach().clone()
+        graph, y = capture_cuda_graph(lambda: vp.merge(xs, vp.route(es, group, backend="nccl")))
+        for _ in range(3):
+            es.copy_(torch.randn_like(es))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, vp.merge(xs, vp.route(es, group, backend="torch")))
+        results[rank] = len(slots)
+
+
+@requires_cuda
+def test_route_nccl_cp1_no_sync_and_graph_capture(tmp_path):
+    results = spawn_ranks(_nccl_one_worker, 1, tmp_path)
+    assert results[0] > 0
