@@ -1,4 +1,4 @@
-// Math of the varlen causal depthwise conv1d and of the conv-prefix exchange, shared by the CPU and CUDA
+// Math of the varlen causal depthwise conv1d, shared by the CPU and CUDA
 // kernels. Every function here is written once and called per (channel, token tile) by both backends.
 //
 // Convention (x, y: [T, C] row-major; weight [C, K]; prefix [S, K-1, C]):
@@ -493,32 +493,6 @@ template <typename S>
 PC_HD void conv_reduce_channel(const typename Acc<S>::type* part, int64_t ntiles, const ConvShape& sh,
                                S* dweight, S* dbias, int64_t c) {
   for (int k = 0; k <= sh.K; ++k) conv_reduce_elem<S>(part, ntiles, sh, dweight, dbias, c * (sh.K + 1) + k);
-}
-
-// ---------------------------------------------------------------------------------------- exchange
-// Two-source gather-sum of rows of C elements: out[r, c] = sum over m < M of src(index[r, m])[c], where an
-// index i in [0, na) reads a[i], [na, na + nb) reads b[i - na], and -1 contributes nothing (a row with no
-// source is zero). Sums run in the fixed order m = 0..M-1 (deterministic), accumulating in fp32.
-// V consecutive channels c .. c+V-1 of row r per call (V = 1: one element); each channel gets the same scalar
-// sum, V only shares the index reads and widens the loads/stores (c and C multiples of V on the vector path).
-template <typename S, int V = 1>
-PC_HD void gather_sum_elem(S* out, const S* a, int64_t na, const S* b, const int64_t* index, int M, int64_t C,
-                           int64_t r, int64_t c) {
-  using A = typename Acc<S>::type;
-  A acc[V];
-PC_UNROLL
-  for (int v = 0; v < V; ++v) acc[v] = A(0);
-  for (int m = 0; m < M; ++m) {
-    const int64_t i = index[r * M + m];
-    if (i < 0) continue;
-    const Vec<S, V> x = load_vec<V>(i < na ? a + i * C + c : b + (i - na) * C + c);
-PC_UNROLL
-    for (int v = 0; v < V; ++v) acc[v] += val(x.v[v]);
-  }
-  Vec<S, V> y;
-PC_UNROLL
-  for (int v = 0; v < V; ++v) y.v[v] = from_acc<S>(acc[v]);
-  store_vec<V>(out + r * C + c, y);
 }
 
 }  // namespace packcuda::conv
