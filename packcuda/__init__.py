@@ -2,9 +2,10 @@
 
 Ops live in ``torch.ops.packcuda``; this package loads them and adds typed Python functions with fake
 (meta) kernels and autograd formulas, so everything also works under ``torch.compile(fullgraph=True)``.
-Modules mirror the capabilities: ``pack`` (packing), ``shard`` (CP shard plans), ``mrope`` / ``rope``
-(mRoPE positions, rotary application), ``conv`` (conv-prefix exchange, varlen causal conv1d), ``balance``
-(micro-batch planning), ``vision`` (vision towers under CP), ``integrations`` (transformers drop-in).
+Modules mirror the capabilities: ``pack`` (packing), ``shard`` (CP shard plans), ``exchange`` (the row exchange
+between CP ranks that the plan-driven moves run on), ``mrope`` / ``rope`` (mRoPE positions, rotary application),
+``conv`` (conv-prefix exchange, varlen causal conv1d), ``balance`` (micro-batch planning), ``vision`` (vision
+towers under CP), ``integrations`` (transformers drop-in).
 """
 from ._lib import built_with_cuda, cmake_prefix_path, library_path
 from ._lib import load as _load
@@ -12,6 +13,7 @@ from ._lib import load as _load
 _load()
 
 from .pack import gather_rows, next_token_labels, pad, position_ids, scatter_rows, unpad  # noqa: E402
+from . import exchange  # noqa: E402  (the row exchange: packcuda.exchange.exchange_rows, RowSchedule, ...)
 from .shard import ShardPlan, StaticShardPlan, shard_plan, static_shard_plan  # noqa: E402
 from .mrope import MRopeSpec, mrope_position_ids  # noqa: E402
 from .rope import (apply_qk_norm_rope, apply_qk_norm_rope_, apply_rope, apply_rope_, default_inv_freq,  # noqa: E402
@@ -38,5 +40,5 @@ __all__ = [
     "plan_micro_batches", "balance_across_ranks", "sequence_workloads",
     # vision work under context parallelism
     "VisionPlan", "vision_plan",
-    "integrations",
+    "integrations", "exchange",
 ]

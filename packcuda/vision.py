@@ -98,6 +98,8 @@ def _assign(costs: Sequence[float], affinity: Sequence[Sequence[int]], cp: int) 
 # the plan
 # ---------------------------------------------------------------------------------------------------
 def _blake(*parts) -> int:
+    """A signed 64-bit hash of the parts (tensors by their bytes, anything else by its repr), stable across
+    processes."""
     h = hashlib.blake2b(digest_size=8)
     for p in parts:
         h.update(p.numpy().tobytes() if isinstance(p, torch.Tensor) else repr(p).encode())
@@ -216,11 +218,18 @@ class VisionPlan:
         plan of the same batch. Rows encoded and held by this rank are copied, never sent.
 
         One grouped exchange through :func:`packcuda.exchange.exchange_rows` (``backend``: ``"auto"``,
-        ``"nccl"`` on the current stream, ``"torch"`` through torch.distributed incl. gloo; ``check``: the
-        agreement check of the ranks' plans, by :attr:`fingerprint`, whose semantics and syncs are the
-        engine's). Differentiable: each slot's gradient goes back to its encoding rank and is summed into the
-        tower output's gradient in a fixed order (deterministic). ``cp_size == 1`` is a local copy."""
-        from .exchange import RowSchedule, exchange_rows
+        ``"nccl"`` on the current stream, ``"torch"`` through torch.distributed, gloo included). Agreement: on the
+        first call (per group, device, backend, feature widths and dtype; every call with ``check=True`` or
+        ``PACKCUDA_EXCHANGE_CHECK=1``) the ranks compare :attr:`fingerprint`, the feature widths, dtype and ranks
+        in one all_gather (one host sync), and every rank raises the same ``ValueError`` naming
+        ``packcuda.VisionPlan.route`` when they differ, before a row moves. Later NCCL calls do not sync and can
+        be captured in a CUDA graph. Differentiable: each slot's gradient goes back to its encoding rank (each
+        tower output row feeds one slot, so nothing is summed: deterministic). The backward is collective too:
+        where the features require grad on one rank they must on every rank (a rank that encodes nothing passes
+        e.g. ``torch.zeros(0, H, requires_grad=True)``;
+        ``packcuda.integrations.transformers.patch_qwen_vl_vision`` does this). ``cp_size == 1``:
+        a local gather, no group needed."""
+        from .exchange import Field, RowSchedule, exchange_rows
 
         op = "VisionPlan.route"
         single = isinstance(embeds_local, torch.Tensor)
@@ -243,8 +252,10 @@ class VisionPlan:
         if self._schedule is None:
             self._schedule = RowSchedule.from_moves(self.cp_size, self.cp_rank, self.n_encoded, self.n_slots,
                                                     *self._moves)
-        out = exchange_rows(x, self._schedule, group, op=op, fingerprint=self.fingerprint, backend=backend,
-                            check=check)
+        fields = [Field("the vision plan (the shard plan, the grids, the vision tokens, the units and their encoding "
+                        "ranks)", self.fingerprint, show=False),
+                  Field("the widths of the feature tensors", tuple(widths))]
+        out = exchange_rows(x, self._schedule, group, op=op, fingerprint=fields, backend=backend, check=check)
         return out if single else list(out.split(widths, dim=1))
 
     def _on(self, device: torch.device, what: str) -> torch.Tensor:
@@ -386,7 +397,6 @@ def vision_plan(
     Syncs: the plan is host work. ``input_ids`` on the host (the trainer's CPU copy) costs none; a device
     ``input_ids`` is read back once (one sync per plan), as are device ``cu_seqlens`` and device grids. Build the
     plan once per batch, e.g. in the data loader; every rank builds its own with its own shard plan."""
-    from .conv import _plan_fingerprint
     from .mrope import _grid
     from .shard import ShardPlan, StaticShardPlan
 
@@ -482,7 +492,7 @@ def vision_plan(
 
     rank_units, rank_patches, rank_attention, rank_cost = _rank_loads(assignment, u_grid, costs, cp)
     traffic = torch.bincount(src_rank * cp + holder, minlength=cp * cp).view(cp, cp)
-    fingerprint = _blake(_plan_fingerprint(plan), merge, unit, video_frames, grids[0], grids[1], all_pos, assign_t)
+    fingerprint = _blake(plan.fingerprint, merge, unit, video_frames, grids[0], grids[1], all_pos, assign_t)
     return VisionPlan(
         cp_size=cp, cp_rank=rank, unit=unit, video_frames=video_frames, spatial_merge_size=merge,
         image_token_id=image_token_id, video_token_id=video_token_id, n_grid_rows=(len(grids[0]), len(grids[1])),
