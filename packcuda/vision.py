@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -218,17 +218,17 @@ class VisionPlan:
         plan of the same batch. Rows encoded and held by this rank are copied, never sent.
 
         One grouped exchange through :func:`packcuda.exchange.exchange_rows` (``backend``: ``"auto"``,
-        ``"nccl"`` on the current stream, ``"torch"`` through torch.distributed, gloo included). Agreement: on the
-        first call (per group, device, backend, feature widths and dtype; every call with ``check=True`` or
-        ``PACKCUDA_EXCHANGE_CHECK=1``) the ranks compare :attr:`fingerprint`, the feature widths, dtype and ranks
-        in one all_gather (one host sync), and every rank raises the same ``ValueError`` naming
-        ``packcuda.VisionPlan.route`` when they differ, before a row moves. Later NCCL calls do not sync and can
-        be captured in a CUDA graph. Differentiable: each slot's gradient goes back to its encoding rank (each
-        tower output row feeds one slot, so nothing is summed: deterministic). The backward is collective too:
-        where the features require grad on one rank they must on every rank (a rank that encodes nothing passes
-        e.g. ``torch.zeros(0, H, requires_grad=True)``;
-        ``packcuda.integrations.transformers.patch_qwen_vl_vision`` does this). ``cp_size == 1``:
-        a local gather, no group needed."""
+        ``"nccl"`` on the current stream, ``"torch"`` through torch.distributed, gloo included). Agreement: on
+        the first call of this plan (so once per batch; again for a new group, device, backend, feature widths or
+        dtype; every call with ``check=True`` or ``PACKCUDA_EXCHANGE_CHECK=1``) the ranks compare
+        :attr:`fingerprint`, the feature widths, dtype and ranks in one all_gather (one host sync), and every
+        rank raises the same ``ValueError`` naming ``packcuda.VisionPlan.route`` when they differ, before a row
+        moves. Later NCCL calls do not sync and can be captured in a CUDA graph. Differentiable: each slot's
+        gradient goes back to its encoding rank (each tower output row feeds one slot, so nothing is summed:
+        deterministic). The backward is collective too: where the features require grad on one rank they must
+        on every rank (a rank that encodes nothing passes e.g. ``torch.zeros(0, H, requires_grad=True)``;
+        ``packcuda.integrations.transformers.patch_qwen_vl_vision`` does this). ``cp_size == 1``: a local
+        gather, no group needed."""
         from .exchange import Field, RowSchedule, exchange_rows
 
         op = "VisionPlan.route"

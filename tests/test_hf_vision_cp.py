@@ -70,7 +70,8 @@ def _loss(logits, labels):
 def _unsharded(model, fam, packed, pos):
     """The packed row on one process, transformers' own attention: (logits, loss, parameter gradients)."""
     m = copy.deepcopy(model)
-    logits = m(input_ids=packed["ids"][None], position_ids=pos, use_cache=False, **_vision_kwargs(fam, packed)).logits[0]
+    logits = m(input_ids=packed["ids"][None], position_ids=pos, use_cache=False,
+               **_vision_kwargs(fam, packed)).logits[0]
     loss = _loss(logits, packcuda.next_token_labels(packed["ids"], packed["cu"]))
     grads = torch.autograd.grad(loss, [p for p in m.parameters()], allow_unused=True)
     return logits.detach(), loss.detach(), [g if g is not None else torch.zeros_like(p)

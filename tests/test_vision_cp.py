@@ -428,7 +428,8 @@ def test_cuda_plan_pixels_and_merge():
             plan = packcuda.shard_plan(p.cu, 2, r, layout=layout, device=dev)
             vp = packcuda.vision_plan(torch.tensor(p.ids, device=dev), p.cu, plan, **kw)
             assert vp.fingerprint == host.fingerprint and vp.assignment == host.assignment
-            assert vp.vision_slots.device == plan.device and vp.vision_slots.cpu().tolist() == host.vision_slots.tolist()
+            assert vp.vision_slots.device == plan.device
+            assert vp.vision_slots.cpu().tolist() == host.vision_slots.tolist()
             want = host.local_pixel_values(pv_img, pv_vid)
             emb = torch.randn(plan.total_local, 6, dtype=torch.float64, device=dev)
             routed = torch.randn(vp.n_slots, 6, dtype=torch.float64, device=dev)
