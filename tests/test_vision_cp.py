@@ -396,6 +396,22 @@ def _mismatch_worker(rank, world, init, results):
         good = vplan()
         out = good.route(torch.ones(good.n_encoded, 4, dtype=torch.float64), check=True)
         assert out.shape == (good.n_slots, 4) and bool((out == 1).all())
+        # a pack without images, and one image whose rows one rank encodes and the other holds in part
+        for p in (_pack([[7], [12]]), _pack([[9, ("i", 4, 6), 1]])):
+            vp = packcuda.vision_plan(torch.tensor(p.ids), p.cu, packcuda.shard_plan(p.cu, world, rank),
+                                      image_grid_thw=p.images or None, image_token_id=IMG, video_token_id=VID)
+            x = (torch.arange(vp.n_encoded * 3, dtype=torch.float64).view(-1, 3) + 1).requires_grad_()
+            routed = vp.route(x)
+            slots, rows = ref.vision_replicated(torch.tensor(p.ids), packcuda.shard_plan(p.cu, world, rank).index,
+                                                IMG, VID)
+            assert routed.shape == (len(slots), 3)
+            assert torch.equal(routed, (torch.arange(6 * 3, dtype=torch.float64).view(-1, 3) + 1)[rows])
+            (routed * (rows[:, None] + 1)).sum().backward()
+            grads = torch.zeros(6, 3, dtype=torch.float64)
+            if vp.n_encoded:
+                grads += x.grad
+            dist.all_reduce(grads)
+            assert torch.equal(grads, torch.arange(1, 7, dtype=torch.float64)[:, None].expand(6, 3)) or not p.images
         results[rank] = seen
     finally:
         dist.destroy_process_group()
@@ -403,7 +419,8 @@ def _mismatch_worker(rank, world, init, results):
 
 def test_route_refuses_ranks_that_disagree(tmp_path):
     """cp = 2 over gloo: plans of another unit or shard layout, another number of feature tensors: every rank
-    raises the same ValueError naming VisionPlan.route; agreeing plans then route."""
+    raises the same ValueError naming VisionPlan.route; agreeing plans then route; a pack without images; one
+    image that one rank encodes (the other encodes nothing) and both hold in part, values and gradients."""
     results = spawn_ranks(_mismatch_worker, 2, tmp_path)
     assert results[0] == results[1]
     for msg in results[0]:
