@@ -262,7 +262,7 @@ class VisionPlan:
         key = (what, str(device))
         t = self._dev.get(key)
         if t is None:
-            host = {"slots": self._slots_host, "pixel_index0": self._pixel_index[0],
+            host = {"slots": self._slots_host, "grid": self._local_grid, "pixel_index0": self._pixel_index[0],
                     "pixel_index1": self._pixel_index[1], "image_rows": self._modality_rows[0],
                     "video_rows": self._modality_rows[1]}[what]
             t = self._dev[key] = to_device_async(host, device)

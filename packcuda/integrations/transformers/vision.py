@@ -100,7 +100,7 @@ class VisionPatch(_Patch):
         x = vp.local_pixel_values(pixel_values, pixel_values_videos)
         width = _get_width(inner)
         if vp.local_units:
-            out = visual(x.type(visual.dtype), grid_thw=vp.local_grid_thw.to(x.device), return_dict=True)
+            out = visual(x.type(visual.dtype), grid_thw=vp._on(x.device, "grid"), return_dict=True)
             feats = [out.pooler_output] + (list(out.deepstack_features) if self._deepstack else [])
         else:
             # nothing to encode: empty rows whose backward gives every trainable tower parameter a zero gradient
