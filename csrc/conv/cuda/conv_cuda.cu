@@ -1,4 +1,4 @@
-// CUDA kernels of the causal conv1d and the exchange's gather-sum.
+// CUDA kernels of the causal conv1d.
 //
 // The conv kernels work on block tiles: a block owns a slab of channels (512 bytes of every row: 256 bf16/fp16,
 // 128 fp32, 64 fp64 channels) over a span of tokens, and walks the span in sub-tiles of TT tokens. Each sub-tile's
@@ -316,18 +316,6 @@ __global__ void conv_reduce_kernel(const typename Acc<S>::type* part, int64_t nt
   if (e < sh.C * (sh.K + 1)) conv_reduce_elem<S>(part, ntiles, sh, dweight, dbias, e);
 }
 
-template <typename S, int V>
-__global__ void gather_sum_kernel(S* out, int64_t n_out, const S* a, int64_t na, const S* b,
-                                  const int64_t* index, int M, int64_t C) {
-  const int64_t cv = C / V;  // V-wide chunks per row
-  const int64_t n = n_out * cv;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e / cv;
-    gather_sum_elem<S, V>(out, a, na, b, index, M, C, r, (e - r * cv) * V);
-  }
-}
-
-
 // The vector path needs whole 16-byte chunks in every row and 16-byte aligned tensors.
 template <typename S> bool vector_ok(int64_t C, std::initializer_list<const void*> ptrs) {
   if (C % Slab<S, 1>::kChunk != 0) return false;
@@ -453,23 +441,6 @@ void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* d
         static_cast<const A*>(work), sp.count, sh, static_cast<S*>(dweight), static_cast<S*>(dbias));
     PC_CUDA_LAUNCH_CHECK();
   });
-}
-
-void gather_sum_cuda(void* out, int64_t n_out, const void* a, int64_t na, const void* b, const int64_t* index,
-                     int M, int64_t C, DType dtype, cudaStream_t stream) {
-  if (n_out == 0 || C == 0) return;
-  dispatch_dtype(dtype, [&](auto tag) {
-    using S = decltype(tag);
-    constexpr int V = Slab<S, 1>::kChunk;
-    const bool vec = vector_ok<S>(C, {out, a, b});
-    if (vec)
-      gather_sum_kernel<S, V><<<cuda::grid_for(n_out * (C / V), 256), 256, 0, stream>>>(
-          static_cast<S*>(out), n_out, static_cast<const S*>(a), na, static_cast<const S*>(b), index, M, C);
-    else
-      gather_sum_kernel<S, 1><<<cuda::grid_for(n_out * C, 256), 256, 0, stream>>>(
-          static_cast<S*>(out), n_out, static_cast<const S*>(a), na, static_cast<const S*>(b), index, M, C);
-  });
-  PC_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace packcuda::conv
