@@ -13,8 +13,11 @@
 // take the general tile walk. The backward keeps each thread's
 // dweight/dbias sums in registers over the whole span, reduces them across the block's token groups in a fixed
 // order, and writes one partial per (span, channel); conv_reduce_kernel sums the spans in order (deterministic,
-// no atomics). Odd C or unaligned rows take the same kernels with element-wise staging and P = 1.
+// no atomics). Odd C or unaligned rows take the same kernels with element-wise staging and P = 1. The forward stages in
+// two buffers where a block cannot have the shared memory of three (fwd_staging_fits: on compute capability 8.6,
+// 8.9 and 12.x at K >= 4).
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -46,14 +49,16 @@ template <typename S, int P_> struct Slab {
 };
 
 // The shapes in use (the fastest of the variants, docs/design.md "Block tiles and sub-tile buffering"): forward
-// sub-tiles of 64 tokens with 8 bytes of a row per thread in three buffers (two sub-tiles load while one computes),
-// backward sub-tiles of 32 tokens with 4 bytes per thread in two buffers (its window and gradient arrays are twice
-// the forward's registers, and its sub-tiles stage x and dy).
+// sub-tiles of 64 tokens with 8 bytes of a row per thread in three buffers (two sub-tiles load while one computes;
+// two buffers where a block cannot have the shared memory of three, see fwd_staging_fits), backward sub-tiles of 32
+// tokens with 4 bytes per thread in two buffers (its window and gradient arrays are twice the forward's registers,
+// and its sub-tiles stage x and dy).
 template <typename S, bool kVec> struct FwdCfg {
   static constexpr int P = !kVec ? 1 : (sizeof(S) == 8 ? 1 : 8 / static_cast<int>(sizeof(S)));
   static constexpr int TT = 64;
   static constexpr int NB = 4;   // rows per batch of shared-memory loads
   static constexpr int NST = 3;  // sub-tile buffers (NST - 1 sub-tiles load while one computes)
+  static constexpr int kSmallNST = 2;
 };
 template <typename S, bool kVec> struct BwdCfg {
   static constexpr int P = !kVec ? 1 : (sizeof(S) == 2 ? 2 : 1);
@@ -342,10 +347,28 @@ template <int KM, typename F> void dispatch_vec_math(const ConvArgs& a, F&& f) {
   with_act(std::true_type{});
 }
 
+// Whether the forward's staging of `smem` bytes a block runs on the current device: within the shared memory a
+// block may opt in to there (99 KB on compute capability 8.6, 8.9 and 12.x: less than three buffers take at
+// KM >= 4), unless PACKCUDA_CONV_SMALL_SMEM (read once; any value but "" and "0") gives every device the small
+// staging, for tests.
+bool fwd_staging_fits(int smem) {
+  static const bool small = [] {
+    const char* v = std::getenv("PACKCUDA_CONV_SMALL_SMEM");
+    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+  }();
+  return !small && smem <= cuda::smem_per_block_optin();
+}
+
 template <typename S, int KM, bool kVec, int ACT, bool kExact, int P, int TT, int NB = FwdCfg<S, kVec>::NB,
           int NST = FwdCfg<S, kVec>::NST>
 void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
   constexpr int smem = Stage<KM, TT, NST>::kFwdBytes;
+  // Where these buffers do not fit, kSmallNST of them: the same sub-tiles, runs and per-output math (bitwise the
+  // same y), one sub-tile loading while one computes.
+  if constexpr (NST != FwdCfg<S, kVec>::kSmallNST) {
+    if (!fwd_staging_fits(smem))
+      return launch_fwd<S, KM, kVec, ACT, kExact, P, TT, NB, FwdCfg<S, kVec>::kSmallNST>(a, y, stream);
+  }
   auto kernel = conv_fwd_kernel<S, KM, kVec, ACT, kExact, P, TT, NB, NST>;
   static const int occ = blocks_per_sm(kernel, smem);
   PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
