@@ -407,6 +407,9 @@ def vision_plan(
                          "plan needs a host plan (packcuda.shard_plan)")
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"packcuda.{_OP}: input_ids must be a 1-D integer tensor, got {type(input_ids).__name__}")
+    if input_ids.device.type == "meta":
+        raise ValueError(f"packcuda.{_OP}: input_ids is on meta: the plan reads the token ids (host work), a meta "
+                         "tensor has none")
     if input_ids.dim() != 1 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"packcuda.{_OP}: input_ids must be a 1-D int32/int64 tensor (the packed stream), got "
                          f"{input_ids.dtype} of shape {list(input_ids.shape)}")
