@@ -277,6 +277,11 @@ class ShardPlan:
         for the full ``[T, ...]`` output are summed (a reduce-scatter; gloo: all-reduce then slice), and this
         rank receives the part for its own local rows; pad rows get zero gradient. If every rank computes
         the same loss on the gathered tensor, the gradient is therefore ``cp_size`` times that of one copy.
+
+        The first call per group, row shape and dtype checks that the ranks agree (one all_gather of the plan's
+        :attr:`fingerprint`, ``cp_rank``, ``x_local.shape[1:]`` and dtype, one host sync): ranks holding plans of
+        different batches, or rows of different shapes, all raise the same ``ValueError`` before any data moves.
+        Every rank of the group must call it.
         """
         import torch.distributed as dist
 

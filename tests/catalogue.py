@@ -62,6 +62,21 @@ def call(fn, *args, **kwargs):
     return fn, args, kwargs
 
 
+def in_process_group(fn):
+    """For ``make``: a call of fn() inside a single-process gloo group (destroyed after), for cases that need
+    torch.distributed; mark them risky (they run in a child process)."""
+    import torch.distributed as dist
+
+    def run():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        try:
+            return fn()
+        finally:
+            dist.destroy_process_group()
+
+    return run, (), {}
+
+
 def _tensors(obj, out):
     if isinstance(obj, torch.Tensor):
         out.append(obj)
