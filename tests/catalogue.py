@@ -22,7 +22,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULES = ("catalogue_pack", "catalogue_shard", "catalogue_rope", "catalogue_mrope", "catalogue_conv",
-           "catalogue_exchange", "catalogue_balance", "catalogue_integrations")
+           "catalogue_exchange", "catalogue_relayout", "catalogue_balance", "catalogue_integrations")
 
 
 @dataclasses.dataclass
