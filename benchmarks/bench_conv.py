@@ -230,7 +230,8 @@ def run_exchange(quick=False) -> list[dict]:
         plan = packcuda.shard_plan(cu, world, rank, layout=layout, device=dev)
         x = torch.randn(plan.total_local, C, device=dev, dtype=dtype)
         sched = packcuda.conv_prefix_schedule(plan, K)
-        backends = ["torch"] + (["nccl"] if dev.type == "cuda" and bool(torch.ops.packcuda.conv_nccl_available()) else [])
+        nccl = dev.type == "cuda" and bool(torch.ops.packcuda.exchange_nccl_available())
+        backends = ["torch"] + (["nccl"] if nccl else [])
         res = {}
         for be in backends:
             packcuda.conv_prefix(x, plan, K, backend=be)  # warm-up: comm creation, peer connections

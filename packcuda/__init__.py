@@ -4,8 +4,9 @@ Ops live in ``torch.ops.packcuda``; this package loads them and adds typed Pytho
 (meta) kernels and autograd formulas, so everything also works under ``torch.compile(fullgraph=True)``.
 Modules mirror the capabilities: ``pack`` (packing), ``shard`` (CP shard plans), ``exchange`` (the row exchange
 between CP ranks that the plan-driven moves run on), ``mrope`` / ``rope`` (mRoPE positions, rotary application),
-``conv`` (conv-prefix exchange, varlen causal conv1d), ``balance`` (micro-batch planning), ``vision`` (vision
-towers under CP), ``integrations`` (transformers drop-in).
+``conv`` (conv-prefix exchange, varlen causal conv1d), ``relayout`` (the layout bridge between zigzag and
+contiguous plans), ``balance`` (micro-batch planning), ``vision`` (vision towers under CP), ``integrations``
+(transformers drop-in).
 """
 from ._lib import built_with_cuda, cmake_prefix_path, library_path
 from ._lib import load as _load
@@ -19,6 +20,7 @@ from .mrope import MRopeSpec, mrope_position_ids  # noqa: E402
 from .rope import (apply_qk_norm_rope, apply_qk_norm_rope_, apply_rope, apply_rope_, default_inv_freq,  # noqa: E402
                    rope_kwargs_from_config)
 from .conv import ConvPrefixSchedule, causal_conv1d, conv_prefix, conv_prefix_schedule  # noqa: E402
+from .relayout import hybrid_plans, relayout  # noqa: E402
 from .balance import balance_across_ranks, plan_micro_batches, sequence_workloads  # noqa: E402
 from .vision import VisionPlan, vision_plan  # noqa: E402
 from . import integrations  # noqa: E402  (importing it never imports transformers)
@@ -36,6 +38,8 @@ __all__ = [
     "default_inv_freq", "rope_kwargs_from_config",
     # conv-prefix exchange
     "causal_conv1d", "conv_prefix", "conv_prefix_schedule", "ConvPrefixSchedule",
+    # layout bridge (hybrid models: zigzag attention, contiguous linear attention)
+    "relayout", "hybrid_plans",
     # micro-batch planning
     "plan_micro_batches", "balance_across_ranks", "sequence_workloads",
     # vision work under context parallelism

@@ -16,7 +16,7 @@ from . import _lib
 from ._meta import IntsLike, check_int, fake_kernel, host_tensor
 from .exchange import (Field, RowSchedule, StaticRowSchedule, check_backend, check_flag, check_group,
                        check_group_matches, move, static_move)
-from .shard import ShardPlan, StaticShardPlan
+from .shard import _LAYOUTS, ShardPlan, StaticShardPlan  # _LAYOUTS: the op codes of the layout names
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -138,9 +138,6 @@ def causal_conv1d(
 # conv-prefix exchange under context parallelism: the conv prefix says which rows go where (its moves, built in
 # C++ from the plan's layout), the row exchange (packcuda/exchange.py) moves them
 # ---------------------------------------------------------------------------------------------------
-_LAYOUT_CODES = {"zigzag": 0, "contiguous": 1}
-
-
 class ConvPrefixSchedule(RowSchedule):
     """Which rows of which rank fill each local piece's K-1 prefix rows, for one rank of a shard plan: the row
     exchange's schedule (:class:`packcuda.exchange.RowSchedule`) of the conv prefix's moves, with output slot
@@ -161,7 +158,7 @@ class ConvPrefixSchedule(RowSchedule):
         bucket = plan.bucket
         super().__init__(ops.conv_prefix_schedule(
             torch.tensor(plan.cu_seqlens_host, dtype=torch.int64), int(plan.cp_size), int(plan.cp_rank),
-            _LAYOUT_CODES[plan.layout], int(plan.align), None if bucket is None else int(bucket), kernel_size))
+            _LAYOUTS[plan.layout], int(plan.align), None if bucket is None else int(bucket), kernel_size))
         self.kernel_size = kernel_size
         self.n_pieces, self.n_local = len(plan.piece_offset_host), self.n_src
         self.fingerprint = (plan.fingerprint, kernel_size)
@@ -284,7 +281,7 @@ def conv_prefix(
     _check_x_local(op, x_local, plan)
     check = check_flag(op, check, "PACKCUDA_CONV_CHECK")
     backend = check_backend(op, backend)
-    sched = conv_prefix_schedule(plan, K)
+    sched = plan.__dict__.get("_conv_prefix_schedules", {}).get(K) or conv_prefix_schedule(plan, K)
     out = move(x_local, sched, group, op=op, key=sched.fingerprint, fields=lambda: _agreement_fields(plan, K),
                backend=backend, check=check, hint=_HINT, row_what="the channel count x_local.shape[1]",
                name="x_local", join_hint=" with its own rank's plan and the same kernel_size")
@@ -309,7 +306,7 @@ def _static_schedule(plan, K: int) -> StaticRowSchedule:
     if K not in cache:
         send, unpack, bwd = ops.conv_static_prefix_tables(plan.pieces, plan.piece_offset, plan.piece_seq,
                                                           plan.cu_seqlens_padded, plan.cp_size, plan.cp_rank,
-                                                          _LAYOUT_CODES[plan.layout], plan.capacity, K)
+                                                          _LAYOUTS[plan.layout], plan.capacity, K)
         cache[K] = StaticRowSchedule(plan.cp_size, plan.cp_rank, plan.total_local, unpack.shape[0], send, unpack, bwd)
     return cache[K]
 

@@ -213,7 +213,7 @@ def _conv(rep: _Report, device: torch.device, rng: random.Random):
             off = sum(scheds[p].send_counts[:q])
             idx = scheds[p].send_index[off:off + scheds[p].send_counts[q]].to(device)
             recv.append(xs[p][idx])
-        prefix = torch.ops.packcuda.conv_gather_sum(xs[q], torch.cat(recv), scheds[q].on(device)[1])
+        prefix = torch.ops.packcuda.exchange_gather_sum(xs[q], torch.cat(recv), scheds[q].on(device)[1])
         prefix = prefix.view(scheds[q].n_pieces, K - 1, C)
         yq = packcuda.causal_conv1d(xs[q], w, b, cu_seqlens=plans[q].pieces, prefix=prefix, activation="silu")
         keep = plans[q].index >= 0

@@ -331,6 +331,16 @@ def _resolve_backend(op: str, x: torch.Tensor, group, backend: str) -> str:
     return backend
 
 
+def check_rows(op: str, name: str, x, n: int, n_what: str) -> None:
+    """x must be a tensor [n, ...] on cpu or cuda (a TypeError / ValueError naming op, name and n_what)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"packcuda.{op}: {name} must be a tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[0] != n:
+        raise ValueError(f"packcuda.{op}: {name} must be [{n_what}, ...] with {n_what} = {n}, got {tuple(x.shape)}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"packcuda.{op}: {name} must be on cpu or cuda, got {x.device}")
+
+
 def check_backend(op: str, backend) -> str:
     if not isinstance(backend, str) or backend not in ("auto", "nccl", "torch"):
         raise ValueError(f"packcuda.{op}: backend must be 'auto', 'nccl' or 'torch', got {backend!r}")
@@ -523,15 +533,9 @@ def exchange_rows(x: torch.Tensor, schedule: RowSchedule, group=None, *, op: str
     Syncs otherwise: none on the NCCL path (run one call before capturing a CUDA graph)."""
     if not isinstance(op, str):
         raise TypeError(f"packcuda.exchange_rows: op must be a str, got {type(op).__name__}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"packcuda.{op}: x must be a tensor, got {type(x).__name__}")
     if not isinstance(schedule, RowSchedule):
         raise TypeError(f"packcuda.{op}: schedule must be a RowSchedule, got {type(schedule).__name__}")
-    if x.dim() < 1 or x.shape[0] != schedule.n_src:
-        raise ValueError(f"packcuda.{op}: x must be [n_src, ...] with n_src = {schedule.n_src}, got "
-                         f"{tuple(x.shape)}")
-    if x.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"packcuda.{op}: x must be on cpu or cuda, got {x.device}")
+    check_rows(op, "x", x, schedule.n_src, "n_src")
     backend = check_backend(op, backend)
     check = check_flag(op, check)
     if isinstance(fingerprint, bool) or not isinstance(fingerprint, (int, list, tuple)):
@@ -648,15 +652,11 @@ def exchange_rows_static(x: torch.Tensor, schedule: StaticRowSchedule, group=Non
     ``x`` ``[n_src, *trail]`` (any dtype, on the tables' device) over ``group`` (``schedule.cp`` ranks, this one
     = ``schedule.rank``); ``local=True``: only the rows this rank holds itself, no group. Differentiable
     (fixed-order sums), no host read, no sync, no agreement check, capturable in a CUDA graph."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"packcuda.{op}: x must be a tensor, got {type(x).__name__}")
     if not isinstance(schedule, StaticRowSchedule):
         raise TypeError(f"packcuda.{op}: schedule must be a StaticRowSchedule, got {type(schedule).__name__}")
     if not isinstance(local, bool):
         raise TypeError(f"packcuda.{op}: local must be a bool, got {local!r}")
-    if x.dim() < 1 or x.shape[0] != schedule.n_src:
-        raise ValueError(f"packcuda.{op}: x must be [n_src, ...] with n_src = {schedule.n_src}, got "
-                         f"{tuple(x.shape)}")
+    check_rows(op, "x", x, schedule.n_src, "n_src")
     if x.device != schedule.send.device:
         raise ValueError(f"packcuda.{op}: x is on {x.device}, but the schedule's tables are on "
                          f"{schedule.send.device}")

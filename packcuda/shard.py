@@ -334,6 +334,11 @@ class ShardPlan:
         slice), and this rank receives the part for its own local rows; pad rows get zero gradient. If every rank
         computes the same loss on the gathered tensor, the gradient is therefore ``cp_size`` times that of one copy.
 
+        The first call per group, row shape and dtype checks that the ranks agree (one all_gather of the plan's
+        ``fingerprint``, ``cp_rank``, ``x_local.shape[1:]`` and dtype, one host sync): ranks holding plans of
+        different batches, or rows of different shapes, all raise the same ``ValueError`` before any data moves.
+        Every rank of the group must call it.
+
         Args:
             x_local: ``[T_local, ...]``, on the plan's device.
             group: the CP process group (size ``cp_size``); None for the default group.

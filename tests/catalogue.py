@@ -22,7 +22,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULES = ("catalogue_pack", "catalogue_shard", "catalogue_rope", "catalogue_mrope", "catalogue_conv",
-           "catalogue_exchange", "catalogue_balance", "catalogue_integrations", "catalogue_vision", "catalogue_devices")
+           "catalogue_exchange", "catalogue_relayout", "catalogue_balance", "catalogue_integrations", "catalogue_vision",
+           "catalogue_devices")
 
 
 @dataclasses.dataclass
@@ -61,6 +62,21 @@ class Case:
 def call(fn, *args, **kwargs):
     """Helper for ``make``: ``lambda: call(fn, a, b, k=1)``."""
     return fn, args, kwargs
+
+
+def in_process_group(fn):
+    """For ``make``: a call of fn() inside a single-process gloo group (destroyed after), for cases that need
+    torch.distributed; mark them risky (they run in a child process)."""
+    import torch.distributed as dist
+
+    def run():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        try:
+            return fn()
+        finally:
+            dist.destroy_process_group()
+
+    return run, (), {}
 
 
 def _tensors(obj, out):

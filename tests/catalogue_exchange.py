@@ -2,7 +2,7 @@
 import torch
 
 import packcuda
-from catalogue import Case, call
+from catalogue import Case, call, in_process_group
 from packcuda import exchange as ex
 
 ops = torch.ops.packcuda
@@ -56,20 +56,6 @@ def _static_schedule():
     return ex.StaticRowSchedule(2, 0, 3, 2, send, torch.tensor([0, 2]), torch.tensor([[0], [1], [-1]]))
 
 
-def _with_group(fn):
-    """Runs fn in a single-process gloo group (the case runs in a child process)."""
-    import torch.distributed as dist
-
-    def run(*args, **kwargs):
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-        try:
-            return fn()
-        finally:
-            dist.destroy_process_group()
-
-    return call(run)
-
-
 GS = "ops.exchange_gather_sum"
 SCH, FM = "ops.exchange_schedule", "RowSchedule.from_moves"
 ON = "RowSchedule.on"
@@ -79,7 +65,8 @@ INIT, PREP, RUN, REL = ("ops.exchange_nccl_comm_init", "ops.exchange_prepare", "
 
 CASES = [
     # ---------------------------------------------------------------------------------- the unpack step
-    Case(GS, "index_out_of_range", lambda: call(ops.exchange_gather_sum, _x(), _x(), torch.tensor([[25]])), arg="index"),
+    Case(GS, "index_out_of_range", lambda: call(ops.exchange_gather_sum, _x(), _x(), torch.tensor([[25]])),
+         arg="index"),
     Case(GS, "index_below_minus_one", lambda: call(ops.exchange_gather_sum, _x(), _x(), torch.tensor([[-2]])),
          arg="index"),
     Case(GS, "index_int32", lambda: call(ops.exchange_gather_sum, _x(), _x(), torch.tensor([[1]], dtype=torch.int32)),
@@ -147,7 +134,7 @@ CASES = [
     Case(XR, "no_process_group", risky=True, arg="group",
          make=lambda: call(ex.exchange_rows, _x(3), ex.RowSchedule.from_moves(2, 0, 3, 2, *MOVES.values()))),
     Case(XR, "group_size_mismatch", risky=True, arg="rank",
-         make=lambda: _with_group(lambda: ex.exchange_rows(_x(3), ex.RowSchedule.from_moves(2, 0, 3, 2,
+         make=lambda: in_process_group(lambda: ex.exchange_rows(_x(3), ex.RowSchedule.from_moves(2, 0, 3, 2,
                                                                                            *MOVES.values())))),
     Case(XS, "x_list", lambda: call(ex.exchange_rows_static, [[1.0]] * 3, _static_schedule()), exc=TypeError,
          arg="x"),
@@ -178,12 +165,13 @@ CASES = [
     # ---------------------------------------------------------------------------------- raw NCCL entry points
     Case(INIT, "unique_id_size", lambda: call(ops.exchange_nccl_comm_init, torch.zeros(5, dtype=torch.uint8), 2, 0, 0),
          arg="unique_id"),
-    Case(INIT, "unique_id_dtype", lambda: call(ops.exchange_nccl_comm_init, torch.zeros(128), 2, 0, 0), arg="unique_id"),
+    Case(INIT, "unique_id_dtype", lambda: call(ops.exchange_nccl_comm_init, torch.zeros(128), 2, 0, 0),
+         arg="unique_id"),
     Case(INIT, "unique_id_none", lambda: call(ops.exchange_nccl_comm_init, None, 2, 0, 0), arg="unique_id"),
     Case(INIT, "rank_out_of_range", lambda: call(ops.exchange_nccl_comm_init, torch.zeros(128, dtype=torch.uint8), 2, 5,
                                                  0), arg="rank"),
-    Case(INIT, "rank_negative", lambda: call(ops.exchange_nccl_comm_init, torch.zeros(128, dtype=torch.uint8), 2, -1, 0),
-         arg="rank"),
+    Case(INIT, "rank_negative",
+         lambda: call(ops.exchange_nccl_comm_init, torch.zeros(128, dtype=torch.uint8), 2, -1, 0), arg="rank"),
     Case(INIT, "nranks_zero", lambda: call(ops.exchange_nccl_comm_init, torch.zeros(128, dtype=torch.uint8), 0, 0, 0),
          arg="nranks"),
     Case(INIT, "nranks_beyond_int", lambda: call(ops.exchange_nccl_comm_init, torch.zeros(128, dtype=torch.uint8),

@@ -146,6 +146,31 @@ def local_padded_rows(plan):
     return torch.tensor(rows, dtype=torch.int64)
 
 
+def exchange_by_hand(scheds, xs, gs=None):
+    """Every rank's row-exchange schedule (packcuda.exchange.RowSchedule, rank r = scheds[r]) run by hand in one
+    process: what rank p sends rank q is scheds[p].send_index's block for q, received in rank order, then the
+    unpack (exchange_gather_sum); with gs (each rank's output gradients) the reverse move too. Returns (outputs,
+    source gradients or None), one per rank."""
+    import torch as _torch
+
+    gsum = _torch.ops.packcuda.exchange_gather_sum
+    cp = len(scheds)
+    outs, dxs = [], []
+    for q in range(cp):
+        recv, brecv = [], []
+        for p in range(cp):
+            assert scheds[p].send_counts[q] == scheds[q].recv_counts[p]
+            off = sum(scheds[p].send_counts[:q])
+            recv.append(xs[p][scheds[p].send_index[off:off + scheds[p].send_counts[q]]])
+            if gs is not None:
+                boff = sum(scheds[p].recv_counts[:q])
+                brecv.append(gs[p][scheds[p].bwd_send_index[boff:boff + scheds[p].recv_counts[q]]])
+        outs.append(gsum(xs[q], _torch.cat(recv), scheds[q].unpack[:, None]))
+        if gs is not None:
+            dxs.append(gsum(gs[q], _torch.cat(brecv), scheds[q].bwd_unpack))
+    return outs, (dxs if gs is not None else None)
+
+
 def shard_rows(x, index, fill=0):
     """x[index] along dim 0 with `fill` where index < 0."""
     return gather_rows(x, torch.tensor(index, dtype=torch.int64), fill)

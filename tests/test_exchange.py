@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import packcuda
+import reference as ref
 from conftest import HAS_CUDA, capture_cuda_graph, no_sync, requires_cuda, spawn_ranks
 from packcuda import exchange as ex
 
@@ -48,22 +49,10 @@ def _columns(moves):
 
 
 def _simulate(cp, moves, xs, gs, n_src, n_out):
-    """Every rank's schedule, the move run by hand (what each rank sends each peer, in send order), the unpack and
-    the reverse through exchange_gather_sum: rank q's output and rank p's gradient."""
+    """Every rank's schedule and the move run by hand (reference.exchange_by_hand)."""
     cols = _columns(moves)
-    scheds = [ex.RowSchedule.from_moves(cp, r, n_src[r], n_out[r], *cols) for r in range(cp)]
-    outs, dxs = [], []
-    for q in range(cp):
-        recv, brecv = [], []
-        for p in range(cp):
-            assert scheds[p].send_counts[q] == scheds[q].recv_counts[p]
-            off = sum(scheds[p].send_counts[:q])
-            recv.append(xs[p][scheds[p].send_index[off:off + scheds[p].send_counts[q]]])
-            boff = sum(scheds[p].recv_counts[:q])
-            brecv.append(gs[p][scheds[p].bwd_send_index[boff:boff + scheds[p].recv_counts[q]]])
-        outs.append(ops.exchange_gather_sum(xs[q], torch.cat(recv), scheds[q].unpack[:, None]))
-        dxs.append(ops.exchange_gather_sum(gs[q], torch.cat(brecv), scheds[q].bwd_unpack))
-    return outs, dxs
+    return ref.exchange_by_hand([ex.RowSchedule.from_moves(cp, r, n_src[r], n_out[r], *cols) for r in range(cp)],
+                                xs, gs)
 
 
 @settings(max_examples=120, deadline=None)

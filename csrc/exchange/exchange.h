@@ -51,9 +51,10 @@ struct Schedule {
 };
 
 // The schedule of rank `rank` of `cp` from the moves (any order; moves that involve neither this rank's source
-// nor its output are ignored). Refused with std::invalid_argument("packcuda.<op>: ...") when a rank is outside
-// [0, cp) (cp in [1, kMaxCp]), a row or slot is negative, a row of this rank's source is >= n_src, a slot of its output is
-// >= n_out, or two moves fill the same slot. Host work O(moves log moves + cp + n_src + n_out).
+// nor its output are ignored). Refused with std::invalid_argument("packcuda.<op>: ...") when cp is outside
+// [1, kMaxCp], a rank is outside [0, cp), a row or slot is negative, a row of this rank's source is >= n_src, a
+// slot of its output is >= n_out, or two moves fill the same slot. Host work O(moves log moves + cp + n_src +
+// n_out).
 Schedule build_schedule(const char* op, int64_t cp, int64_t rank, int64_t n_src, int64_t n_out,
                         std::vector<Move> moves);
 

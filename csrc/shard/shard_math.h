@@ -163,6 +163,29 @@ PC_HD Location locate(int layout, const I* cu_padded, int64_t cp, int64_t total_
   return Location{zigzag_chunk_rank(c, cp), begin / cp + zigzag_slot_in_segment(o, c, h, cp)};
 }
 
+// Padded row (of the whole padded stream, cu_padded [nseg + 1]) that `rank` holds at local slot `slot`: the
+// inverse of locate. -1 for a slot past the stream (and, for values not trusted, whatever does not fit a
+// layout: callers that index with the result check it with locate / static_locate).
+template <typename I>
+PC_HD int64_t padded_row(int layout, const I* cu_padded, int64_t nseg, int64_t cp, int64_t total_local, int64_t rank,
+                         int64_t slot) {
+  const int64_t end = static_cast<int64_t>(cu_padded[nseg]);
+  if (slot < 0 || slot >= total_local) return -1;
+  if (layout == kContiguous) {
+    const int64_t g = contiguous_window_begin(rank, total_local) + slot;
+    return g < end ? g : -1;
+  }
+  // zigzag: segment i starts at local slot cu_padded[i] / cp on every rank (its length is a multiple of 2*cp)
+  if (slot * cp >= end) return -1;
+  const int64_t seg = find_segment(cu_padded, nseg, slot * cp);
+  const int64_t begin = static_cast<int64_t>(cu_padded[seg]);
+  const int64_t h = zigzag_half_chunk(static_cast<int64_t>(cu_padded[seg + 1]) - begin, cp);
+  const int64_t o = slot - begin / cp;  // in [0, 2h) for consistent tables
+  if (h <= 0 || o < 0 || o >= 2 * h) return -1;
+  const int which = o < h ? 0 : 1;
+  return begin + zigzag_rank_chunk(rank, cp, which) * h + (o - which * h);
+}
+
 // Row of original token t in the concatenation of all ranks' local buffers ([cp * total_local] rows,
 // rank-major, as produced by an all-gather).
 template <typename I, typename J>
