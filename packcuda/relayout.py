@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _lib
-from ._meta import IntsLike, check_int
+from ._meta import IntsLike, check_int, fake_kernel
 from .exchange import (Field, RowSchedule, StaticRowSchedule, check_backend, check_flag, check_group,
                        check_group_matches, check_rows, move, static_move)
 from .shard import _LAYOUTS, MAX_PADDED_TOTAL, ShardPlan, StaticShardPlan, shard_plan
@@ -25,7 +25,7 @@ ops = torch.ops.packcuda
 
 __all__ = ["relayout", "hybrid_plans"]
 
-@torch.library.register_fake("packcuda::relayout_static_tables")
+@fake_kernel("relayout_static_tables")
 def _relayout_static_tables_fake(cu_seqlens_padded, cp_size, cp_rank, src_layout, dst_layout, capacity):
     e = lambda *n: torch.empty(n, dtype=torch.int64, device=cu_seqlens_padded.device)  # noqa: E731
     return e(capacity), e(capacity // cp_size), e(capacity // cp_size, 1)

@@ -114,6 +114,11 @@ BASELINES = {
                                                         cu_seqlens_padded=_t(0, 3, 5, 8, dtype=I32), cp_size=2,
                                                         layout=1, capacity=8)),
     "conv_static_prefix_tables": Baseline(_static_exchange),
+    "relayout_schedule": Baseline(lambda: dict(cu_seqlens=_t(0, 5, 9), cp_size=2, cp_rank=0, src_layout=0, src_align=4,
+                                               src_bucket=None, dst_layout=1, dst_align=4, dst_bucket=None),
+                                  host_only=["cu_seqlens"]),
+    "relayout_static_tables": Baseline(lambda: dict(cu_seqlens_padded=_t(0, 4, 8, 8, dtype=I32), cp_size=2, cp_rank=0,
+                                                    src_layout=0, dst_layout=1, capacity=8)),
     "apply_rope": Baseline(lambda: _rope(rotary_dim=8, mrope_section=[]), host=["positions", "inv_freq"]),
     "apply_rope_": Baseline(lambda: _rope(rotary_dim=8, mrope_section=[]), host=["positions", "inv_freq"]),
     "apply_qk_norm_rope": Baseline(lambda: _qk(rotary_dim=8, mrope_section=[]), host=["positions", "inv_freq"]),
@@ -328,6 +333,7 @@ PUBLIC = {
     "transformers.qwen_vl_vision_plan": lambda: call(_hf().qwen_vl_vision_plan, _VL, _vl_ids(), _t(0, 8),
                                                      packcuda.shard_plan([0, 8], 1, 0),
                                                      image_grid_thw=_t(1, 4, 4).view(1, 3)),
+    "packcuda.relayout": lambda: call(packcuda.relayout, _x(8, 3), *packcuda.hybrid_plans([0, 3, 8], 1, 0)),
     "megatron.thd_batch_on_this_cp_rank": lambda: call(
         _mg().thd_batch_on_this_cp_rank, {"tokens": _t(*range(8)).view(1, 8), "labels": _t(*range(8)).view(1, 8),
                                           "position_ids": torch.arange(8).view(1, 8)},
@@ -339,7 +345,7 @@ NO_TENSOR_ARGUMENT = {
     "ConvPrefixSchedule.on", "RowSchedule.on", "VisionPatch.set_plan", "VisionPatch.unpatch",
     "exchange.check_agreement", "transformers.patch_qwen_vl_vision", "LinearAttentionPatch.set_plan", "LinearAttentionPatch.unpatch",
     "MRopeSpec.from_hf_config", "RopePatch.unpatch", "StaticShardPlan.check", "megatron.packed_seq_params",
-    "packcuda.conv_prefix_schedule", "packcuda.default_inv_freq", "packcuda.rope_kwargs_from_config",
+    "packcuda.conv_prefix_schedule", "packcuda.default_inv_freq", "packcuda.hybrid_plans", "packcuda.rope_kwargs_from_config",
     "transformers.is_patched", "transformers.patch_qwen3_5_linear_attention", "transformers.patch_qwen_vl_rope",
     "transformers.unpatch_qwen_vl_rope",
 }

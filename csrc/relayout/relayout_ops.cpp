@@ -6,7 +6,7 @@
 #include "exchange/exchange_ops.h"
 #include "relayout/relayout.h"
 #include "shard/shard.h"
-#include "shard/shard_args.h"
+#include "shard/torch/shard_args.h"
 
 namespace packcuda::th {
 namespace {
@@ -98,8 +98,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 // relayout_schedule takes host metadata (its CUDA registration only answers a device tensor with a clear error);
 // relayout_static_tables runs on the device of its input.
 #define PC_RELAYOUT_IMPLS(m)                                                              \
-  m.impl("relayout_schedule", TORCH_BOX(&packcuda::th::relayout_schedule));               \
-  m.impl("relayout_static_tables", TORCH_BOX(&packcuda::th::relayout_static_tables));
+  PC_IMPL(m, "relayout_schedule", &packcuda::th::relayout_schedule);               \
+  PC_IMPL(m, "relayout_static_tables", &packcuda::th::relayout_static_tables);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_RELAYOUT_IMPLS(m) }
 #ifdef USE_CUDA
