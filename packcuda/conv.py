@@ -15,7 +15,7 @@ import torch
 from . import _lib
 from ._meta import IntsLike, check_int, fake_kernel, host_tensor
 from .exchange import (Field, RowSchedule, StaticRowSchedule, check_backend, check_flag, check_group,
-                       check_group_matches, move, static_move)
+                       check_group_matches, move, schedule_fake, static_move)
 from .shard import _LAYOUTS, ShardPlan, StaticShardPlan  # _LAYOUTS: the op codes of the layout names
 
 _lib.load()
@@ -291,6 +291,11 @@ def conv_prefix(
 # ---------------------------------------------------------------------------------------------------
 # static plans: the fixed-size move with the conv prefix's device tables
 # ---------------------------------------------------------------------------------------------------
+@fake_kernel("conv_prefix_schedule", host_only=["cu_seqlens"])
+def _prefix_schedule_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket, kernel_size):
+    return schedule_fake(cp_size)
+
+
 @fake_kernel("conv_static_prefix_tables")
 def _conv_static_prefix_tables_fake(pieces, piece_offset, piece_seq, cu_seqlens_padded, cp_size, cp_rank, layout,
                                     capacity, kernel_size):

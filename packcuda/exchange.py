@@ -53,7 +53,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from . import _lib
-from ._meta import resolve_device
+from ._meta import fake_kernel, resolve_device
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -68,12 +68,23 @@ _ROW_DTYPES = _FLOAT_DTYPES + (torch.int64, torch.int32, torch.int16, torch.int8
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernels
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::exchange_gather_sum")
+@fake_kernel("exchange_gather_sum")
 def _gather_sum_fake(a, b, index):
-    for name, t in (("b", b), ("index", index)):
-        if t.device != a.device:
-            raise ValueError(f"packcuda.exchange_gather_sum: {name} is on {t.device}, but a is on {a.device}")
     return a.new_empty((index.shape[0], a.shape[1]))
+
+
+def schedule_fake(cp_size: int) -> list:
+    """The host lists of a schedule op (RowSchedule reads them in this order); their lengths depend on values."""
+    ctx = torch.library.get_ctx()
+    n_send, n_unpack, n_bwd_send, n_src, bwd_m = (ctx.new_dynamic_size() for _ in range(5))
+    e = lambda *n: torch.empty(n, dtype=torch.int64)  # noqa: E731
+    return [e(n_send), e(cp_size), e(cp_size), e(n_unpack), e(n_bwd_send), e(n_src, bwd_m), e(2), e(cp_size),
+            e(cp_size)]
+
+
+@fake_kernel("exchange_schedule", host_only=["src_rank", "src_row", "dst_rank", "dst_slot"])
+def _exchange_schedule_fake(cp_size, cp_rank, n_src, n_out, src_rank, src_row, dst_rank, dst_slot):
+    return schedule_fake(cp_size)
 
 
 @torch.library.register_fake("packcuda::exchange_run")
