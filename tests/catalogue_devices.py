@@ -333,7 +333,8 @@ PUBLIC = {
     "transformers.qwen_vl_vision_plan": lambda: call(_hf().qwen_vl_vision_plan, _VL, _vl_ids(), _t(0, 8),
                                                      packcuda.shard_plan([0, 8], 1, 0),
                                                      image_grid_thw=_t(1, 4, 4).view(1, 3)),
-    "packcuda.relayout": lambda: call(packcuda.relayout, _x(8, 3), *packcuda.hybrid_plans([0, 3, 8], 1, 0)),
+    "packcuda.relayout": lambda: call(packcuda.relayout, _x(packcuda.hybrid_plans([0, 3, 8], 1, 0)[0].total_local, 3),
+                                      *packcuda.hybrid_plans([0, 3, 8], 1, 0)),
     "megatron.thd_batch_on_this_cp_rank": lambda: call(
         _mg().thd_batch_on_this_cp_rank, {"tokens": _t(*range(8)).view(1, 8), "labels": _t(*range(8)).view(1, 8),
                                           "position_ids": torch.arange(8).view(1, 8)},
