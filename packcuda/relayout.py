@@ -17,13 +17,19 @@ import torch
 from . import _lib
 from ._meta import IntsLike, check_int, fake_kernel
 from .exchange import (Field, RowSchedule, StaticRowSchedule, check_backend, check_flag, check_group,
-                       check_group_matches, check_rows, move, static_move)
+                       check_group_matches, check_rows, move, schedule_fake, static_move)
 from .shard import _LAYOUTS, MAX_PADDED_TOTAL, ShardPlan, StaticShardPlan, shard_plan
 
 _lib.load()
 ops = torch.ops.packcuda
 
 __all__ = ["relayout", "hybrid_plans"]
+
+@fake_kernel("relayout_schedule", host_only=["cu_seqlens"])
+def _relayout_schedule_fake(cu_seqlens, cp_size, cp_rank, src_layout, src_align, src_bucket, dst_layout, dst_align,
+                            dst_bucket):
+    return schedule_fake(cp_size)
+
 
 @fake_kernel("relayout_static_tables")
 def _relayout_static_tables_fake(cu_seqlens_padded, cp_size, cp_rank, src_layout, dst_layout, capacity):
