@@ -5,7 +5,8 @@ installed tree (libraries, headers, CMake package) inside the ``packcuda`` Pytho
 
 Environment knobs:
   MAX_JOBS               parallel compile jobs (default 2)
-  TORCH_CUDA_ARCH_LIST   CUDA architectures, e.g. "9.0" (default) or "8.0;9.0"
+  TORCH_CUDA_ARCH_LIST   CUDA architectures in torch's syntax, e.g. "9.0" or "8.0;9.0+PTX"; by default
+                         "8.0;8.6;8.9;9.0+PTX" (cmake/packcudaCudaArchs.cmake)
   PACKCUDA_CUDA          "0" forces a CPU-only build; "1" requires CUDA; unset: auto-detect nvcc
   PACKCUDA_BUILD_TYPE    CMake build type (default Release)
 """
@@ -16,12 +17,8 @@ import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
 from setuptools.command.build_ext import build_ext
-
-try:
-    from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
-except ImportError:  # pragma: no cover
-    from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
 
 ROOT = Path(__file__).resolve().parent
 
@@ -58,12 +55,15 @@ class CMakeBuild(build_ext):
             "-DPACKCUDA_PYTHON_LAYOUT=ON",
         ]
         if shutil.which("ninja") is None:
-            args.remove("-G"); args.remove("Ninja")
+            args.remove("-G")
+            args.remove("Ninja")
         cuda = os.environ.get("PACKCUDA_CUDA")
         args.append(f"-DPACKCUDA_CUDA={'AUTO' if cuda is None else ('ON' if cuda == '1' else 'OFF')}")
         print("packcuda: building against torch", torch.__version__, "->", pkg_dir, flush=True)
         subprocess.check_call(args)
         subprocess.check_call(["cmake", "--build", str(build_temp), "--parallel", jobs])
+        # the installed headers are exactly the public ones: none left over from an earlier build
+        shutil.rmtree(pkg_dir / "include" / "packcuda", ignore_errors=True)
         subprocess.check_call(["cmake", "--install", str(build_temp)])
 
 

@@ -1,7 +1,9 @@
 """One-command benchmark report: ``python -m benchmarks [--quick] [--device cuda|cpu] [--only NAME ...]``.
 
 Runs every ``benchmarks/bench_*.py`` module's ``run(quick, device)`` with its same-run baselines, prints one
-table, appends it to RESULTS.md and writes a PNG chart of the speedups (``benchmarks/speedups.png``).
+table, writes it to a new run file ``benchmarks/results/<date>-report[-N].md`` and draws two PNG plots into
+``--plots`` (default ``benchmarks/plots/``, not committed): ``speedups.png``, packcuda's speedup over each
+baseline, and ``x_copy.png``, each row's time over a copy of the same bytes (the bandwidth floor).
 Multi-GPU benchmarks (those that define ``NEEDS_WORLD``) are run separately with torchrun.
 """
 from __future__ import annotations
@@ -24,35 +26,55 @@ def discover():
     return sorted(m.name for m in pkgutil.iter_modules([str(HERE)]) if m.name.startswith("bench_"))
 
 
-def chart(rows, path: Path, title: str) -> bool:
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: no chart")
-        return False
-    # speedups over real baselines only: rows against the copy floor are fractions of bandwidth, not speedups
-    pts = [(f"{r.get('op')} | {r.get('shape', '')}"[:70], float(r["speedup"]), r.get("baseline", ""))
-           for r in rows if isinstance(r.get("speedup"), (int, float)) and r["speedup"] == r["speedup"]
-           and "floor" not in str(r.get("baseline", ""))]
-    if not pts:
-        return False
+        print("matplotlib not installed: no plots")
+        return None
+    return plt
+
+
+def _barh(plt, pts, path: Path, title: str, xlabel: str, colors, log: bool) -> None:
     fig, ax = plt.subplots(figsize=(11, 0.32 * len(pts) + 1.5))
-    labels = [f"{p[0]}  (vs {p[2]})" for p in pts]
-    vals = [p[1] for p in pts]
-    ax.barh(range(len(pts)), vals, color=["tab:green" if v >= 1 else "tab:red" for v in vals])
-    ax.set_yticks(range(len(pts)), labels, fontsize=7)
+    ax.barh(range(len(pts)), [p[1] for p in pts], color=colors)
+    ax.set_yticks(range(len(pts)), [p[0] for p in pts], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xscale("log")
+    if log:
+        ax.set_xscale("log")
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("speedup of packcuda over the baseline (log scale)")
+    ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    print(f"chart: {path}")
-    return True
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and v == v
+
+
+def plots(rows, directory: Path, title: str) -> None:
+    """``speedups.png`` (speedup over each real baseline; rows against the copy floor are fractions of
+    bandwidth, not speedups) and ``x_copy.png`` (time over a copy of the same bytes, where a row has it)."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    label = lambda r: f"{r.get('op')} | {r.get('shape', '')}"[:70]  # noqa: E731
+    speed = [(f"{label(r)}  (vs {r.get('baseline', '')})", float(r["speedup"])) for r in rows
+             if _finite(r.get("speedup")) and "floor" not in str(r.get("baseline", ""))]
+    if speed:
+        _barh(plt, speed, directory / "speedups.png", title, "speedup of packcuda over the baseline (log scale)",
+              ["tab:green" if v >= 1 else "tab:red" for _, v in speed], log=True)
+    xcopy = [(label(r), float(r["x_copy"])) for r in rows if _finite(r.get("x_copy"))]
+    if xcopy:
+        _barh(plt, xcopy, directory / "x_copy.png", title,
+              "time over a copy_ of the same bytes (1 = the floor of one read and one write)", "tab:blue", log=False)
 
 
 def main(argv=None):
@@ -61,7 +83,7 @@ def main(argv=None):
     p.add_argument("--device", default=None)
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--no-write", action="store_true")
-    p.add_argument("--chart", default=str(HERE / "speedups.png"))
+    p.add_argument("--plots", default=str(HERE / "plots"), help="folder for the PNG plots (not committed)")
     a = p.parse_args(argv)
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     all_rows = []
@@ -86,8 +108,8 @@ def main(argv=None):
     extra = [k for r in all_rows for k in r if k not in cols]
     cols += list(dict.fromkeys(extra))
     title = "report" + (" (quick)" if a.quick else "")
-    record(title, all_rows, device=dev, columns=cols, write=not a.no_write)
-    chart(all_rows, Path(a.chart), f"packcuda speedups · {header(dev)}")
+    record(title, all_rows, device=dev, columns=cols, write=not a.no_write, bench="report")
+    plots(all_rows, Path(a.plots), f"packcuda · {header(dev)}")
 
 
 if __name__ == "__main__":

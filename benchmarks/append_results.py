@@ -1,29 +1,33 @@
-"""Appends the reports of one benchmark run (a file written through ``PACKCUDA_RESULTS_RUN``, e.g. brought back
-from a GPU machine) to benchmarks/RESULTS.md. RESULTS.md is append-only history: this never rewrites it, and
-it refuses a file that is a whole RESULTS.md (a copy of the history) rather than one run's reports.
+"""Adds run files written elsewhere (``PACKCUDA_RESULTS_DIR`` on a GPU machine, brought back here) to
+benchmarks/results/. Each file keeps its date and bench and gets the first free ``-N`` here; nothing in
+benchmarks/results/ is overwritten or edited.
 
-    python -m benchmarks.append_results path/to/results-run.md
+    python -m benchmarks.append_results gpu-out/results/*.md
 """
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+from benchmarks.harness import RESULTS_DIR, RUN_NAME, write_run
 
 
 def main(argv) -> int:
-    if len(argv) != 1:
+    if not argv:
         print(__doc__)
         return 2
-    text = Path(argv[0]).read_text()
-    if text.lstrip().startswith("# Benchmark results"):
-        print("append_results: that file is a whole RESULTS.md, not one run's reports; refusing", file=sys.stderr)
-        return 1
-    if not text.strip():
-        print("append_results: no reports in that file", file=sys.stderr)
-        return 1
-    with open(RESULTS, "a") as f:
-        f.write(text if text.startswith("\n") else "\n" + text)
-    print(f"append_results: appended {text.count('### ')} report(s) to {RESULTS}")
+    runs = []
+    for name in argv:
+        path = Path(name)
+        m = RUN_NAME.match(path.name)
+        if m is None:
+            print(f"append_results: {path} is not a run file (<date>-<bench>[-N].md); refusing", file=sys.stderr)
+            return 1
+        text = path.read_text()
+        if not text.startswith("### "):
+            print(f"append_results: {path} does not start with a report title ('### '); refusing", file=sys.stderr)
+            return 1
+        runs.append((m.group(1), m.group(2), int(m.group(3) or 1), text))
+    for date, bench, _, text in sorted(runs, key=lambda r: r[:3]):  # a machine's runs of one day keep their order
+        write_run(text, bench, date=date, directory=RESULTS_DIR)
     return 0
 
 

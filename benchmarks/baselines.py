@@ -8,10 +8,11 @@ import torch
 
 # ------------------------------------------------------------------------------------------ balance
 # Plain Python multi-way Karmarkar-Karp (largest differencing). A state is a list of exactly k subsets
-# (sum, smallest index, items), heaviest first (ties: smaller smallest index; empty subsets last). The two
-# states of largest spread (ties: oldest) are merged by joining the i-th heaviest subset of one with the
-# i-th lightest of the other, until one state is left.
-_EMPTY = (0, float("inf"), ())
+# (sum, items in the order they joined), ordered by (sum, item count, first item), the larger first (empty
+# subsets last). The two states of largest spread (ties: the one whose heaviest subset comes first in that
+# order) are merged by joining the i-th heaviest subset of the first with the i-th lightest of the second (its
+# items listed first), until one state is left. The tie-break rule is verl's (get_seqlen_balanced_partitions).
+_EMPTY = (0, ())
 
 
 def workloads(seqlens, workload="attention", coef=24576):
@@ -19,7 +20,7 @@ def workloads(seqlens, workload="attention", coef=24576):
 
 
 def _subset_key(s):
-    return (-s[0], s[1])
+    return (-s[0], -len(s[1]), -s[1][0] if s[1] else 1)
 
 
 def karmarkar_karp(weights, k, equal_count=False):
@@ -27,31 +28,25 @@ def karmarkar_karp(weights, k, equal_count=False):
 
     states = []
     if equal_count:
-        order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+        order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
         for g in range(len(weights) // k):
-            states.append([(weights[i], i, (i,)) for i in order[g * k:(g + 1) * k]])
+            states.append(sorted(((weights[i], (i,)) for i in order[g * k:(g + 1) * k]), key=_subset_key))
     else:
         for i, w in enumerate(weights):
-            states.append([(w, i, (i,))] + [_EMPTY] * (k - 1))
-    heap = [(-(s[0][0] - s[-1][0]), sid) for sid, s in enumerate(states)]
+            states.append([(w, (i,))] + [_EMPTY] * (k - 1))
+    heap = [(-(s[0][0] - s[-1][0]), _subset_key(s[0]), sid) for sid, s in enumerate(states)]
     heapq.heapify(heap)
     while len(heap) > 1:
-        _, a = heapq.heappop(heap)
-        _, b = heapq.heappop(heap)
+        a = heapq.heappop(heap)[-1]
+        b = heapq.heappop(heap)[-1]
         A, B = states[a], states[b]
-        merged = []
-        for x, y in zip(A, reversed(B)):
-            if not x[2] and not y[2]:
-                merged.append(_EMPTY)
-            else:
-                merged.append((x[0] + y[0], min(x[1], y[1]), x[2] + y[2]))
-        merged.sort(key=_subset_key)
+        merged = sorted(((x[0] + y[0], x[1] + y[1]) for x, y in zip(A, reversed(B))), key=_subset_key)
         states[a] = states[b] = None
         states.append(merged)
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), len(states) - 1))
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), _subset_key(merged[0]), len(states) - 1))
     if not heap:
         return [[] for _ in range(k)]
-    return [sorted(s[2]) for s in states[heap[0][1]]]
+    return [sorted(s[1]) for s in states[heap[0][-1]]]
 
 
 def plan_micro_batches(seqlens, max_tokens, min_micro_batches=1, multiple_of=1, workload="attention",
@@ -66,6 +61,7 @@ def plan_micro_batches(seqlens, max_tokens, min_micro_batches=1, multiple_of=1, 
         if all(sum(seqlens[i] for i in p) <= max_tokens for p in parts):
             return parts
         k += multiple_of
+
 
 
 # =====================================================================================================

@@ -23,6 +23,7 @@ if __package__ in (None, ""):
 
 import packcuda  # noqa: E402
 from benchmarks.harness import Timer, graph_ms, record  # noqa: E402
+from benchmarks.host_time import HOST_NOTE, host_rows  # noqa: E402
 from packcuda._meta import cu_from_lengths  # noqa: E402
 
 
@@ -90,6 +91,8 @@ def run_conv(quick=False, device=None) -> list[dict]:
         notes.append(f"This run reached its time limit (SIGTERM) during shape {n_cfg + 1} of {len(cfgs)} (T, C, K, "
                      f"prefix = {cfgs[n_cfg]}): that shape's remaining rows and the {len(cfgs) - n_cfg - 1} shapes "
                      "after it were not measured.")
+    rows += host_rows(["causal_conv1d"], dev)
+    notes.append(HOST_NOTE)
     notes.append("x_copy: time / copy_ of x in the same run (floor: fwd 1, bwd 1.5, fwd+bwd 2.5); the CUDA-graph rows "
                  "(20 calls captured, replays timed) divide by the same eager copy_ (a captured copy_ of x measured "
                  "0.396 ms against 0.258 ms eager at T=32768 C=8192 on the H200 of 2026-12-02), and their fwd+bwd "
@@ -123,7 +126,7 @@ def _one_shape(t, dev, dtype, nseq, n_cfg, cfg, fla_conv, quick, rows, notes):
     dst = torch.empty_like(x)
     copy_ms = t.median_ms(lambda: dst.copy_(x))
     fwd = t.median_ms(lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu"))
-    bwd = t.median_ms(lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_dev, p, 1))
+    bwd = t.median_ms(lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_dev, p, "silu"))
     leaves = [v.detach().requires_grad_() for v in (x, w, b) + ((p,) if with_prefix else ())]
 
     def fwd_bwd(f):
@@ -151,7 +154,7 @@ def _one_shape(t, dev, dtype, nseq, n_cfg, cfg, fla_conv, quick, rows, notes):
     if dev.type == "cuda":  # kernel time alone: the same ops captured in a CUDA graph (no host, no autograd)
         cu_d = torch.tensor(cu, dtype=torch.int64, device=dev)
         ms_fg = graph_ms(t, lambda: packcuda.causal_conv1d(x, w, b, cu_seqlens=cu_d, prefix=p, activation="silu"))
-        ms_bg = graph_ms(t, lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_d, p, 1))
+        ms_bg = graph_ms(t, lambda: torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_d, p, "silu"))
         add("fwd (CUDA graph)", ms_fg)
         add("bwd (CUDA graph)", ms_bg)
         add("fwd+bwd kernels (CUDA graph)", ms_fg + ms_bg)

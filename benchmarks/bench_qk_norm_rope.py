@@ -17,6 +17,7 @@ import torch
 import packcuda
 from benchmarks.bench_rope_apply import _positions
 from benchmarks.harness import Timer, cli, graph_ms
+from benchmarks.host_time import HOST_NOTE, host_rows
 
 # name, Hq, Hk, D, rotary_dim, mrope_section, interleaved, theta, norm
 SHAPES = [
@@ -236,6 +237,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
             del q, k, qh, kh, qhl, khl, cos, sin, gqh, gkh
             if not cpu:
                 torch.cuda.empty_cache()
+    rows += host_rows(["apply_qk_norm_rope"], dev, pair=True)
     return rows
 
 
@@ -246,7 +248,7 @@ NOTES = ("copy_ floor: a copy_ of q and k (read once, written once); x_copy = pa
          "models call it (its RMSNorm, then its rope on the transposed views, no extra copies). The CUDA-graph rows "
          "capture 20 calls (fwd+bwd: the forward and torch.autograd.grad) and time the replays, divided by the same "
          "eager copy_: kernel time without the host's validation, dispatch and autograd work. The floor of fwd+bwd "
-         "is 2.5x copy_ (forward: read and write q, k; backward: read dq_out, q, k and write dq, dk).")
+         "is 2.5x copy_ (forward: read and write q, k; backward: read dq_out, q, k and write dq, dk). " + HOST_NOTE)
 
 
 def main():

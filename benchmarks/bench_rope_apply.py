@@ -15,6 +15,7 @@ import torch
 
 import packcuda
 from benchmarks.harness import cli, Timer, record
+from benchmarks.host_time import HOST_NOTE, host_rows
 
 # name, Hq, Hk, D, rotary_dim, mrope_section, interleaved, theta
 SHAPES = [
@@ -207,6 +208,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
             del q, k, gq, gk
             if not cpu:
                 torch.cuda.empty_cache()
+    rows += host_rows(["apply_rope"], dev, pair=True)
     return rows
 
 
@@ -215,7 +217,7 @@ NOTES = ("copy_ floor: a copy_ of q and k (read once, written once). pct_copy_bw
          "fwd+bwd <= 2.1). packcuda computes cos/sin inside its pass; the baselines get transformers' cos/sin "
          "precomputed (their cost is hf_cos_sin_ms). The in-place row of the partial layout reads and writes only "
          "rotated_fraction of the bytes. Liger runs as models call it: in place on q and k (views of the projection "
-         "output in a model), no input copy; it gets cos/sin precomputed like the transformers rows.")
+         "output in a model), no input copy; it gets cos/sin precomputed like the transformers rows. " + HOST_NOTE)
 
 
 def main():

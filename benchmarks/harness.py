@@ -1,5 +1,5 @@
 """Benchmark harness: CUDA-event timing (median of many runs after warm-up, inputs rotated so they exceed
-L2), same-run baselines, a printed table, and rows appended to benchmarks/RESULTS.md.
+L2), same-run baselines, a printed table, and one new file per run in benchmarks/results/.
 
 Usage in a benchmark module ``benchmarks/bench_<name>.py``::
 
@@ -12,12 +12,18 @@ Usage in a benchmark module ``benchmarks/bench_<name>.py``::
                      baseline_ms=base, speedup=base / ours, pct_copy_bw=...)]
         return rows
 
-``record(title, rows)`` prints the table and appends it (with date, device, torch version) to RESULTS.md.
+``record(title, rows)`` prints the table and writes it (with date, device, torch version) to a new run file
+``benchmarks/results/<date>-<bench>[-N].md`` (``<bench>``: the module's name without ``bench_``; ``-N`` for the
+N-th run of that benchmark on that date). A run file is never edited or removed: the history is append-only by
+construction. ``PACKCUDA_RESULTS_DIR`` writes the run files elsewhere (a GPU machine writes them into its
+output folder; ``python -m benchmarks.append_results FILE...`` adds them here).
 """
 from __future__ import annotations
 
 import datetime as _dt
+import inspect
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +31,9 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# a run file's name: <date>-<bench>[-N].md
+RUN_NAME = re.compile(r"^(\d{4}-\d{2}-\d{2})-([a-z0-9_]+?)(?:-(\d+))?\.md$")
 
 
 def device_name(device: torch.device) -> str:
@@ -65,6 +73,35 @@ class Timer:
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
+
+
+HOST_CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def host_us(fn: Callable[[], object], device, inner: int = 20, runs: int = 10, warmup: int = 5,
+            clock: str = "wall") -> float:
+    """Host time of one call of ``fn`` in microseconds, with the GPU running ahead: the median over ``runs`` of
+    ``inner`` back-to-back calls (the device is synchronized before each run, outside the timing).
+    ``clock="thread"`` counts this thread's CPU time instead of wall time: on a shared machine it leaves out the
+    time the thread waits for a core (CPU tensors only: with a GPU, waiting for the device is host time too)."""
+    device = torch.device(device)
+    now = HOST_CLOCKS[clock]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        sync()
+        t0 = now()
+        for _ in range(inner):
+            fn()
+        times.append((now() - t0) / inner * 1e6)
+    sync()
+    return statistics.median(times)
 
 
 def rotating(make: Callable[[int], object], bytes_per_set: int, min_total_bytes: int = 3 * 60 * 2**20,
@@ -125,28 +162,50 @@ def header(device) -> str:
 
 
 def record(title: str, rows: Sequence[dict], device=None, notes: str = "", columns=None,
-           write: bool = True) -> str:
+           write: bool = True, bench: Optional[str] = None) -> str:
+    """Prints one report and, with ``write`` (and ``PACKCUDA_BENCH_NO_WRITE`` unset), writes it to a new run
+    file (:func:`write_run`). ``bench`` defaults to the calling module's file name without ``bench_``."""
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
-    text = f"\n### {title}\n\n{header(device)}\n\n{table(rows, columns)}"
+    text = f"### {title}\n\n{header(device)}\n\n{table(rows, columns)}"
     if notes:
         text += f"\n{notes}\n"
-    print(text, flush=True)
+    print("\n" + text, flush=True)
     if write and os.environ.get("PACKCUDA_BENCH_NO_WRITE") != "1":
-        append_results(text)
+        write_run(text, bench or bench_name(inspect.currentframe().f_back.f_code.co_filename))
     return text
 
 
-def append_results(text: str) -> None:
-    """Appends a report to RESULTS.md (the history is append-only: nothing here rewrites it). With
-    ``PACKCUDA_RESULTS_RUN`` set, the report also goes to that file: the rows of one run alone, which is what a
-    remote machine sends back (``python -m benchmarks.append_results FILE`` appends them here)."""
-    with open(RESULTS, "a") as f:
-        f.write(text)
-    run_file = os.environ.get("PACKCUDA_RESULTS_RUN")
-    if run_file:
-        with open(run_file, "a") as f:
-            f.write(text)
+def bench_name(source_file: str) -> str:
+    """The ``<bench>`` of a benchmark module's run files: its file name without ``bench_`` and ``.py``."""
+    stem = Path(source_file).stem
+    return stem[len("bench_"):] if stem.startswith("bench_") else stem
+
+
+def results_dir() -> Path:
+    """Where run files go: ``PACKCUDA_RESULTS_DIR`` if set, else benchmarks/results."""
+    return Path(os.environ.get("PACKCUDA_RESULTS_DIR") or RESULTS_DIR)
+
+
+def write_run(text: str, bench: str, date: Optional[str] = None, directory: Optional[Path] = None) -> Path:
+    """Writes ``text`` to a new file ``<date>-<bench>[-N].md`` (the first free N; the first run of a day has no
+    ``-N``) and returns its path. The file is created exclusively: an existing run file is never overwritten."""
+    if not re.fullmatch(r"[a-z0-9_]+", bench):
+        raise ValueError(f"write_run: bench must be lower-case letters, digits and '_', got {bench!r}")
+    date = date or _dt.date.today().isoformat()
+    directory = Path(directory) if directory is not None else results_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        path = directory / (f"{date}-{bench}" + (f"-{n}" if n > 1 else "") + ".md")
+        try:
+            with open(path, "x") as f:
+                f.write(text if text.endswith("\n") else text + "\n")
+        except FileExistsError:
+            n += 1
+            continue
+        print(f"results: {path}", flush=True)
+        return path
 
 
 def cli(run, title: str, notes: str = "") -> None:
@@ -158,7 +217,8 @@ def cli(run, title: str, notes: str = "") -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
-    record(title, run(a.quick, a.device), device=a.device, write=not a.no_write, notes=notes)
+    record(title, run(a.quick, a.device), device=a.device, write=not a.no_write, notes=notes,
+           bench=bench_name(inspect.getsourcefile(run)))
 
 
 def graph_ms(timer: Timer, fn: Callable[[], object], calls: int = 20) -> float:

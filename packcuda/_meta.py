@@ -8,6 +8,7 @@ device sync — and says so in the function's docstring.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -95,11 +96,97 @@ def tensor_device(op: str, name: str, t: torch.Tensor) -> torch.device:
     return _kernel_device(op, f"{name} on {t.device}", t.device)
 
 
-def _kernel_device(op: str, what: str, d: torch.device) -> torch.device:
+def _kernel_device(op: Optional[str], what: str, d: torch.device) -> torch.device:
     """d itself when packcuda has kernels for its type (cpu, cuda), else a ValueError naming the op."""
     if d.type not in ("cpu", "cuda"):
-        raise ValueError(f"packcuda.{op}: {what} is not supported (packcuda runs on cpu and cuda)")
+        raise ValueError(f"{_who(op)}: {what} is not supported (packcuda runs on cpu and cuda)")
     return d
+
+
+# ---------------------------------------------------------------------------------------------------
+# devices of an op's tensor arguments: the rule every packcuda op follows (the C++ ops check it on real
+# tensors; the fake kernels, which run for meta tensors, under FakeTensor and torch.compile, check it here)
+# ---------------------------------------------------------------------------------------------------
+def check_devices(op: str, tensors, device=None, host: Sequence[str] = (), host_only: Sequence[str] = ()) -> None:
+    """Every tensor argument on the data's device, else a ValueError naming ``packcuda.<op>`` and the argument.
+
+    tensors: ``(name, tensor or None)`` in schema order. The data's device is `device` (an op's output device
+    argument) when given, else that of the first tensor not in `host` / `host_only`, else that of the first
+    tensor. Arguments in `host` (metadata) may also be on the CPU; those in `host_only` must be. A meta tensor
+    therefore passes only with meta data (under FakeTensor / torch.compile every tensor carries its real device):
+    mixed with real tensors it is refused instead of yielding an uninitialized result."""
+    ref = ref_desc = None
+    if device is not None:
+        ref = resolve_device(op, "device", device)
+        ref_desc = f"the output device is {ref}"
+    for name, t in tensors:
+        if t is None:
+            continue
+        if name in host_only:
+            if t.device.type != "cpu":
+                raise ValueError(f"packcuda.{op}: {name} must be host metadata (a CPU tensor), got a tensor on "
+                                 f"{t.device}")
+        elif ref is None and name not in host:
+            ref, ref_desc = t.device, f"{name} is on {t.device}"
+    for name, t in tensors:
+        if t is None or name in host_only or (name in host and t.device.type == "cpu"):
+            continue
+        if ref is None:
+            ref, ref_desc = t.device, f"{name} is on {t.device}"
+        elif t.device != ref:
+            raise ValueError(f"packcuda.{op}: {name} is on {t.device} but {ref_desc}")
+
+
+def _unwrap(t):
+    return t.getElementType() if isinstance(t, torch._C.OptionalType) else t
+
+
+def _tensor_kind(t) -> Optional[str]:
+    """"one" for a Tensor / Tensor? schema type, "list" for Tensor[] / Tensor?[], else None."""
+    t = _unwrap(t)
+    if isinstance(t, torch._C.TensorType):
+        return "one"
+    if isinstance(t, torch._C.ListType) and isinstance(_unwrap(t.getElementType()), torch._C.TensorType):
+        return "list"
+    return None
+
+
+def fake_kernel(op: str, *, host: Sequence[str] = (), host_only: Sequence[str] = ()):
+    """Decorator: registers the function as the fake kernel of ``packcuda::<op>`` behind :func:`check_devices`.
+    The tensor arguments (``Tensor``, ``Tensor?``, ``Tensor[]``) and an output ``device`` argument are read from
+    the op's schema, so none can be left unchecked; `host` / `host_only` name the metadata arguments that may
+    (must) be on the CPU, as the C++ op takes them."""
+    args = getattr(torch.ops.packcuda, op).default._schema.arguments
+    tensor_args = [(i, a.name, kind == "list") for i, a in enumerate(args) if (kind := _tensor_kind(a.type))]
+    unknown = (set(host) | set(host_only)) - {name for _, name, _ in tensor_args}
+    if unknown:
+        raise TypeError(f"packcuda::{op} has no tensor arguments {sorted(unknown)}")
+    dev = next((i for i, a in enumerate(args) if a.name == "device" and isinstance(_unwrap(a.type),
+                                                                                     torch._C.DeviceObjType)), None)
+
+    def value(call_args, call_kwargs, i, name):
+        return call_args[i] if i < len(call_args) else call_kwargs.get(name)
+
+    def register(fn):
+        @functools.wraps(fn)
+        def fake(*call_args, **call_kwargs):
+            tensors = []
+            for i, name, is_list in tensor_args:
+                v = value(call_args, call_kwargs, i, name)
+                tensors += ([(name, t) for t in v] if is_list and v is not None else [(name, v)])
+            device = value(call_args, call_kwargs, dev, "device") if dev is not None else None
+            check_devices(op, tensors, device, host, host_only)
+            return fn(*call_args, **call_kwargs)
+
+        torch.library.register_fake(f"packcuda::{op}")(fake)
+        return fn
+
+    return register
+
+
+def output_device(op: str, meta: torch.Tensor, device) -> torch.device:
+    """The device an op with a ``device`` argument writes to: `device` when given, else its metadata's."""
+    return meta.device if device is None else resolve_device(op, "device", device)
 
 
 def config_field(obj, name: str, default=None):
@@ -193,8 +280,13 @@ def op_metadata(values: IntsLike, name: str = "cu_seqlens", *, op: Optional[str]
 
 
 def host_list(values: IntsLike, name: str = "cu_seqlens", *, op: Optional[str] = None) -> list[int]:
-    """Python ints of metadata; a device tensor is read back (one device sync)."""
+    """Python ints of metadata; a device tensor is read back (one device sync; a meta tensor has nothing to read:
+    a ValueError naming the op)."""
+    if type(values) in (list, tuple) and values and all(type(v) is int for v in values) and (
+            INT64_MIN <= min(values) and max(values) <= INT64_MAX):
+        return list(values)  # the common case, without a round trip through a tensor
     if is_device_tensor(values):
+        _kernel_device(op, f"{name} on {values.device}", values.device)
         return op_metadata(values, name, op=op).tolist()
     return host_tensor(values, name, op=op).tolist()
 

@@ -10,7 +10,7 @@ from typing import List
 import torch
 
 from . import _lib
-from ._meta import INT64_MAX, IntsLike, check_int, host_tensor
+from ._meta import INT64_MAX, IntsLike, check_int, fake_kernel, host_tensor
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -31,14 +31,14 @@ _WORKLOADS = ("attention", "tokens")
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernels: the number of micro-batches depends on the values, so it is a dynamic size
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::plan_micro_batches")
+@fake_kernel("plan_micro_batches", host_only=["seqlens"])
 def _plan_micro_batches_fake(seqlens, max_tokens, min_micro_batches=1, multiple_of=1, workload="attention",
                              workload_coef=DEFAULT_WORKLOAD_COEF, method="karmarkar_karp", order="as_planned"):
     n_offsets = torch.library.get_ctx().new_dynamic_size(min=2)  # micro-batches + 1
     return seqlens.new_empty(seqlens.shape, dtype=torch.int64), seqlens.new_empty(n_offsets, dtype=torch.int64)
 
 
-@torch.library.register_fake("packcuda::balance_across_ranks")
+@fake_kernel("balance_across_ranks", host_only=["seqlens"])
 def _balance_across_ranks_fake(seqlens, world_size, equal_count=False, workload="attention",
                                workload_coef=DEFAULT_WORKLOAD_COEF):
     return (seqlens.new_empty(seqlens.shape, dtype=torch.int64),
@@ -78,10 +78,16 @@ def _lists(indices: torch.Tensor, offsets: torch.Tensor) -> List[List[int]]:
 
 def sequence_workloads(seqlens: IntsLike, workload: str = "attention",
                        workload_coef: int = DEFAULT_WORKLOAD_COEF) -> List[int]:
-    """Per-sequence cost used by the planners: ``coef·L + L²`` (``"attention"``) or ``L`` (``"tokens"``).
+    """The per-sequence cost the planners balance: ``workload_coef·L + L²`` (``"attention"``) or ``L`` (``"tokens"``).
 
-    Lengths must be >= 0, ``workload_coef`` in ``[0, 2^40]``, and every cost must fit in int64 (the planners'
-    integer type); anything else is a ``ValueError`` / ``TypeError`` naming the argument."""
+    Args:
+        seqlens: host ``[n]`` lengths >= 0 (list, numpy array or CPU tensor; a device tensor is refused).
+        workload: ``"attention"`` (linear layers plus quadratic attention) or ``"tokens"``.
+        workload_coef: the linear coefficient, in ``[0, 2^40]`` (24576: verl's default for hidden size 4096).
+
+    Returns:
+        A list of ``n`` Python ints (every cost fits in int64, the planners' integer type). Host work only.
+    """
     op = "sequence_workloads"
     workload, coef = _workload_args(op, workload, workload_coef)
     lens = _seqlens(seqlens, op).tolist()
@@ -108,24 +114,37 @@ def plan_micro_batches(
     method: str = "karmarkar_karp",
     order: str = "as_planned",
 ) -> List[List[int]]:
-    """Split sequences into micro-batches whose token sums never exceed ``max_tokens``, balanced so that the
-    largest micro-batch workload is as small as the planner can make it.
+    """Split sequences into micro-batches whose token sums never exceed ``max_tokens``, balanced by workload.
 
-    Returns a list of micro-batches, each a list of sequence indices in ascending order; every index appears
-    exactly once (a micro-batch is empty only when there are fewer sequences than micro-batches).
+    The largest micro-batch workload is made as small as the planner can make it. Micro-batch count:
+    ``max(ceil(sum / max_tokens), min_micro_batches)`` rounded up to ``multiple_of``; more micro-batches
+    (keeping the multiple) only when the cap cannot be met with that many. Deterministic (integer arithmetic,
+    ties broken by index): the same lengths give the same plan on every rank. Host work only: no device, no sync.
 
-    - Count: ``max(ceil(sum / max_tokens), min_micro_batches)`` rounded up to ``multiple_of``; more
-      micro-batches (keeping the multiple) only when the cap cannot be met with that many.
-    - ``workload``: ``"attention"`` (``workload_coef·L + L²``) or ``"tokens"`` (``L``).
-    - ``method``: ``"karmarkar_karp"`` (largest differencing) or ``"first_fit_decreasing"`` (sequences by
-      decreasing workload, each into the least loaded micro-batch that has token room).
-    - ``order``: ``"as_planned"`` (micro-batches by their smallest sequence index) or ``"pipeline"``
-      (heaviest in the middle, lighter towards both ends).
+    Args:
+        seqlens: host ``[n]`` lengths in ``[0, min(max_tokens, 2^30)]`` (list, numpy array or CPU tensor).
+        max_tokens: the token cap of a micro-batch, >= 1.
+        min_micro_batches: the fewest micro-batches, in ``[1, 2^20]``.
+        multiple_of: the count is a multiple of this, in ``[1, 2^20]`` (e.g. the pipeline's micro-batch
+            multiple).
+        workload: ``"attention"`` (``workload_coef·L + L²``) or ``"tokens"`` (``L``); the total must stay below
+            ``2^61``.
+        workload_coef: the linear coefficient of ``"attention"``, in ``[0, 2^40]``.
+        method: ``"karmarkar_karp"`` (largest differencing) or ``"first_fit_decreasing"`` (sequences by
+            decreasing workload, each into the least loaded micro-batch that has token room); both followed
+            by a local search that never raises the largest workload.
+        order: ``"as_planned"`` (micro-batches by their smallest sequence index) or ``"pipeline"`` (heaviest in
+            the middle, lighter towards both ends).
 
-    Bounds: ``max_tokens >= 1``; ``min_micro_batches`` and ``multiple_of`` in ``[1, 2^20]``; lengths in
-    ``[0, min(max_tokens, 2^30)]``; ``workload_coef`` in ``[0, 2^40]``; the total workload below ``2^61``.
-    Deterministic (integer arithmetic, index tie-breaks): the same input gives the same plan on every rank.
-    Host work only; no device sync.
+    With ``"karmarkar_karp"`` the plan never has more micro-batches than verl's ``rearrange_micro_batches``
+    (Karmarkar–Karp, retried with ``multiple_of`` more micro-batches until the cap holds), and at the same count
+    its largest workload is never higher: the Karmarkar–Karp split here is verl's (ties broken the same way), so
+    where verl's split meets the cap it is the local search's start, and the search never raises the maximum
+    (unless the count scan jumps, which takes ``2^19 / (n + k)`` failed counts).
+
+    Returns:
+        A list of micro-batches, each a list of sequence indices in ascending order; every index appears
+        exactly once (a micro-batch is empty only when there are fewer sequences than micro-batches).
     """
     op = "plan_micro_batches"
     max_tokens = check_int(op, "max_tokens", max_tokens, lo=1)
@@ -147,11 +166,22 @@ def balance_across_ranks(
     workload: str = "attention",
     workload_coef: int = DEFAULT_WORKLOAD_COEF,
 ) -> List[List[int]]:
-    """Partition a global batch across ``world_size`` data-parallel ranks, minimizing the largest rank
-    workload (Karmarkar–Karp plus a local search). Returns ``world_size`` lists of sequence indices (rank r
-    gets list r, ascending). ``equal_count=True`` gives every rank the same number of sequences (needs
-    ``len(seqlens) % world_size == 0``). ``world_size`` in ``[1, 2^20]``; lengths in ``[0, 2^30]``;
-    ``workload_coef`` in ``[0, 2^40]``; the total workload below ``2^61``. Deterministic; host work only."""
+    """Partition a global batch across data-parallel ranks, minimizing the largest rank workload.
+
+    Karmarkar–Karp followed by a local search; never above verl's
+    ``get_seqlen_balanced_partitions``, whose split is the search's start. Deterministic; host work only: no device, no sync.
+
+    Args:
+        seqlens: host ``[n]`` lengths in ``[0, 2^30]`` (list, numpy array or CPU tensor).
+        world_size: the number of ranks, in ``[1, 2^20]``.
+        equal_count: give every rank the same number of sequences (needs ``n % world_size == 0``).
+        workload: ``"attention"`` (``workload_coef·L + L²``) or ``"tokens"`` (``L``); the total must stay below
+            ``2^61``.
+        workload_coef: the linear coefficient of ``"attention"``, in ``[0, 2^40]``.
+
+    Returns:
+        ``world_size`` lists of sequence indices, ascending: rank ``r`` gets list ``r``.
+    """
     op = "balance_across_ranks"
     world_size = check_int(op, "world_size", world_size, lo=1, hi=MAX_PARTS)
     if not isinstance(equal_count, bool):

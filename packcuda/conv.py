@@ -16,14 +16,13 @@ from typing import Optional
 import torch
 
 from . import _lib
-from ._meta import IntsLike, check_int, op_metadata, resolve_device
+from ._meta import IntsLike, check_int, fake_kernel, host_tensor, resolve_device
 
 _lib.load()
 ops = torch.ops.packcuda
 
 __all__ = ["causal_conv1d"]
 
-_ACT = {None: 0, "silu": 1, "swish": 1}
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -39,25 +38,36 @@ def _check_tensor(op: str, name: str, value, *, optional: bool = False) -> None:
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernels
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::causal_conv1d_fwd")
-def _conv_fwd_fake(x, weight, bias, cu_seqlens, prefix, activation):
+@fake_kernel("causal_conv1d_fwd", host=["cu_seqlens"])
+def _conv_fwd_fake(x, weight, bias, cu_seqlens, prefix, activation=None):
     return x.new_empty(x.shape)
 
 
-@torch.library.register_fake("packcuda::causal_conv1d_bwd")
-def _conv_bwd_fake(grad_y, x, weight, bias, cu_seqlens, prefix, activation):
+@fake_kernel("causal_conv1d_bwd", host=["cu_seqlens"])
+def _conv_bwd_fake(grad_y, x, weight, bias, cu_seqlens, prefix, activation=None):
     C, K = weight.shape
     S = prefix.shape[0] if prefix is not None else 0
     return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty((C,)), x.new_empty((S, K - 1, C))
 
 
-@torch.library.register_fake("packcuda::conv_gather_sum")
+@fake_kernel("conv_gather_sum")
 def _gather_sum_fake(a, b, index):
     return a.new_empty((index.shape[0], a.shape[1]))
 
 
+@fake_kernel("conv_prefix_schedule", host_only=["cu_seqlens"])
+def _prefix_schedule_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket, kernel_size):
+    # host lists whose lengths depend on the values (ConvPrefixSchedule reads them in this order)
+    ctx = torch.library.get_ctx()
+    n_send, n_unpack, n_bwd_send, n_local, bwd_m = (ctx.new_dynamic_size() for _ in range(5))
+    e = lambda *n: torch.empty(n, dtype=torch.int64)  # noqa: E731
+    return [e(n_send), e(cp_size), e(cp_size), e(n_unpack), e(n_bwd_send), e(n_local, bwd_m), e(2), e(cp_size),
+            e(cp_size)]
+
+
 # ---------------------------------------------------------------------------------------------------
-# autograd
+# autograd (one setup and one backward: registered for the op and used by the facade's eager path,
+# packcuda._lib.EagerOp)
 # ---------------------------------------------------------------------------------------------------
 def _conv_setup(ctx, inputs, output):
     x, weight, bias, cu, prefix, act = inputs
@@ -67,9 +77,12 @@ def _conv_setup(ctx, inputs, output):
     ctx.has_prefix = prefix is not None
 
 
+_CONV_GRADS = _lib.EagerOp(ops.causal_conv1d_bwd)  # (no autograd of its own: no double backward)
+
+
 def _conv_backward(ctx, grad_y):
     x, weight, bias, cu, prefix = ctx.saved_tensors
-    dx, dw, db, dp = ops.causal_conv1d_bwd(grad_y.contiguous(), x, weight, bias, cu, prefix, ctx.act)
+    dx, dw, db, dp = _CONV_GRADS(grad_y.requires_grad, grad_y.contiguous(), x, weight, bias, cu, prefix, ctx.act)
     return (
         dx,
         dw,
@@ -80,22 +93,7 @@ def _conv_backward(ctx, grad_y):
     )
 
 
-torch.library.register_autograd("packcuda::causal_conv1d_fwd", _conv_backward, setup_context=_conv_setup)
-
-
-# Eager fast path of the facade (packcuda._lib.EagerOp): the same forward kernel, context and backward as the
-# registered autograd above, in a plain Function (under torch.compile the facade calls the registered op).
-class _CausalConv1d(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, cu, prefix, act):
-        inputs = (x, weight, bias, cu, prefix, act)
-        _conv_setup(ctx, inputs, None)
-        return _CONV.below(*inputs)
-
-    backward = staticmethod(_conv_backward)
-
-
-_CONV = _lib.EagerOp(ops.causal_conv1d_fwd, _CausalConv1d)
+_CONV = _lib.EagerOp(ops.causal_conv1d_fwd, _conv_setup, _conv_backward, differentiable=(0, 1, 2, 4))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -112,36 +110,43 @@ def causal_conv1d(
 ) -> torch.Tensor:
     """Causal depthwise conv1d over a packed stream, one segment at a time.
 
-    ``x`` ``[T, C]``, ``weight`` ``[C, K]`` (1 <= K <= 8), optional ``bias`` ``[C]``, all of one dtype
-    (bf16 / fp16 / fp32 / fp64; fp32 accumulation, fp64 for fp64). ``y[t] = act(bias + sum_k weight[:, k] *
-    x[t - (K-1) + k])`` where taps before the start of t's segment read ``prefix[s, K-1 + (u - start)]``
-    (``prefix`` ``[S, K-1, C]``, one slab per segment), or zero without ``prefix``. ``cu_seqlens`` ``[S+1]``
-    (host or device; ``None`` = one segment). ``activation``: ``None`` or ``"silu"``. Equal to
-    ``torch.nn.functional.conv1d(x_seg.T[None], weight[:, None], bias, padding=K-1, groups=C)[..., :L]``
-    run per segment.
+    ``y[t] = act(bias + sum_k weight[:, k] * x[t - (K-1) + k])``, where taps before the start of t's segment
+    read ``prefix[s, K-1 + (u - start)]`` (one slab of K-1 rows per segment), or zero without ``prefix``. Equal
+    to ``torch.nn.functional.conv1d(x_seg.T[None], weight[:, None], bias, padding=K-1, groups=C)[..., :L]`` run
+    per segment. Differentiable in ``x``, ``weight``, ``bias`` and ``prefix``; the ``weight`` / ``bias``
+    gradients are reduced in a fixed order (deterministic, no atomics). Every argument is checked before
+    anything is computed (``ValueError`` / ``TypeError`` naming ``packcuda.causal_conv1d`` and the argument).
 
-    Differentiable in ``x``, ``weight``, ``bias`` and ``prefix``; ``weight`` / ``bias`` gradients are
-    reduced in a fixed order (deterministic, no atomics). Syncs: none (host ``cu_seqlens`` is validated on
-    the host; on CUDA up to 479 segments travel in the kernels' launch parameters, more are uploaded without
-    waiting; the values of a device ``cu_seqlens`` are not read back, so they
-    must already be valid: 0, non-decreasing, ending at T).
+    Args:
+        x: ``[T, C]``, bf16 / fp16 / fp32 / fp64 (fp32 accumulation; fp64 for fp64), CPU or CUDA.
+        weight: ``[C, K]`` with ``1 <= K <= 8``, ``x``'s dtype and device.
+        bias: ``[C]``, ``x``'s dtype and device, or None.
+        cu_seqlens: ``[S + 1]`` segment boundaries, or None for one segment. Host: validated on the host; on
+            CUDA up to 479 segments travel in the kernels' launch parameters, more are uploaded without waiting
+            (no sync). Device: its values are not read back (no sync), so they must already be valid: 0,
+            non-decreasing, ending at T.
+        prefix: ``[S, K-1, C]``, ``x``'s dtype and device: the K-1 rows before each segment (from
+            ``conv_prefix`` under CP), or None for zeros.
+        activation: None or ``"silu"``.
 
-    Every argument is checked before anything is computed: ``ValueError`` / ``TypeError`` naming
-    ``packcuda.causal_conv1d`` and the argument."""
+    Returns:
+        ``[T, C]``, ``x``'s dtype and device. No sync.
+    """
     op = "causal_conv1d"
-    _check_tensor(op, "x", x)
-    _check_tensor(op, "weight", weight)
-    _check_tensor(op, "bias", bias, optional=True)
-    _check_tensor(op, "prefix", prefix, optional=True)
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and (
+            bias is None or isinstance(bias, torch.Tensor)) and (prefix is None or isinstance(prefix, torch.Tensor))):
+        _check_tensor(op, "x", x)
+        _check_tensor(op, "weight", weight)
+        _check_tensor(op, "bias", bias, optional=True)
+        _check_tensor(op, "prefix", prefix, optional=True)
     if activation is not None and not isinstance(activation, str):
         raise TypeError(f"packcuda.{op}: activation must be None or 'silu', got {activation!r} "
                         f"({type(activation).__name__})")
-    if activation not in _ACT:
-        raise ValueError(f"packcuda.{op}: activation must be None or 'silu', got {activation!r}")
-    cu = op_metadata(cu_seqlens, op=op) if cu_seqlens is not None else None
+    # host lists become a CPU tensor here; a tensor goes to the op as it is (the op checks it)
+    cu = cu_seqlens if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor) else host_tensor(cu_seqlens, op=op)
     needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad) or (
         prefix is not None and prefix.requires_grad)
-    return _CONV(needs_grad, x, weight, bias, cu, prefix, _ACT[activation])
+    return _CONV(needs_grad, x, weight, bias, cu, prefix, activation)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -154,13 +159,20 @@ class ConvPrefixSchedule:
     """Which rows of which rank fill each local piece's K-1 prefix rows, for one rank of a shard plan.
 
     A pure function of the plan and K, computed once on the host (``O(cp * pieces * K)``) and cached on the
-    plan. Host lists: ``send_index`` (local rows to send, grouped by peer in rank order), ``send_counts`` /
-    ``recv_counts`` (rows per peer), ``unpack`` (for prefix slot ``piece*(K-1)+j``: a local row, ``n_local + i``
-    for row i of the receive buffer, or -1 for a zero row before the sequence start). Backward:
-    ``bwd_send_index`` (prefix slots whose gradients go back to their owners, grouped by peer) and
-    ``bwd_unpack`` ``[n_local, bwd_m]`` (for every local row, the gradient rows it sums, in a fixed order).
-    ``send_first`` / ``bwd_send_first``: per peer, the first row when the rows sent to it are consecutive (they
-    are then sent straight from the source), else -1.
+    plan (``conv_prefix_schedule``).
+
+    Attributes:
+        send_index: host int64 ``[n_send]``, the local rows to send, grouped by peer in rank order.
+        send_counts: list of ``cp`` ints, rows sent to each peer.
+        recv_counts: list of ``cp`` ints, rows received from each peer.
+        unpack: host int64 ``[n_pieces * (K-1)]``: for prefix slot ``piece*(K-1)+j``, a local row, ``n_local + i``
+            for row i of the receive buffer, or -1 for a zero row before the sequence start.
+        bwd_send_index: host int64, the prefix slots whose gradients go back to their owners, grouped by peer.
+        bwd_unpack: host int64 ``[n_local, bwd_m]``: for every local row, the gradient rows it sums, in a fixed
+            order.
+        send_first: list of ``cp`` ints: per peer, the first row when the rows sent to it are consecutive (they
+            are then sent straight from the source), else -1.
+        bwd_send_first: the same for the backward.
     """
 
     def __init__(self, plan, kernel_size: int):
@@ -182,8 +194,14 @@ class ConvPrefixSchedule:
         self._dev = {}
 
     def on(self, device: torch.device):
-        """(send_index, unpack [n,1], bwd_send_index, bwd_unpack) on ``device`` (cpu or cuda; an index-less
-        ``"cuda"`` is the current device), uploaded once, no sync."""
+        """The schedule's index tensors on ``device``, uploaded once and cached.
+
+        Args:
+            device: CPU or CUDA (an index-less ``"cuda"`` is the current device).
+
+        Returns:
+            ``(send_index, unpack [n, 1], bwd_send_index, bwd_unpack)`` on ``device``. No sync.
+        """
         device = _usable_device("ConvPrefixSchedule.on", "device", device)
         key = str(device)
         if key not in self._dev:
@@ -248,8 +266,15 @@ def _plan_fingerprint(plan, kernel_size=None) -> int:
 
 
 def conv_prefix_schedule(plan, kernel_size: int) -> ConvPrefixSchedule:
-    """The (cached) exchange schedule of ``plan`` (a :class:`ShardPlan`) for kernel size ``kernel_size`` (an
-    integer in [1, 8])."""
+    """The exchange schedule of a shard plan for one kernel size, computed once and cached on the plan.
+
+    Args:
+        plan: a ``ShardPlan`` (host metadata).
+        kernel_size: K, an integer in [1, 8].
+
+    Returns:
+        The plan's ``ConvPrefixSchedule`` for K (host work only, no sync).
+    """
     k = _check_schedule_args("conv_prefix_schedule", plan, kernel_size)
     cache = plan.__dict__.setdefault("_conv_prefix_schedules", {})
     if k not in cache:
@@ -389,24 +414,14 @@ def conv_prefix(
     check: Optional[bool] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``[S, K-1, C]``: for every local piece of ``plan`` (``plan.pieces``), the K-1 rows at padded offsets
-    ``[o-(K-1), o)`` of the piece's own sequence (o = ``plan.piece_offset``), fetched from whichever rank holds
-    them (this one included: zigzag chunks cp-1 and cp share a rank). Offsets before the sequence start give
-    zero rows; pieces shorter than K-1 are fine (a prefix may gather rows from several earlier pieces/ranks).
+    """The conv halo under CP: for every local piece of ``plan``, the K-1 rows before it in its own sequence.
 
-    ``x_local`` ``[T_local, C]`` (bf16 / fp16 / fp32 / fp64, cpu or cuda) is this rank's buffer in the plan's
-    layout; ``plan`` a :class:`ShardPlan` or a :class:`StaticShardPlan` (fixed sizes: every rank sends every
-    peer one row per prefix slot of the peer, ``S*(K-1)`` rows, zero rows where it holds none, in one
-    equal-split ``all_to_all_single``; no host read, no agreement check, capturable; with ``cp_size == 1`` no
-    group is needed); ``kernel_size`` an integer in [1, 8]; ``group`` the CP process group
-    (size ``plan.cp_size``, this rank = ``plan.cp_rank``). Every rank of the group must call this, with the
-    same kernel size, even when it has nothing to send or receive. Differentiable: the backward sends each
-    prefix row's gradient back to its owner and sums it into ``x_local``'s gradient in a fixed order.
-
-    ``backend``: ``"nccl"`` (CUDA with an NCCL group: pack kernel, one ``ncclGroupStart/End`` of
-    ``ncclSend``/``ncclRecv`` per peer on the current stream, unpack kernel; a dedicated communicator built
-    once per group), ``"torch"`` (``torch.distributed.batch_isend_irecv``, any backend incl. gloo), or
-    ``"auto"`` (nccl when available).
+    For piece ``p`` (``plan.pieces``, at padded offset ``o = plan.piece_offset[p]``), the rows at padded offsets
+    ``[o-(K-1), o)`` of the piece's sequence, fetched from whichever rank holds them (this one included: zigzag
+    chunks cp-1 and cp share a rank). Offsets before the sequence start give zero rows; pieces shorter than K-1
+    are fine (a prefix may gather rows from several earlier pieces and ranks). Every rank of the group must call
+    this, with the same kernel size, even when it has nothing to send or receive. Differentiable: the backward
+    sends each prefix row's gradient back to its owner and sums it into ``x_local``'s gradient in a fixed order.
 
     Agreement between ranks: the first call of an exchange (per plan, kernel size, group, device and backend,
     and again for each new channel count / dtype) runs one all_gather of a few int64 per rank — a fingerprint
@@ -414,10 +429,28 @@ def conv_prefix(
     rank raises the same ``ValueError`` naming what differs, before any row moves. That first call syncs once
     (the gathered values are read on the host); later calls do not. A rank that never calls makes the others
     raise (``RuntimeError`` naming ``conv_prefix`` and ``group``) once the process group's timeout runs out
-    (``init_process_group(timeout=...)`` / ``new_group(timeout=...)``; gloo's default is 30 minutes).
-    ``check`` (default: env ``PACKCUDA_CONV_CHECK=1``): run that check on every call (one all_gather and one
-    host sync per call). Syncs otherwise: none on the nccl path (the schedule is cached on the plan). Run one
+    (``init_process_group(timeout=...)`` / ``new_group(timeout=...)``; gloo's default is 30 minutes). Run one
     call before capturing a CUDA graph (communicator, peer connections and the check happen there).
+
+    Args:
+        x_local: ``[T_local, C]``, bf16 / fp16 / fp32 / fp64, CPU or CUDA: this rank's buffer in the plan's
+            layout.
+        plan: a ``ShardPlan``, or a ``StaticShardPlan`` (fixed sizes: every rank sends every peer one row per
+            prefix slot of the peer, ``S*(K-1)`` rows, zero rows where it holds none, in one equal-split
+            ``all_to_all_single``; no host read, no agreement check, capturable; with ``cp_size == 1`` no group
+            is needed).
+        kernel_size: K, an integer in [1, 8].
+        group: the CP process group (size ``plan.cp_size``; this rank is ``plan.cp_rank``).
+        check: run the agreement check on every call (one all_gather and one host sync per call); default: the
+            environment variable ``PACKCUDA_CONV_CHECK=1``.
+        backend: ``"nccl"`` (CUDA with an NCCL group: pack kernel, one ``ncclGroupStart/End`` of
+            ``ncclSend`` / ``ncclRecv`` per peer on the current stream, unpack kernel; a dedicated communicator
+            built once per group), ``"torch"`` (``torch.distributed.batch_isend_irecv``, any backend incl.
+            gloo), or ``"auto"`` (nccl when available).
+
+    Returns:
+        ``[S, K-1, C]`` (``S`` = the plan's local pieces), ``x_local``'s dtype and device. No sync on the nccl
+        path after the first call (the schedule is cached on the plan).
     """
     op = "conv_prefix"
     K = _check_schedule_args(op, plan, kernel_size, static_ok=True)
@@ -458,7 +491,7 @@ def conv_prefix(
     return call.forward(x_local)
 
 
-@torch.library.register_fake("packcuda::conv_exchange_run")
+@fake_kernel("conv_exchange_run")
 def _exchange_run_fake(src, handle, out_lead):
     return src.new_empty((*out_lead, src.shape[-1]))
 

@@ -284,6 +284,15 @@ def _hf(rep: _Report, device: torch.device, rng: random.Random):
 
 
 def run(device: str | None = None, seed: int = 0) -> int:
+    """Runs every capability on a synthetic packed batch and checks each result (``python -m packcuda demo``).
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"``; default: CUDA when a GPU is present and the library has CUDA kernels.
+        seed: the seed of the synthetic batch.
+
+    Returns:
+        The exit status: 0 when every check passed, else 1 (each check is printed as it runs).
+    """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() and packcuda.built_with_cuda() else "cpu"))
     rng = random.Random(seed)
     torch.manual_seed(seed)

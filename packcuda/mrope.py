@@ -10,7 +10,8 @@ import torch
 
 from . import _lib
 from ._families import MROPE_FAMILIES
-from ._meta import IntsLike, check_float, check_int, is_device_tensor, op_metadata, plain_ints
+from ._meta import (IntsLike, check_float, check_int, fake_kernel, is_device_tensor, op_metadata, plain_ints,
+                    tensor_device)
 from ._meta import config_field as _get
 
 _lib.load()
@@ -23,7 +24,8 @@ GridLike = Union[torch.Tensor, Sequence[Sequence[int]], None]
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernel
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::mrope_position_ids")
+@fake_kernel("mrope_position_ids", host=["cu_seqlens"],
+             host_only=["image_grid_thw", "video_grid_thw", "second_per_grid_ts"])
 def _mrope_position_ids_fake(input_ids, cu_seqlens, image_grid_thw, video_grid_thw, second_per_grid_ts,
                              image_token_id, video_token_id, spatial_merge_size=2, tokens_per_second=None,
                              per_frame=False, text_after_max=False):
@@ -67,7 +69,10 @@ def _grid(g: GridLike, name: str, op: str = _FN) -> torch.Tensor:
         if g.dim() != 2 or g.shape[1] != 3:
             raise ValueError(f"packcuda.{op}: {name} must have shape [n, 3] (rows [t, h, w]), got "
                              f"{list(g.shape)}")
-        return g if g.is_cpu else g.detach().to("cpu", torch.int64)
+        if g.is_cpu:
+            return g
+        tensor_device(op, name, g)  # read back below: a meta tensor has nothing to read
+        return g.detach().to("cpu", torch.int64)
     if type(g) in (list, tuple) and g and not torch.compiler.is_compiling():
         # Columns at C level: zip(strict=True) insists on rows of one length (unpacking: three of them), then
         # host metadata's fast path packs the columns (plain ints only: bools and other integer-likes take the
@@ -118,6 +123,7 @@ def _seconds(s, op: str = _FN) -> torch.Tensor:
             raise ValueError(f"packcuda.{op}: second_per_grid_ts must be 1-D, got shape {list(s.shape)}")
         if s.is_cpu and s.dtype == torch.float32:
             return s
+        tensor_device(op, "second_per_grid_ts", s)  # read back below: a meta tensor has nothing to read
         return s.detach().to("cpu", torch.float32)
     if type(s) in (list, tuple) and s and set(map(type, s)) <= {int, float} and not torch.compiler.is_compiling():
         try:  # array("f") rounds each double to float32 exactly as torch.tensor(..., dtype=float32) does
@@ -150,16 +156,13 @@ def mrope_position_ids(
     text_after_vision: str = "grid",
     validate: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Qwen-VL mRoPE positions of a packed stream: ``(pos int64 [3, T], text_pos int64 [T], deltas int64 [N])``.
+    """Qwen-VL mRoPE positions of a packed stream: transformers' ``get_rope_index`` on every sample alone.
 
-    ``input_ids`` int ``[T]`` is the packed stream and ``cu_seqlens`` ``[N + 1]`` its segments (host or device,
-    see :mod:`packcuda._meta`); every segment is its own sample and its positions start at 0.
-
-    A *vision block* is a maximal run of ``image_token_id`` (or ``video_token_id``) tokens inside a segment.
-    Blocks take the rows ``[t, h, w]`` of ``image_grid_thw`` / ``video_grid_thw`` in stream order across all
-    segments; with ``video_frames="per_frame"`` (Qwen3-VL, Qwen3.5) a video row stands for t blocks of grid
-    ``[1, h, w]`` (one per frame, separated by timestamp text). A block has ``t*h*w / spatial_merge_size**2``
-    tokens.
+    Every segment of ``cu_seqlens`` is its own sample; its positions start at 0. A *vision block* is a maximal
+    run of ``image_token_id`` (or ``video_token_id``) tokens inside a segment. Blocks take the rows
+    ``[t, h, w]`` of ``image_grid_thw`` / ``video_grid_thw`` in stream order across all segments; with
+    ``video_frames="per_frame"`` (Qwen3-VL, Qwen3.5) a video row stands for t blocks of grid ``[1, h, w]`` (one
+    per frame, separated by timestamp text). A block has ``t*h*w / spatial_merge_size**2`` tokens.
 
     - text token: ``(cur, cur, cur)``, then ``cur += 1``;
     - block starting at ``cur = s`` with merged grid ``(T', H', W') = (t, h/m, w/m)``, tokens in t-major, h, w
@@ -170,25 +173,38 @@ def mrope_position_ids(
     - text after a block resumes at ``s + max(H', W')`` with ``text_after_vision="grid"`` (transformers >= 5.3)
       or at ``max(all positions so far) + 1`` with ``"max"`` (transformers <= 4.57, verl, ROLL).
 
-    ``text_pos`` is the offset of each token in its segment (the 4th "text position" row transformers uses to
-    find packed sequence boundaries) and ``deltas[i] = max position of segment i + 1 - its length`` (0 for an
-    empty segment).
-
     Bad input (a run whose length does not match its grid, more or fewer runs than blocks, a block crossing a
     segment boundary, h or w not divisible by ``spatial_merge_size``, grids describing more vision tokens than
     ``input_ids`` has) raises ``ValueError`` naming the block or the argument; so do non-finite or negative
     ``second_per_grid_ts`` / ``tokens_per_second`` and grids whose sizes or positions overflow int64 (every
     size is combined in checked int64 arithmetic). Floats, bools or other non-integers where integers are meant
-    (grid entries, token ids, ``spatial_merge_size``, ``cu_seqlens``) raise ``TypeError``. Grids are
-    ``[n, 3]`` (a list of rows or an integer tensor), ``cu_seqlens`` and ``second_per_grid_ts`` 1-D.
+    raise ``TypeError``.
 
-    Syncs: grids, ``second_per_grid_ts`` and ``cu_seqlens`` given on the host (lists or CPU tensors, as every
-    trainer has them) are checked on the host and uploaded without a sync. On CPU every check runs before
-    anything is written. On CUDA the run structure of ``input_ids`` is device data: the kernel records errors in
-    a status word and ``validate=True`` reads it back once (the one sync of this function; on an error the host
-    reruns the check to name the block). ``validate=False`` never syncs (bad input then yields unspecified
-    positions); use it inside ``torch.compile`` regions and in the training loop once the data is trusted.
-    Grids given as device tensors are read back (one sync each).
+    Args:
+        input_ids: integer ``[T]``, the packed stream, CPU or CUDA.
+        cu_seqlens: ``[N + 1]`` segment boundaries: host (list or CPU tensor; checked on the host, uploaded
+            without a sync) or on ``input_ids``' device.
+        image_grid_thw: ``[n_images, 3]`` rows ``[t, h, w]`` in patches (a list of rows or an integer tensor;
+            host: no sync; a device tensor is read back: one sync), or None.
+        video_grid_thw: ``[n_videos, 3]``, as ``image_grid_thw``.
+        second_per_grid_ts: host ``[n_videos]`` seconds per temporal grid step, finite and >= 0 (Qwen2.5-VL), or
+            None.
+        image_token_id: the token id of image tokens.
+        video_token_id: the token id of video tokens.
+        spatial_merge_size: ``m``, the vision merger's spatial factor (h and w must be multiples of it).
+        tokens_per_second: Qwen2.5-VL's temporal scale of whole videos, finite and >= 0, or None.
+        video_frames: ``"whole"`` (Qwen2-VL, Qwen2.5-VL: one block per video) or ``"per_frame"``.
+        text_after_vision: ``"grid"`` or ``"max"`` (see above).
+        validate: on CUDA, read the kernel's status word back once (one sync) and raise on bad input; with
+            False nothing syncs and bad input yields unspecified positions (for ``torch.compile`` regions and
+            training loops on trusted data). On CPU every check runs before anything is written either way.
+
+    Returns:
+        pos: int64 ``[3, T]`` on ``input_ids``' device, the t, h, w positions.
+        text_pos: int64 ``[T]`` on ``input_ids``' device, each token's offset in its segment (the 4th "text
+            position" row transformers uses to find packed sequence boundaries).
+        deltas: int64 ``[N]`` on ``input_ids``' device, ``max position of segment i + 1 - its length`` (0 for
+            an empty segment).
     """
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"packcuda.mrope_position_ids: input_ids must be a 1-D integer tensor (the packed stream), "
@@ -232,7 +248,18 @@ _SPEC = "MRopeSpec"
 @dataclass(frozen=True)
 class MRopeSpec:
     """The constants of a model family that mRoPE positions need, usually read from a transformers config.
-    Checked on construction (integers, a finite ``tokens_per_second`` >= 0, known rules)."""
+
+    Checked on construction (integers, a finite ``tokens_per_second`` >= 0, known rules).
+
+    Attributes:
+        image_token_id: the token id of image tokens.
+        video_token_id: the token id of video tokens (differs from ``image_token_id``).
+        spatial_merge_size: the vision merger's spatial factor, >= 1.
+        tokens_per_second: Qwen2.5-VL's temporal scale of whole videos, or None.
+        video_frames: ``"whole"`` or ``"per_frame"`` (Qwen3-VL, Qwen3.5).
+        text_after_vision: ``"grid"`` (transformers >= 5.3) or ``"max"`` (4.x).
+        model_type: the config's ``model_type`` (informational).
+    """
 
     image_token_id: int
     video_token_id: int
@@ -263,12 +290,20 @@ class MRopeSpec:
 
     @classmethod
     def from_hf_config(cls, config, *, text_after_vision: str = "grid") -> "MRopeSpec":
-        """Reads ``image_token_id``, ``video_token_id``, ``vision_config.spatial_merge_size`` and (Qwen2.5-VL)
-        ``vision_config.tokens_per_second`` from a transformers config (object or dict) of Qwen2-VL,
-        Qwen2.5-VL, Qwen3-VL(-MoE) or Qwen3.5(-MoE); the family sets ``video_frames``. ``text_after_vision``
-        is the rule of the transformers version the model trains with ("grid" for >= 5.3, "max" for 4.x).
-        Missing or mistyped fields (a float token id, a NaN ``tokens_per_second``) are refused naming the
-        field."""
+        """The spec of a transformers Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) or Qwen3.5(-MoE) config.
+
+        Reads ``image_token_id``, ``video_token_id``, ``vision_config.spatial_merge_size`` and (Qwen2.5-VL)
+        ``vision_config.tokens_per_second``; the family sets ``video_frames``. Missing or mistyped fields (a float
+        token id, a NaN ``tokens_per_second``) are refused naming the field.
+
+        Args:
+            config: a transformers config object or its dict.
+            text_after_vision: the rule of the transformers version the model trains with (``"grid"`` for >= 5.3,
+                ``"max"`` for 4.x).
+
+        Returns:
+            The ``MRopeSpec``.
+        """
         op = f"{_SPEC}.from_hf_config"
         if config is None or isinstance(config, (str, bytes, int, float)):
             raise TypeError(f"packcuda.{op}: config must be a transformers config or a dict, got "
@@ -296,7 +331,19 @@ class MRopeSpec:
 
     def position_ids(self, input_ids: torch.Tensor, cu_seqlens: IntsLike, *, image_grid_thw: GridLike = None,
                      video_grid_thw: GridLike = None, second_per_grid_ts=None, validate: bool = True):
-        """:func:`mrope_position_ids` with this spec's constants (its arguments are checked there)."""
+        """``mrope_position_ids`` with this spec's constants; the other arguments are checked there.
+
+        Args:
+            input_ids: integer ``[T]``, CPU or CUDA.
+            cu_seqlens: ``[N + 1]`` segment boundaries, host (no sync) or on ``input_ids``' device.
+            image_grid_thw: ``[n_images, 3]`` or None.
+            video_grid_thw: ``[n_videos, 3]`` or None.
+            second_per_grid_ts: host ``[n_videos]`` or None.
+            validate: on CUDA, one sync to check the input (see ``mrope_position_ids``).
+
+        Returns:
+            ``(pos int64 [3, T], text_pos int64 [T], deltas int64 [N])`` on ``input_ids``' device.
+        """
         return mrope_position_ids(
             input_ids, cu_seqlens, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
             second_per_grid_ts=second_per_grid_ts, image_token_id=self.image_token_id,

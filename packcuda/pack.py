@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _lib
-from ._meta import INT64_MAX, IntsLike, check_int, cu_from_lengths, op_metadata, resolve_device, to_device_async
+from ._meta import (INT64_MAX, IntsLike, check_int, cu_from_lengths, fake_kernel, op_metadata, output_device,
+                    plain_ints, resolve_device, to_device_async)
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -38,12 +40,6 @@ def _check_tensor(op: str, name: str, t) -> torch.Tensor:
 def _same_device(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.device != ref.device:
         raise ValueError(f"packcuda.{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
-
-
-def _host_or_same_device(op: str, name: str, meta: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    """Metadata is either on the host or on the data's device."""
-    if meta.device.type != "cpu" and meta.device != ref.device:
-        raise ValueError(f"packcuda.{op}: {name} is on {meta.device} but {ref_name} is on {ref.device}")
 
 
 def _check_dim(op: str, name: str, t: torch.Tensor, dim) -> int:
@@ -102,8 +98,7 @@ def _split_fill(fill: Union[int, float]) -> Tuple[float, Optional[int]]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# fake (meta) kernels: the same shape and device rules as the kernels (a meta tensor mixed with real ones is
-# refused instead of producing an uninitialized result)
+# fake (meta) kernels: the same shape and device rules as the kernels (devices: _meta.fake_kernel)
 # ---------------------------------------------------------------------------------------------------
 def _resized(src, dim, n):
     d = dim % src.dim()
@@ -116,22 +111,13 @@ def _fake_rows(op, src, index, dim):
     return d
 
 
-def _fake_target(op, cu_seqlens, device):
-    if device is None:
-        return cu_seqlens.device
-    d = resolve_device(op, "device", device)
-    if cu_seqlens.device.type != "cpu" and cu_seqlens.device != d:
-        raise ValueError(f"packcuda.{op}: cu_seqlens is on {cu_seqlens.device} but the output device is {d}")
-    return d
-
-
-@torch.library.register_fake("packcuda::gather_rows")
+@fake_kernel("gather_rows")
 def _gather_rows_fake(src, index, fill=0.0, dim=0, fill_int=None):
     d = _fake_rows("gather_rows", src, index, dim)
     return src.new_empty(_resized(src, d, index.shape[0]))
 
 
-@torch.library.register_fake("packcuda::scatter_rows")
+@fake_kernel("scatter_rows")
 def _scatter_rows_fake(src, index, num_rows, dim=0):
     d = _fake_rows("scatter_rows", src, index, dim)
     if num_rows < 0:
@@ -139,25 +125,23 @@ def _scatter_rows_fake(src, index, num_rows, dim=0):
     return src.new_empty(_resized(src, d, num_rows))
 
 
-@torch.library.register_fake("packcuda::segment_positions")
+@fake_kernel("segment_positions", host=["cu_seqlens"])
 def _segment_positions_fake(cu_seqlens, total, device=None):
-    return torch.empty(total, dtype=torch.int64, device=_fake_target("segment_positions", cu_seqlens, device))
+    return torch.empty(total, dtype=torch.int64, device=output_device("segment_positions", cu_seqlens, device))
 
 
-@torch.library.register_fake("packcuda::next_token_labels")
+@fake_kernel("next_token_labels", host=["cu_seqlens"])
 def _next_token_labels_fake(input_ids, cu_seqlens, ignore_index=-100):
-    _host_or_same_device("next_token_labels", "cu_seqlens", cu_seqlens, "input_ids", input_ids)
     return torch.empty_like(input_ids, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("packcuda::right_pad_indices")
+@fake_kernel("right_pad_indices", host=["cu_seqlens"])
 def _right_pad_indices_fake(cu_seqlens, seqlen, total, device=None):
-    return torch.empty(total, dtype=torch.int64, device=_fake_target("right_pad_indices", cu_seqlens, device))
+    return torch.empty(total, dtype=torch.int64, device=output_device("right_pad_indices", cu_seqlens, device))
 
 
-@torch.library.register_fake("packcuda::mask_indices")
+@fake_kernel("mask_indices", host=["cu_seqlens"])
 def _mask_indices_fake(attention_mask, cu_seqlens, total):
-    _host_or_same_device("mask_indices", "cu_seqlens", cu_seqlens, "attention_mask", attention_mask)
     return torch.empty(total, dtype=torch.int64, device=attention_mask.device)
 
 
@@ -173,7 +157,7 @@ def _gather_setup(ctx, inputs, output):
 
 def _gather_backward(ctx, grad):
     (index,) = ctx.saved_tensors
-    return ops.scatter_rows(grad, index, ctx.n_src, ctx.dim), None, None, None, None
+    return _scatter(grad, index, ctx.n_src, ctx.dim), None, None, None, None
 
 
 def _scatter_setup(ctx, inputs, output):
@@ -184,18 +168,14 @@ def _scatter_setup(ctx, inputs, output):
 
 def _scatter_backward(ctx, grad):
     (index,) = ctx.saved_tensors
-    return ops.gather_rows(grad, index, 0.0, ctx.dim), None, None, None
-
-
-torch.library.register_autograd("packcuda::gather_rows", _gather_backward, setup_context=_gather_setup)
-torch.library.register_autograd("packcuda::scatter_rows", _scatter_backward, setup_context=_scatter_setup)
+    return _GATHER(grad.requires_grad, grad, index, 0.0, ctx.dim, None), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
-_GATHER = _lib.EagerOp(ops.gather_rows)
-_SCATTER = _lib.EagerOp(ops.scatter_rows)
+_GATHER = _lib.EagerOp(ops.gather_rows, _gather_setup, _gather_backward, differentiable=(0,))
+_SCATTER = _lib.EagerOp(ops.scatter_rows, _scatter_setup, _scatter_backward, differentiable=(0,))
 
 
 def _gather(src: torch.Tensor, index: torch.Tensor, fill: Union[int, float], dim: int = 0) -> torch.Tensor:
@@ -212,16 +192,25 @@ def _scatter(src: torch.Tensor, index: torch.Tensor, num_rows: int, dim: int = 0
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, fill: Union[int, float] = 0.0, dim: int = 0) -> torch.Tensor:
-    """``out[i] = src[index[i]]`` for ``index[i] >= 0``, else a row of ``fill``. Rows are whole slices along
-    ``dim`` (default 0) of any dtype and trailing shape, moved with 16-byte vector loads where alignment allows;
-    for ``dim > 0`` every slice of the leading dims is gathered in the same launch (``src`` of shape
+    """Gather whole rows along ``dim``: ``out[i] = src[index[i]]``, a row of ``fill`` where ``index[i] == -1``.
+
+    Rows are whole slices along ``dim`` of any dtype and trailing shape, moved with 16-byte vector loads where
+    alignment allows; for ``dim > 0`` every slice of the leading dims is gathered in the same launch (``src``
     ``[A, T, ...]`` gives ``[A, len(index), ...]``; leading dims that collapse to one stride need no copy).
     Differentiable in ``src`` when the non-negative indices are unique (the backward is a row scatter).
 
-    ``fill`` must be a value src's dtype holds: 0/1 for bool, an integral value in range for integer dtypes
-    (ints are exact, also beyond 2**53 for int64), any float (NaN, inf too) that stays finite-or-not as given
-    for floating dtypes. ``index`` is int64, 1-D, on src's device; on CPU its values are checked
-    (``-1 <= index[i] < src.shape[dim]``)."""
+    Args:
+        src: ``[..., T, ...]`` (``T`` along ``dim``), any dtype, CPU or CUDA.
+        index: int64 ``[N]`` on ``src``'s device, values in ``[-1, T)`` (checked on CPU, trusted on CUDA:
+            no sync).
+        fill: the value of the rows where ``index`` is -1; one ``src``'s dtype holds: 0/1 for bool, an
+            integral value in range for integer dtypes (exact, also beyond 2**53 for int64), any float
+            (NaN, inf too) for floating dtypes.
+        dim: the dimension the rows run along.
+
+    Returns:
+        ``src``'s shape with ``N`` rows along ``dim``, ``src``'s dtype and device. No sync.
+    """
     op = "gather_rows"
     src = _check_tensor(op, "src", src)
     d = _check_dim(op, "src", src, dim)
@@ -230,9 +219,20 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, fill: Union[int, float] 
 
 
 def scatter_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int, dim: int = 0) -> torch.Tensor:
-    """``out = zeros(num_rows, ...)``, ``out[index[i]] = src[i]`` for ``index[i] >= 0`` (rows along ``dim``,
-    default 0). Indices must be unique (checked on CPU), which keeps the result deterministic. Differentiable
-    in ``src``."""
+    """Scatter whole rows along ``dim``: ``out[index[i]] = src[i]`` where ``index[i] >= 0``, zeros elsewhere.
+
+    Indices must be unique, which keeps the result deterministic. Differentiable in ``src``.
+
+    Args:
+        src: ``[..., N, ...]`` (``N`` along ``dim``), any dtype, CPU or CUDA.
+        index: int64 ``[N]`` on ``src``'s device, unique values in ``[-1, num_rows)`` (-1 drops the row;
+            checked on CPU, trusted on CUDA: no sync).
+        num_rows: the number of rows of the output along ``dim``.
+        dim: the dimension the rows run along.
+
+    Returns:
+        ``src``'s shape with ``num_rows`` rows along ``dim``, ``src``'s dtype and device. No sync.
+    """
     op = "scatter_rows"
     src = _check_tensor(op, "src", src)
     d = _check_dim(op, "src", src, dim)
@@ -253,16 +253,23 @@ def unpad(
     *,
     lengths: Optional[IntsLike] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Remove padding from ``x`` ``[B, S, ...]``.
+    """Remove the padding of ``x``: its rows where the mask is set, packed in row-major order.
 
-    Give either ``attention_mask`` ``[B, S]`` (0/1, any pattern: left or right padding, holes) or host
-    ``lengths`` ``[B]`` (right padding). Returns ``(x_packed [T, ...], indices int64 [T], cu_seqlens int32
-    [B+1], max_seqlen)``: the rows where the mask is set, in row-major order, their flat positions in
-    ``B*S``, the segment boundaries on ``x``'s device, and the longest segment as a Python int — the same
-    contract as flash-attn's ``unpad_input``. Differentiable in ``x``.
+    Give either ``attention_mask`` (any pattern: left or right padding, holes) or host ``lengths`` (right
+    padding). The same contract as flash-attn's ``unpad_input``. Differentiable in ``x``.
 
-    Syncs: with host ``lengths``, none. With ``attention_mask`` (device data) one device-to-host read of the
-    row counts, because the output size depends on them.
+    Args:
+        x: ``[B, S, ...]``, any dtype, CPU or CUDA.
+        attention_mask: ``[B, S]`` 0/1 (bool or integer) on ``x``'s device. Syncs once: the output size
+            depends on the row counts, which are read back.
+        lengths: host ``[B]`` (list, numpy array or CPU tensor) of lengths in ``[0, S]``, right padding. No
+            sync.
+
+    Returns:
+        x_packed: ``[T, ...]``, ``x``'s dtype and device.
+        indices: int64 ``[T]`` on ``x``'s device, each row's flat position in ``B*S``.
+        cu_seqlens: int32 ``[B + 1]`` on ``x``'s device, the segment boundaries.
+        max_seqlen: Python int, the longest segment.
     """
     op = "unpad"
     x = _check_tensor(op, "x", x)
@@ -278,13 +285,15 @@ def unpad(
         cu = cu_from_lengths(lengths, "lengths", op=op)  # a device tensor is read back here (one sync)
         if len(cu) - 1 != B:
             raise ValueError(f"packcuda.unpad: lengths has {len(cu) - 1} entries but x has batch size {B}")
-        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-            if b - a > S:
-                raise ValueError(f"packcuda.unpad: lengths[{i}]={b - a} exceeds seqlen {S} (x.shape[1])")
+        max_seqlen = max(map(operator.sub, cu[1:], cu[:-1]), default=0)
+        if max_seqlen > S:
+            i = next(i for i in range(B) if cu[i + 1] - cu[i] > S)
+            raise ValueError(f"packcuda.unpad: lengths[{i}]={cu[i + 1] - cu[i]} exceeds seqlen {S} (x.shape[1])")
         total = cu[-1]
-        cu_host = torch.tensor(cu, dtype=torch.int64)
+        cu_host = plain_ints(cu)
+        if cu_host is None:
+            cu_host = torch.tensor(cu, dtype=torch.int64)
         indices = ops.right_pad_indices(cu_host, S, total, x.device)
-        max_seqlen = max(b - a for a, b in zip(cu[:-1], cu[1:])) if B > 0 else 0
     else:
         attention_mask = _check_tensor(op, "attention_mask", attention_mask)
         if tuple(attention_mask.shape) != (B, S):
@@ -308,9 +317,20 @@ def unpad(
 
 
 def pad(x_packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seqlen: int) -> torch.Tensor:
-    """Inverse of :func:`unpad`: ``[B, S, ...]`` with ``x_packed`` rows at ``indices``, zeros elsewhere.
-    Differentiable in ``x_packed``. No sync. ``indices`` (int64, 1-D, one per row of ``x_packed``, on its
-    device) must be unique and in ``[-1, B*S)`` (checked on CPU; -1 drops a row)."""
+    """Inverse of ``unpad``: ``x_packed``'s rows placed at ``indices`` of a padded batch, zeros elsewhere.
+
+    Differentiable in ``x_packed``.
+
+    Args:
+        x_packed: ``[T, ...]``, any dtype, CPU or CUDA.
+        indices: int64 ``[T]`` on ``x_packed``'s device, unique values in ``[-1, batch_size * seqlen)`` (-1
+            drops a row; checked on CPU, trusted on CUDA: no sync).
+        batch_size: ``B`` of the output.
+        seqlen: ``S`` of the output.
+
+    Returns:
+        ``[B, S, ...]``, ``x_packed``'s dtype and device. No sync.
+    """
     op = "pad"
     x_packed = _check_tensor(op, "x_packed", x_packed)
     if x_packed.dim() < 1:
@@ -326,11 +346,18 @@ def pad(x_packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seqlen: 
 
 
 def position_ids(cu_seqlens: IntsLike, *, device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
-    """int64 ``[T]``: each token's offset in its segment (restarts at 0 in every segment).
+    """Each token's offset in its segment, restarting at 0 in every segment.
 
-    Host ``cu_seqlens`` with a CUDA ``device``: no sync. A device ``cu_seqlens`` is read back once (one sync:
-    the output size depends on it), which also lets its values be checked; the positions go to ``device``
-    (an index-less ``"cuda"`` is the current device), else to ``cu_seqlens``'s device."""
+    Args:
+        cu_seqlens: ``[N + 1]`` integer segment boundaries, non-decreasing from 0: host (list, tuple, numpy
+            array, CPU tensor; checked on the host, no sync) or a device tensor (read back once: one sync, as
+            the output size depends on it; its values are then checked too).
+        device: where the positions go (an index-less ``"cuda"`` is the current device); default:
+            ``cu_seqlens``'s device.
+
+    Returns:
+        int64 ``[T]`` (``T = cu_seqlens[-1]``) on ``device``. No sync with host ``cu_seqlens``.
+    """
     op = "position_ids"
     if isinstance(cu_seqlens, torch.Tensor):
         _check_tensor(op, "cu_seqlens", cu_seqlens)
@@ -345,9 +372,18 @@ def position_ids(cu_seqlens: IntsLike, *, device: Optional[Union[str, torch.devi
 
 
 def next_token_labels(input_ids: torch.Tensor, cu_seqlens: IntsLike, ignore_index: int = -100) -> torch.Tensor:
-    """``labels[t] = input_ids[t + 1]`` when t + 1 is in the same segment, else ``ignore_index``: a label
-    never crosses into the next sequence. Host or device ``cu_seqlens``; no sync. ``ignore_index`` must be an
-    integer that input_ids' dtype (int32 or int64) holds."""
+    """Next-token labels that never cross a sequence boundary.
+
+    ``labels[t] = input_ids[t + 1]`` when ``t + 1`` is in the same segment, else ``ignore_index``.
+
+    Args:
+        input_ids: int32 or int64 ``[T]``, CPU or CUDA.
+        cu_seqlens: ``[N + 1]`` segment boundaries (host or device, ending at ``T``).
+        ignore_index: the label of each segment's last token; an integer ``input_ids``' dtype holds.
+
+    Returns:
+        ``[T]``, ``input_ids``' dtype and device. No sync (host or device ``cu_seqlens``).
+    """
     op = "next_token_labels"
     input_ids = _check_tensor(op, "input_ids", input_ids)
     if isinstance(cu_seqlens, torch.Tensor):

@@ -1,8 +1,8 @@
 """Shard plans for context parallelism: how a global packed stream maps to one CP rank's local buffer.
 
-A :class:`ShardPlan` is built once per batch from host ``cu_seqlens`` (no device sync) and then moves any
-tensor laid out on the original stream to the rank's local layout (:meth:`ShardPlan.shard`,
-:meth:`ShardPlan.labels`) and back (:meth:`ShardPlan.unshard`, :meth:`ShardPlan.gather`). Two layouts:
+A ``ShardPlan`` is built once per batch from host ``cu_seqlens`` (no device sync) and then moves any
+tensor laid out on the original stream to the rank's local layout (``ShardPlan.shard``,
+``ShardPlan.labels``) and back (``ShardPlan.unshard``, ``ShardPlan.gather``). Two layouts:
 
 ``zigzag`` (Megatron / TransformerEngine THD): sequence ``i`` is padded at its tail to
 ``P_i = roundup(L_i, align)`` and cut into ``2*cp`` chunks of ``h_i = P_i / (2*cp)`` rows; rank ``r`` holds
@@ -15,8 +15,8 @@ multiple of ``cp`` (and of ``bucket``), rank ``r`` holds padded rows ``[r*Tp/cp,
 from 0) so that the padded total is a multiple of ``bucket``; it is present only when its length
 (``pad_size``) is non-zero, and it never lengthens a real sequence.
 
-:func:`static_shard_plan` builds the same plan on the device from device ``cu_seqlens`` with shapes fixed by
-``(capacity, max_seqs, cp_size)`` (a :class:`StaticShardPlan`: no host read, capturable in a CUDA graph).
+``static_shard_plan`` builds the same plan on the device from device ``cu_seqlens`` with shapes fixed by
+``(capacity, max_seqs, cp_size)`` (a ``StaticShardPlan``: no host read, capturable in a CUDA graph).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from typing import List, Optional, Union
 import torch
 
 from . import _lib
-from ._meta import IntsLike, check_int, host_tensor, is_device_tensor, resolve_device, tensor_device
+from ._meta import (IntsLike, check_int, fake_kernel, host_tensor, is_device_tensor, output_device, resolve_device,
+                    tensor_device)
 from .pack import _fill_arg, _gather
 
 _lib.load()
@@ -43,10 +44,10 @@ MAX_PADDED_TOTAL = 2**31 - 1
 # ---------------------------------------------------------------------------------------------------
 # fake (meta) kernels
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::shard_plan")
+@fake_kernel("shard_plan", host_only=["cu_seqlens"])
 def _shard_plan_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket=None, device=None):
     ctx = torch.library.get_ctx()
-    dev = device if device is not None else cu_seqlens.device
+    dev = output_device("shard_plan", cu_seqlens, device)
     total_local, nseg, npieces, n_meta = (ctx.new_dynamic_size() for _ in range(4))
     cpu = torch.device("cpu")
     e = lambda n, dt, d=dev: torch.empty(n, dtype=dt, device=d)  # noqa: E731
@@ -55,9 +56,9 @@ def _shard_plan_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket=None, d
             e(npieces + 1, i32), e(npieces, i64), e(npieces, i32), e(n_meta, i32, cpu), e(_N_INFO, i64, cpu))
 
 
-@torch.library.register_fake("packcuda::shard_unshard_index")
+@fake_kernel("shard_unshard_index", host_only=["cu_seqlens", "cu_seqlens_padded"])
 def _shard_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, layout, total_local, device=None):
-    dev = device if device is not None else cu_seqlens.device
+    dev = output_device("shard_unshard_index", cu_seqlens, device)
     return torch.empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64, device=dev)
 
 
@@ -73,22 +74,37 @@ _N_INFO = len(_INFO_NAMES) + len(_SECTIONS) + 1
 # the plan
 # ---------------------------------------------------------------------------------------------------
 class ShardPlan:
-    """One CP rank's share of a padded packed stream (build it with :func:`shard_plan`).
+    """One CP rank's share of a padded packed stream (build it with ``shard_plan``).
 
-    Device tensors (on ``device``): ``index`` int64 ``[T_local]`` (original row of each local slot, -1 for
-    padding), ``position_ids`` int64 ``[T_local]`` (offset inside the padded sequence; pads keep counting,
-    the bucket segment counts from 0), ``label_index`` int64 ``[T_local]`` (original row of the next token
-    of the same sequence, -1 at a sequence's last token and on pads), ``cu_seqlens_padded`` int32
-    (global, bucket segment included), ``cu_seqlens_local`` int32 (this rank's boundaries of the same
-    segments, for varlen attention), ``pieces`` int32 ``[S+1]`` / ``piece_offset`` int64 ``[S]`` /
-    ``piece_seq`` int32 ``[S]`` (runs of consecutive padded offsets of one segment in the local buffer:
-    two per segment in zigzag, the window intersections in contiguous), and, built on first use,
-    ``unshard_index`` int64 ``[T]``. All of them come from one upload and one launch.
+    The device tensors come from one upload and one kernel launch; the host lists are made on first use.
 
-    Host values: ``total``, ``total_padded``, ``total_local``, ``pad_size``, ``max_seqlen_padded``,
-    ``max_seqlen_local``, ``layout``, ``cp_size``, ``cp_rank``, ``align``, ``bucket`` and Python-list copies
-    (made on first use) ``cu_seqlens_host``, ``cu_seqlens_padded_host``, ``cu_seqlens_local_host``,
-    ``pieces_host``, ``piece_offset_host``, ``piece_seq_host``.
+    Attributes:
+        index: int64 ``[T_local]`` on ``device``: the original row of each local slot, -1 for padding.
+        position_ids: int64 ``[T_local]`` on ``device``: the offset inside the padded sequence (pads keep
+            counting, the bucket segment counts from 0).
+        label_index: int64 ``[T_local]`` on ``device``: the original row of the next token of the same sequence,
+            -1 at a sequence's last token and on pads.
+        cu_seqlens_padded: int32 ``[N' + 1]`` on ``device``: the global padded boundaries (bucket segment
+            included).
+        cu_seqlens_local: int32 ``[N' + 1]`` on ``device``: this rank's boundaries of the same segments, for
+            varlen attention.
+        pieces: int32 ``[S + 1]`` on ``device``: runs of consecutive padded offsets of one segment in the local
+            buffer (two per segment in zigzag, the window intersections in contiguous).
+        piece_offset: int64 ``[S]`` on ``device``: each piece's first padded offset in its segment.
+        piece_seq: int32 ``[S]`` on ``device``: each piece's segment.
+        total: host int, the tokens of the original stream (``T``).
+        total_padded: host int, the padded stream's length.
+        total_local: host int, this rank's slots (``T_local``).
+        pad_size: host int, the rows of the bucket segment (0 without one).
+        max_seqlen_padded: host int, the longest padded segment.
+        max_seqlen_local: host int, the longest local segment.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+        cp_size: host int.
+        cp_rank: host int.
+        align: host int.
+        bucket: host int or None.
+        cu_seqlens_host: list, the original boundaries (also ``cu_seqlens_padded_host``,
+            ``cu_seqlens_local_host``, ``pieces_host``, ``piece_offset_host``, ``piece_seq_host``).
     """
 
     def __init__(self, built, *, layout: str, cp_size: int, cp_rank: int, align: int, bucket: Optional[int],
@@ -149,8 +165,8 @@ class ShardPlan:
 
     @property
     def unshard_index(self) -> torch.Tensor:
-        """int64 ``[T]``: row of each original token in the rank-major concatenation ``[cp*T_local]`` of
-        all ranks' local buffers. Built on first use (one launch, no sync)."""
+        """int64 ``[T]`` on the plan's device: the row of each original token in the rank-major concatenation
+        ``[cp*T_local]`` of all ranks' local buffers. Built on first use (one launch, no sync)."""
         if self._unshard_index is None:
             self._unshard_index = ops.shard_unshard_index(
                 self._host_section("cu_seqlens"), self._host_section("cu_seqlens_padded"), self.cp_size,
@@ -180,32 +196,57 @@ class ShardPlan:
         raise ValueError(f"packcuda.ShardPlan.{what}: {name} has {x.shape[d]} rows along dim {d}, expected {want}")
 
     def shard(self, x: torch.Tensor, dim: int = 0, fill: float = 0) -> torch.Tensor:
-        """This rank's rows of ``x`` laid out on the original stream: ``[T, ...]`` (``dim=0``) or e.g. mRoPE
-        position tensors ``[3, T]`` / ``[4, T]`` with ``dim=1`` (every leading slice in one launch, no
-        flattened index). Pad slots get ``fill``. Differentiable: the backward scatters gradients back to the
-        original rows (deterministic). No sync."""
+        """This rank's rows of a tensor laid out on the original stream; pad slots get ``fill``.
+
+        Every leading slice moves in one launch (no flattened index). Differentiable: the backward scatters the
+        gradients back to the original rows (deterministic).
+
+        Args:
+            x: ``[T, ...]`` (``dim=0``) or e.g. mRoPE positions ``[3, T]`` / ``[4, T]`` (``dim=1``; strided views
+                such as ``pos[:, 0, :]`` without a copy), any dtype, on the plan's device.
+            dim: the dimension of the tokens.
+            fill: the value of pad slots (one ``x``'s dtype holds).
+
+        Returns:
+            ``x``'s shape with ``T_local`` along ``dim``, ``x``'s dtype and device. No sync.
+        """
         d = self._rows("shard", x, dim, self.total, "x")
         return _gather(x, self.index, _fill_arg("ShardPlan.shard", fill, "fill", x.dtype), d)
 
     def shard_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's share of position ids laid out on the original stream along their last dim: ``[T]``,
-        mRoPE ``[R, T]`` or ``[R, 1, T]`` (R = 3 or 4). Real slots get the token's positions; pad slots get
-        the plan's own :attr:`position_ids` there on every row: a sequence's tail pads continue counting from
-        its padded offset (``L_i, L_i+1, ...``, above every real position of the sequence, which starts at 0
-        and grows by at most 1 per token) and the bucket segment counts from 0. So positions restart at 0
-        only where a segment starts, and a run of pads is never split into one-token sequences by
-        position-based packed-sequence detection (transformers' ``find_packed_sequence_indices`` /
-        ``prepare_fa_kwargs_from_position_ids``). No sync."""
-        op = "ShardPlan.shard_positions"
+        """This rank's share of position ids, with pad slots that never split a run of pads into one-token sequences.
+
+        Real slots get the token's positions; pad slots get the plan's own ``position_ids`` there on every row: a
+        sequence's tail pads continue counting from its padded offset (``L_i, L_i+1, ...``, above every real
+        position of the sequence, which starts at 0 and grows by at most 1 per token) and the bucket segment counts
+        from 0. So positions restart at 0 only where a segment starts, as position-based packed-sequence detection
+        (transformers' ``find_packed_sequence_indices`` / ``prepare_fa_kwargs_from_position_ids``) needs.
+
+        Args:
+            position_ids: int32/int64 ``[T]``, ``[1, T]``, mRoPE ``[R, T]`` (R = 3 or 4), ``[R, 1, T]``
+                (transformers' and Megatron's ``[R, B, T]`` with B = 1) or ``[1, R, T]`` (verl's ``[B, R, T]``),
+                tokens along the last dim, on the plan's device (other leading sizes are refused: ``[2, T]``
+                could be two rows or a batch of two).
+
+        Returns:
+            ``position_ids``' form with ``T_local`` along the last dim, its dtype and device. No sync.
+        """
+        return self._shard_positions("ShardPlan.shard_positions", "position_ids", position_ids)
+
+    def _shard_positions(self, op: str, name: str, position_ids) -> torch.Tensor:
+        """:meth:`shard_positions` for ``op``, whose refusals name the argument ``name``."""
         if not isinstance(position_ids, torch.Tensor):
-            raise TypeError(f"packcuda.{op}: position_ids must be a tensor, got {type(position_ids).__name__}")
+            raise TypeError(f"packcuda.{op}: {name} must be a tensor, got {type(position_ids).__name__}")
         if position_ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"packcuda.{op}: position_ids must be an int32/int64 tensor, got {position_ids.dtype}")
-        if position_ids.dim() not in (1, 2, 3) or (position_ids.dim() == 3 and position_ids.shape[1] != 1):
-            raise ValueError(f"packcuda.{op}: position_ids must be [T], [R, T] or [R, 1, T], got shape "
-                             f"{tuple(position_ids.shape)}")
-        d = self._rows("shard_positions", position_ids, -1, self.total, "position_ids")
-        out = _gather(position_ids, self.index, 0.0, d)
+            raise TypeError(f"packcuda.{op}: {name} must be an int32/int64 tensor, got {position_ids.dtype}")
+        shape = tuple(position_ids.shape)
+        rows = [n for n in shape[:-1] if n != 1]  # R (3 or 4) or nothing: B is 1
+        if not 1 <= len(shape) <= 3 or shape[-1] != self.total or rows not in ([], [3], [4]):
+            raise ValueError(f"packcuda.{op}: {name} must be [T], [1, T], [R, T], [R, 1, T] or [1, R, T] (R = 3 "
+                             f"or 4, B = 1) with T = {self.total} tokens of the plan, got shape {shape}")
+        if position_ids.device != self.device:
+            raise ValueError(f"packcuda.{op}: {name} is on {position_ids.device}, but the plan is on {self.device}")
+        out = _gather(position_ids, self.index, 0.0, len(shape) - 1)
         return torch.where(self._pad_mask, self.position_ids.to(out.dtype), out)
 
     @property
@@ -217,16 +258,32 @@ class ShardPlan:
         return m
 
     def labels(self, input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Local next-token labels of the original ``input_ids`` ``[T]``: the next token of the same sequence
-        (correct across chunk boundaries), ``ignore_index`` at each sequence's last token and on pads."""
+        """This rank's next-token labels: the next token of the same sequence, right across chunk boundaries.
+
+        Args:
+            input_ids: integer ``[T]``, the original stream, on the plan's device.
+            ignore_index: the label at each sequence's last token and on pads.
+
+        Returns:
+            ``[T_local]``, ``input_ids``' dtype and device. No sync.
+        """
         self._rows("labels", input_ids, 0, self.total, "input_ids")
         ignore_index = check_int("ShardPlan.labels", "ignore_index", ignore_index)
         return _gather(input_ids, self.label_index,
                        _fill_arg("ShardPlan.labels", ignore_index, "ignore_index", input_ids.dtype), 0)
 
     def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
-        """``[T, ...]`` in original order from all ranks' local outputs ``gathered`` ``[cp, T_local, ...]`` (or
-        already flattened ``[cp*T_local, ...]``); pads are dropped. Differentiable. No sync."""
+        """All ranks' local outputs back in the original order; pads are dropped.
+
+        Differentiable.
+
+        Args:
+            gathered: ``[cp, T_local, ...]`` (or already flattened ``[cp*T_local, ...]``), any dtype, on the plan's
+                device.
+
+        Returns:
+            ``[T, ...]``, ``gathered``'s dtype and device. No sync.
+        """
         if not isinstance(gathered, torch.Tensor):
             raise TypeError(f"packcuda.ShardPlan.unshard: gathered must be a tensor, got {type(gathered).__name__}")
         if gathered.device != self.device:
@@ -240,13 +297,19 @@ class ShardPlan:
         return _gather(flat, self.unshard_index, 0.0)
 
     def gather(self, x_local: torch.Tensor, group=None) -> torch.Tensor:
-        """All-gather ``x_local`` ``[T_local, ...]`` over the CP process group, then :meth:`unshard`:
-        ``[T, ...]`` in original order on every rank. Works with gloo (CPU) and NCCL.
+        """All-gather this rank's rows over the CP group, then ``unshard``: the whole stream on every rank.
 
-        Backward (the semantics of ``torch.distributed.nn.all_gather``): the gradients that all ranks hold
-        for the full ``[T, ...]`` output are summed (a reduce-scatter; gloo: all-reduce then slice), and this
-        rank receives the part for its own local rows; pad rows get zero gradient. If every rank computes
-        the same loss on the gathered tensor, the gradient is therefore ``cp_size`` times that of one copy.
+        Works with gloo (CPU) and NCCL. Backward (the semantics of ``torch.distributed.nn.all_gather``): the
+        gradients that all ranks hold for the full output are summed (a reduce-scatter; gloo: all-reduce then
+        slice), and this rank receives the part for its own local rows; pad rows get zero gradient. If every rank
+        computes the same loss on the gathered tensor, the gradient is therefore ``cp_size`` times that of one copy.
+
+        Args:
+            x_local: ``[T_local, ...]``, on the plan's device.
+            group: the CP process group (size ``cp_size``); None for the default group.
+
+        Returns:
+            ``[T, ...]`` in the original order, ``x_local``'s dtype and device. The collective only, no host sync.
         """
         import torch.distributed as dist
 
@@ -314,17 +377,25 @@ def shard_plan(
     bucket: Optional[int] = None,
     device: Optional[Union[str, torch.device]] = None,
 ) -> ShardPlan:
-    """Plan of CP rank ``cp_rank`` of ``cp_size`` for the packed stream ``cu_seqlens`` (``[N+1]``, from 0,
-    non-decreasing; zero-length sequences allowed).
+    """The plan of CP rank ``cp_rank`` of ``cp_size`` for a packed stream: everything CP-related derives from it.
 
-    ``layout``: ``"zigzag"`` (``align`` defaults to ``2*cp_size`` and must be a multiple of it, e.g.
-    ``2*cp*tp``; ``bucket`` must be a multiple of ``align``) or ``"contiguous"`` (``align`` defaults to 1;
-    the stream is padded to a multiple of ``lcm(bucket, cp_size)``). ``bucket``: round the padded total up
-    to a multiple of it with one trailing pad segment. ``device``: where the plan's tensors live (default:
-    ``cu_seqlens``'s device, CPU for host metadata).
+    Args:
+        cu_seqlens: ``[N + 1]`` boundaries, from 0, non-decreasing (zero-length sequences allowed). Host (list,
+            numpy array, CPU tensor): no sync. A device tensor is read back once (``.cpu()``: one sync), because
+            the layout's sizes depend on its values.
+        cp_size: the CP group's size.
+        cp_rank: this rank, in ``[0, cp_size)``.
+        layout: ``"zigzag"`` (Megatron / TransformerEngine THD: rank r holds chunks r and 2*cp-1-r of every
+            sequence) or ``"contiguous"`` (Ulysses SP / FLA CP: rank r holds one window of the padded stream).
+        align: every sequence is padded to a multiple of it; zigzag: default ``2*cp_size``, must be a multiple
+            of it (e.g. ``2*cp*tp``); contiguous: default 1.
+        bucket: round the padded total up to a multiple of it with one trailing pad segment (zigzag: a multiple
+            of ``align``; contiguous: the stream is padded to a multiple of ``lcm(bucket, cp_size)``); None for
+            no bucket.
+        device: where the plan's tensors live; default: ``cu_seqlens``'s device (CPU for host metadata).
 
-    Syncs: host ``cu_seqlens`` (list / CPU tensor) — none. Device ``cu_seqlens`` — one read of it back to
-    the host (``.cpu()``), because the layout's sizes depend on its values.
+    Returns:
+        A ``ShardPlan``.
     """
     op = "shard_plan"
     code = _layout_code(op, layout)
@@ -358,7 +429,7 @@ _shard_plan_op = ops.shard_plan.default
 # ---------------------------------------------------------------------------------------------------
 # static plans: fixed shapes, built on the device
 # ---------------------------------------------------------------------------------------------------
-@torch.library.register_fake("packcuda::static_shard_plan")
+@fake_kernel("static_shard_plan")
 def _static_shard_plan_fake(cu_seqlens, num_seqs, num_seqs_host, cp_size, cp_rank, layout, align, capacity,
                             max_seqs):
     dev = cu_seqlens.device
@@ -371,12 +442,12 @@ def _static_shard_plan_fake(cu_seqlens, num_seqs, num_seqs_host, cp_size, cp_ran
             e(npieces + 1, i32), e(npieces, i64), e(npieces, i32), e(nseg, i32), e(_N_STATUS, i64))
 
 
-@torch.library.register_fake("packcuda::shard_static_unshard_index")
+@fake_kernel("shard_static_unshard_index")
 def _shard_static_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, layout, capacity):
     return torch.empty(capacity, dtype=torch.int64, device=cu_seqlens.device)
 
 
-@torch.library.register_fake("packcuda::shard_static_exchange_index")
+@fake_kernel("shard_static_exchange_index")
 def _shard_static_exchange_index_fake(pieces, piece_offset, piece_seq, cu_seqlens_padded, cp_size, cp_rank, layout,
                                       capacity, kernel_size):
     sq = piece_offset.shape[0] * (kernel_size - 1)
@@ -392,30 +463,32 @@ _N_STATUS = len(_STATUS_NAMES)
 
 
 class StaticShardPlan(ShardPlan):
-    """A :class:`ShardPlan` whose every shape is fixed by ``(capacity, max_seqs, cp_size)`` and whose values
-    are built on the device (build it with :func:`static_shard_plan`). Building it reads nothing back and
-    allocates nothing that depends on values, so it can be captured in a CUDA graph or compiled with static
-    shapes, and one capture serves every batch of the same capacity.
+    """A ``ShardPlan`` whose every shape is fixed by ``(capacity, max_seqs, cp_size)``, built on the device.
 
-    The original stream has ``total = capacity`` rows (a bucketed batch: the real tokens first, then rows the
-    plan never reads); :meth:`shard`, :meth:`labels`, :meth:`shard_positions` take ``[capacity, ...]`` inputs
-    and :meth:`unshard` / :meth:`gather` return ``[capacity, ...]`` with zero rows past the real tokens.
-    ``total_local = capacity / cp_size``. Tables (all on ``device``): ``index`` / ``position_ids`` /
-    ``label_index`` ``[total_local]``, ``cu_seqlens_padded`` / ``cu_seqlens_local`` int32 ``[max_seqs + 2]``
-    (the sequences, the bucket pad segment, then trailing repeats of the end), ``pieces`` int32 ``[S + 1]``,
-    ``piece_offset`` int64 ``[S]``, ``piece_seq`` int32 ``[S]`` with ``S = 2 (max_seqs + 1)`` (zigzag) or
-    ``max_seqs + 1`` (contiguous; extra pieces are empty), ``cu_seqlens`` int32 ``[max_seqs + 1]`` (the
-    batch's boundaries, entries past ``num_seqs`` repeating the total) and ``status`` int64 ``[4]``.
-    On everything the host plan ``shard_plan(cu_seqlens[:num_seqs + 1], ..., bucket=capacity)`` has, the two
-    are equal slot for slot.
+    Build it with ``static_shard_plan``. Building it reads nothing back and allocates nothing that depends on
+    values, so it can be captured in a CUDA graph or compiled with static shapes, and one capture serves every
+    batch of the same capacity. The original stream has ``total = capacity`` rows (a bucketed batch: the real
+    tokens first, then rows the plan never reads): ``shard``, ``labels`` and ``shard_positions`` take
+    ``[capacity, ...]`` inputs and ``unshard`` / ``gather`` return ``[capacity, ...]`` with zero rows past the
+    real tokens. On everything the host plan ``shard_plan(cu_seqlens[:num_seqs + 1], ..., bucket=capacity)``
+    has, the two are equal slot for slot. A batch that does not fit (padded total above ``capacity``,
+    ``num_seqs`` outside ``[0, max_seqs]``, ``cu_seqlens`` not starting at 0 or decreasing) gives an all-pad
+    plan (every ``index`` is -1; one pad segment covers the stream) and sets ``status``; ``check`` reads it
+    (one sync) and raises. ``pad_size`` and the ``*_host`` lists are device values here and are refused.
 
-    Static bounds for varlen attention: ``max_seqlen_local = total_local`` and ``max_seqlen_padded =
-    capacity`` (no segment is longer; the real maxima are device values). ``pad_size`` and the ``*_host``
-    lists are device values here and are refused.
-
-    A batch that does not fit (padded total above ``capacity``, ``num_seqs`` outside ``[0, max_seqs]``,
-    ``cu_seqlens`` not starting at 0 or decreasing) gives an all-pad plan (every ``index`` is -1; one pad
-    segment covers the stream) and sets ``status``; :meth:`check` reads it (one sync) and raises.
+    Attributes:
+        index: int64 ``[capacity / cp_size]`` on ``device`` (also ``position_ids``, ``label_index``).
+        cu_seqlens_padded: int32 ``[max_seqs + 2]`` on ``device``: the sequences, the bucket pad segment, then
+            trailing repeats of the end (zero-length segments for varlen attention); also ``cu_seqlens_local``.
+        pieces: int32 ``[S + 1]`` on ``device`` with ``S = 2 (max_seqs + 1)`` (zigzag) or ``max_seqs + 1``
+            (contiguous; extra pieces are empty); ``piece_offset`` int64 ``[S]``, ``piece_seq`` int32 ``[S]``.
+        cu_seqlens: int32 ``[max_seqs + 1]`` on ``device``: the batch's boundaries, entries past ``num_seqs``
+            repeating the total.
+        status: int64 ``[4]`` on ``device``: nonzero when the batch did not fit.
+        total_local: host int, ``capacity / cp_size``.
+        max_seqlen_local: host int, ``total_local``: a static bound for varlen attention (the real maximum is
+            a device value).
+        max_seqlen_padded: host int, ``capacity``: a static bound.
     """
 
     def __init__(self, built, *, layout: str, cp_size: int, cp_rank: int, align: int, capacity: int,
@@ -451,8 +524,9 @@ class StaticShardPlan(ShardPlan):
 
     @property
     def unshard_index(self) -> torch.Tensor:
-        """int64 ``[capacity]``: row of each original token in the rank-major concatenation ``[cp*T_local]``
-        of all ranks' local buffers, -1 past the real tokens. Built on first use (one launch, no sync)."""
+        """int64 ``[capacity]`` on the plan's device: the row of each original token in the rank-major
+        concatenation ``[cp*T_local]`` of all ranks' local buffers, -1 past the real tokens. Built on first use
+        (one launch, no sync)."""
         if self._unshard_index is None:
             self._unshard_index = ops.shard_static_unshard_index(
                 self.cu_seqlens, self.cu_seqlens_padded, self.cp_size, _LAYOUTS[self.layout], self.capacity)
@@ -465,8 +539,12 @@ class StaticShardPlan(ShardPlan):
         return self._pad_mask_t
 
     def check(self) -> "StaticShardPlan":
-        """Reads ``status`` (one device sync) and raises ``ValueError`` naming the sizes when the batch did not
-        fit the plan; returns the plan otherwise. Call it outside captured regions (e.g. every N steps)."""
+        """Raise if the batch did not fit the plan; call it outside captured regions (e.g. every N steps).
+
+        Returns:
+            The plan itself. Reads ``status`` (one device sync); raises ``ValueError`` naming the sizes when the
+            batch did not fit.
+        """
         status = dict(zip(_STATUS_NAMES, self.status.tolist()))
         flags, n, total, bad = status["flags"], status["num_seqs"], status["padded_total"], status["first_bad_cu"]
         why = []
@@ -484,13 +562,21 @@ class StaticShardPlan(ShardPlan):
         return self
 
     def local_conv_prefix(self, x_local: torch.Tensor, kernel_size: int) -> torch.Tensor:
-        """``[S, K-1, C]``: the conv prefix rows of every piece that this rank holds itself (rows at padded
-        offsets ``[o-(K-1), o)`` of the piece's sequence), zero rows before the sequence start and for rows
-        held by other ranks. With ``cp_size == 1`` this is the whole prefix (what :func:`packcuda.conv_prefix`
-        returns): ``causal_conv1d(x_local, w, cu_seqlens=plan.pieces, prefix=plan.local_conv_prefix(x_local,
-        K))`` equals the unsharded conv on every real slot. For ``cp_size > 1`` it is the local part of the
-        exchange (:func:`packcuda.conv_prefix` with a group does the whole exchange). Differentiable
-        (deterministic backward); no sync; capturable."""
+        """The conv prefix rows of every piece that this rank holds itself; zeros for the rows other ranks hold.
+
+        Rows at padded offsets ``[o-(K-1), o)`` of each piece's sequence, zero rows before the sequence start. With
+        ``cp_size == 1`` this is the whole prefix (what ``packcuda.conv_prefix`` returns): ``causal_conv1d(x_local,
+        w, cu_seqlens=plan.pieces, prefix=plan.local_conv_prefix(x_local, K))`` equals the unsharded conv on every
+        real slot. For ``cp_size > 1`` it is the local part of the exchange (``packcuda.conv_prefix`` with a group
+        does the whole exchange). Differentiable (deterministic backward); capturable.
+
+        Args:
+            x_local: ``[T_local, C]`` on the plan's device.
+            kernel_size: K, an integer in [1, 8].
+
+        Returns:
+            ``[S, K-1, C]``, ``x_local``'s dtype and device. No sync.
+        """
         return self._conv_prefix("StaticShardPlan.local_conv_prefix", x_local, kernel_size, None)
 
     def _conv_prefix(self, op: str, x_local, kernel_size, group, exchange: bool = False) -> torch.Tensor:
@@ -564,21 +650,29 @@ def static_shard_plan(
     layout: str = "zigzag",
     align: Optional[int] = None,
 ) -> StaticShardPlan:
-    """Static-shape plan of CP rank ``cp_rank`` of ``cp_size``, built on ``cu_seqlens``'s device without a
-    host read (a :class:`StaticShardPlan`; capturable in a CUDA graph, ``torch.compile(dynamic=False)``
-    compiles it once per ``(capacity, max_seqs, cp_size)``).
+    """A static-shape plan of CP rank ``cp_rank`` of ``cp_size``, built on ``cu_seqlens``'s device without a host read.
 
-    ``cu_seqlens``: int32/int64 ``[max_seqs + 1]`` tensor (cpu or cuda) whose first ``num_seqs + 1`` entries
-    are the batch's boundaries (entries past ``num_seqs`` are not read). ``num_seqs``: a host int in
-    ``[0, max_seqs]`` (baked into a capture) or a 0-dim int32/int64 tensor on the same device (read by the
-    kernel; use this for graphs and compiled steps). ``capacity``: the static padded total (bucket size);
-    zigzag: a multiple of ``align`` (``align`` defaults to ``2*cp_size`` and must be a multiple of it);
-    contiguous: a multiple of ``cp_size`` (``align`` defaults to 1). The plan equals
-    ``shard_plan(cu_seqlens[:num_seqs + 1], cp_size, cp_rank, layout=layout, align=align, bucket=capacity)``
-    on every slot that plan has.
+    Capturable in a CUDA graph; ``torch.compile(dynamic=False)`` compiles it once per ``(capacity, max_seqs,
+    cp_size)``. The plan equals ``shard_plan(cu_seqlens[:num_seqs + 1], cp_size, cp_rank, layout=layout,
+    align=align, bucket=capacity)`` on every slot that plan has. A batch that does not fit is not an exception
+    here (that would need a host read): the plan is all padding and ``StaticShardPlan.check`` raises (one sync).
 
-    A batch that does not fit is not an exception here (that would need a host read): the plan is all
-    padding and :meth:`StaticShardPlan.check` raises (one sync). Syncs: none."""
+    Args:
+        cu_seqlens: int32/int64 ``[max_seqs + 1]``, CPU or CUDA; its first ``num_seqs + 1`` entries are the
+            batch's boundaries (entries past ``num_seqs`` are not read).
+        num_seqs: a host int in ``[0, max_seqs]`` (baked into a capture), or a 0-dim int32/int64 tensor on
+            ``cu_seqlens``' device (read by the kernel: use this for graphs and compiled steps).
+        cp_size: the CP group's size.
+        cp_rank: this rank, in ``[0, cp_size)``.
+        capacity: the static padded total (the bucket); zigzag: a multiple of ``align``; contiguous: a multiple
+            of ``cp_size``.
+        max_seqs: the most sequences a batch may have.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+        align: zigzag: default ``2*cp_size``, must be a multiple of it; contiguous: default 1.
+
+    Returns:
+        A ``StaticShardPlan`` on ``cu_seqlens``' device. No sync.
+    """
     op = "static_shard_plan"
     code = _layout_code(op, layout)
     if not isinstance(cu_seqlens, torch.Tensor):

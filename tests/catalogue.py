@@ -16,13 +16,13 @@ import importlib
 import os
 import subprocess
 import sys
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULES = ("catalogue_pack", "catalogue_shard", "catalogue_rope", "catalogue_mrope", "catalogue_conv",
-           "catalogue_balance", "catalogue_integrations")
+           "catalogue_balance", "catalogue_integrations", "catalogue_devices")
 
 
 @dataclasses.dataclass
@@ -36,7 +36,8 @@ class Case:
     name: a short id, unique per target.
     make: returns ``(fn, args, kwargs)``; the inputs are built fresh each run.
     exc: the exception type(s) expected.
-    arg: a word the message must contain (the offending argument's name).
+    arg: a word the message must contain (the offending argument's name), or a tuple of words it must all contain;
+        a word given as a tuple of words is any one of them.
     op: the op name the message must contain (default: the target's last component).
     risky: run in a child process (crash reproducers).
     cuda: the case needs a CUDA device (skipped without one).
@@ -46,7 +47,7 @@ class Case:
     name: str
     make: Callable[[], Tuple[Callable, Sequence[Any], dict]]
     exc: Any = ValueError
-    arg: str = ""
+    arg: Union[str, Tuple[Union[str, Tuple[str, ...]], ...]] = ""
     op: Optional[str] = None
     risky: bool = False
     cuda: bool = False
@@ -97,7 +98,9 @@ def run_case(case: Case) -> None:
         msg = str(e)
         assert f"packcuda.{case.op_name}" in msg or f"packcuda::{case.op_name}" in msg, (
             f"{case.target}/{case.name}: message does not name the op {case.op_name!r}: {msg!r}")
-        assert case.arg in msg, f"{case.target}/{case.name}: message does not name {case.arg!r}: {msg!r}"
+        for word in (case.arg,) if isinstance(case.arg, str) else case.arg:
+            assert any(w in msg for w in ((word,) if isinstance(word, str) else word)), (
+                f"{case.target}/{case.name}: message does not name {word!r}: {msg!r}")
     except Exception as e:  # the wrong type: an internal error
         raise AssertionError(f"{case.target}/{case.name}: expected {case.exc}, got {type(e).__name__}: {e}") from e
     else:
@@ -147,7 +150,7 @@ def all_cases():
 # what must be covered
 # ---------------------------------------------------------------------------------------------------
 # ops that take no argument at all: nothing can be passed wrongly
-NO_ARGUMENT_OPS = {"version", "conv_nccl_available", "conv_nccl_unique_id", "shard_plan_fields"}
+NO_ARGUMENT_OPS = {"version", "conv_nccl_available", "conv_nccl_unique_id", "shard_plan_fields", "rope_max_rotary_dim"}
 
 
 def raw_ops() -> list[str]:

@@ -115,18 +115,25 @@ CASES = [
     _fp("k_head_dim", F, lambda: call(F, qk()[0], qk(d=8)[1], pos(), rope_theta=1e4), arg="head_dim"),
     _fp("q_last_dim_strided", F, lambda: call(F, qk(d=2 * D)[0][..., ::2], qk()[1], pos(), rope_theta=1e4),
         arg="q must be contiguous"),
-    _fp("positions_float_tensor", F, lambda: call(F, *qk(), pos().float() + 0.5, rope_theta=1e4), exc=TypeError,
-        arg="positions"),
+    _fp("positions_float_tensor", F, lambda: call(F, *qk(), pos().float() + 0.5, rope_theta=1e4), arg="positions"),
     _fp("positions_float_list", F, lambda: call(F, *qk(), [0.5, 1.5, 2.5, 3.5, 4.5], rope_theta=1e4),
         exc=TypeError, arg="positions"),
     _fp("positions_bool", F, lambda: call(F, *qk(), torch.ones(T, dtype=torch.bool), rope_theta=1e4),
-        exc=TypeError, arg="positions"),
+        arg="positions"),
     _fp("positions_none", F, lambda: call(F, *qk(), None, rope_theta=1e4), exc=TypeError, arg="positions"),
     _fp("positions_ragged", F, lambda: call(F, *qk(), [[0, 1], [2]], rope_theta=1e4), exc=TypeError,
         arg="positions"),
     _fp("positions_tokens", F, lambda: call(F, *qk(), pos(4), rope_theta=1e4), arg="positions"),
     _fp("positions_rows", F, lambda: call(F, *qk(), torch.zeros(2, T, dtype=torch.long), rope_theta=1e4,
                                           mrope_section=[2, 3, 3]), arg="positions"),
+    _fp("positions_batch_not_1", F, lambda: call(F, *qk(), torch.zeros(3, T, 1, dtype=torch.long), rope_theta=1e4,
+                                                 mrope_section=[2, 3, 3]), arg="positions"),
+    _fp("positions_plain_batch_not_1", F, lambda: call(F, *qk(), torch.zeros(T, 1, dtype=torch.long),
+                                                       rope_theta=1e4), arg="positions"),
+    _fp("positions_five_rows", F, lambda: call(F, *qk(), torch.zeros(5, 1, T, dtype=torch.long), rope_theta=1e4,
+                                               mrope_section=[2, 3, 3]), arg="positions"),
+    _fp("positions_rows_without_section", F, lambda: call(F, *qk(), torch.zeros(4, 1, T, dtype=torch.int32),
+                                                          rope_theta=1e4), arg="positions"),
     _fp("positions_lead_shape", F, lambda: call(F, torch.zeros(2, 3, 4, 2, D), torch.zeros(2, 3, 4, 1, D),
                                                 torch.zeros(4, 3, 2, dtype=torch.long), rope_theta=1e4),
         arg="positions"),
@@ -333,6 +340,9 @@ CASES = [
          arg="attention_scaling"),
     Case("ops.apply_rope", "interleaved_no_section", lambda: _raw(ops.apply_rope, mrope_interleaved=True),
          arg="mrope_interleaved"),
+    Case("ops.apply_rope", "positions_four_rows_tokens", arg="positions",
+         make=lambda: _raw(ops.apply_rope, positions=torch.zeros(4, 1, T - 1, dtype=torch.int32),
+                           mrope_section=[2, 3, 3])),
     Case("ops.apply_rope", "positions_cuda_q_cpu", cuda=True, arg="positions",
          make=lambda: _raw(ops.apply_rope, positions=pos().cuda())),
     Case("ops.apply_rope_", "k_tokens", lambda: _raw(ops.apply_rope_, k=qk(t=4)[1]), arg="tokens"),
@@ -375,7 +385,7 @@ def _n(fn, *args, **over):
 
 def _nraw(fn, **over):
     q, k = qk()
-    a = dict(q=q, k=k, positions=pos(), inv_freq=inv(), q_weight=w(), k_weight=w(), eps=1e-6, norm=0,
+    a = dict(q=q, k=k, positions=pos(), inv_freq=inv(), q_weight=w(), k_weight=w(), eps=1e-6, norm="rms",
              rotary_dim=D, mrope_section=[], mrope_interleaved=False, gptj=False, attention_scaling=1.0)
     a.update(over)
     return call(fn, *a.values())
@@ -384,8 +394,8 @@ def _nraw(fn, **over):
 def _nraw_bwd(**over):
     q, k = qk()
     a = dict(grad_q=torch.ones_like(q), grad_k=torch.ones_like(k), q=q, k=k, positions=pos(), inv_freq=inv(),
-             q_weight=w(), k_weight=w(), eps=1e-6, norm=0, rotary_dim=D, mrope_section=[], mrope_interleaved=False,
-             gptj=False, attention_scaling=1.0)
+             q_weight=w(), k_weight=w(), eps=1e-6, norm="rms", rotary_dim=D, mrope_section=[],
+             mrope_interleaved=False, gptj=False, attention_scaling=1.0)
     a.update(over)
     return call(ops.apply_qk_norm_rope_backward, *a.values())
 
@@ -416,7 +426,7 @@ CASES += [
     _fp("eps_str", N, lambda: _n(N, eps="1e-6"), exc=TypeError, arg="eps"),
     _fp("eps_bool", N, lambda: _n(N, eps=True), exc=TypeError, arg="eps"),
     _fp("norm_unknown", N, lambda: _n(N, norm="layer"), arg="norm"),
-    _fp("norm_int", N, lambda: _n(N, norm=0), arg="norm"),
+    _fp("norm_int", N, lambda: _n(N, norm=0), exc=TypeError, arg="norm"),
     _fp("head_dim_too_large", N, lambda: _n(N, *qk(d=520), pos(), q_weight=w(520), k_weight=w(520)),
         arg="head_dim"),
     _fp("gptj_odd_head_dim", N, lambda: _n(N, *qk(d=9), pos(), q_weight=w(9), k_weight=w(9), rotary_dim=8,
@@ -425,7 +435,7 @@ CASES += [
     _fp("k_dtype_mismatch", N, lambda: _n(N, qk()[0], qk()[1].double(), pos()), arg="k"),
     _fp("k_tokens", N, lambda: _n(N, qk()[0], qk(t=4)[1], pos()), arg="tokens"),
     _fp("q_last_dim_strided", N, lambda: _n(N, qk(d=2 * D)[0][..., ::2], qk()[1], pos()), arg="q must be contiguous"),
-    _fp("positions_float", N, lambda: _n(N, *qk(), pos().float()), exc=TypeError, arg="positions"),
+    _fp("positions_float", N, lambda: _n(N, *qk(), pos().float()), arg="positions"),
     _fp("positions_tokens", N, lambda: _n(N, *qk(), pos(4)), arg="positions"),
     _fp("rotary_dim_odd", N, lambda: _n(N, rotary_dim=7), arg="rotary_dim"),
     _fp("section_sum", N, lambda: _n(N, *qk(), torch.zeros(3, T).long(), mrope_section=[2, 3, 2]),
@@ -462,7 +472,7 @@ CASES += [
                                                             k_weight=w(dtype=torch.float64)), arg="k_weight"),
     Case("ops.apply_qk_norm_rope", "eps_nan", lambda: _nraw(ops.apply_qk_norm_rope, eps=float("nan")), arg="eps"),
     Case("ops.apply_qk_norm_rope", "eps_negative", lambda: _nraw(ops.apply_qk_norm_rope, eps=-1.0), arg="eps"),
-    Case("ops.apply_qk_norm_rope", "norm_kind", lambda: _nraw(ops.apply_qk_norm_rope, norm=2), arg="norm"),
+    Case("ops.apply_qk_norm_rope", "norm_kind", lambda: _nraw(ops.apply_qk_norm_rope, norm="layer"), arg="norm"),
     Case("ops.apply_qk_norm_rope", "head_dim_too_large", arg="head_dim",
          make=lambda: _nraw(ops.apply_qk_norm_rope, q=qk(d=514)[0], k=qk(d=514)[1], q_weight=w(514), k_weight=w(514))),
     Case("ops.apply_qk_norm_rope", "rotary_dim_odd", lambda: _nraw(ops.apply_qk_norm_rope, rotary_dim=7), arg="rotary_dim"),

@@ -92,9 +92,9 @@ def test_causal_conv1d_unaligned_storage(device, dtype):
     y = packcuda.causal_conv1d(x, w, cu_seqlens=cu, activation="silu")
     _close(y, ref.causal_conv1d(x.double(), w.double(), None, cu, None, "silu"), dtype, "y")
     dyb = torch.randn(T * C + 1, generator=g).to(device, dtype)
-    outs = torch.ops.packcuda.causal_conv1d_bwd(dyb[1:].view(T, C), x, w, None, torch.tensor(cu), None, 1)
+    outs = torch.ops.packcuda.causal_conv1d_bwd(dyb[1:].view(T, C), x, w, None, torch.tensor(cu), None, "silu")
     ref_outs = torch.ops.packcuda.causal_conv1d_bwd(dyb[1:].clone().view(T, C), x.clone(), w, None,
-                                                    torch.tensor(cu), None, 1)
+                                                    torch.tensor(cu), None, "silu")
     for a, r in zip(outs, ref_outs):
         if a is not None and r is not None:
             _close(a, r, dtype, "grad")
@@ -138,8 +138,8 @@ def test_causal_conv1d_prefix_rows_near_tile_edges(device, K):
     p = torch.randn(S, K - 1, C, generator=g).to(device, torch.bfloat16)
     p_off = torch.empty(p.numel() + 1, device=device, dtype=p.dtype)[1:].view_as(p).copy_(p)
     bias = torch.randn(C, generator=g).to(device, torch.bfloat16)
-    a = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, bias, torch.tensor(cu), p, 1)
-    b = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, bias, torch.tensor(cu), p_off, 1)
+    a = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, bias, torch.tensor(cu), p, "silu")
+    b = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, bias, torch.tensor(cu), p_off, "silu")
     for name, i in (("dx", 0), ("dweight", 1), ("dbias", 2), ("dprefix", 3)):
         assert torch.equal(b[i], a[i]), name
 
@@ -194,7 +194,7 @@ def test_causal_conv1d_backward_is_deterministic(device, dtype):
     b = torch.randn(64, generator=g).to(device, dtype)
     p = torch.randn(5, 3, 64, generator=g).to(device, dtype)
     dy = torch.randn(cu[-1], 64, generator=g).to(device, dtype)
-    outs = [torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, torch.tensor(cu), p, 1) for _ in range(3)]
+    outs = [torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, torch.tensor(cu), p, "silu") for _ in range(3)]
     for o in outs[1:]:
         for a, b_ in zip(outs[0], o):
             assert torch.equal(a, b_)
@@ -229,8 +229,8 @@ def test_causal_conv1d_many_segments(device, nseg):
     cu_dev = torch.tensor(cu, device=device)
     assert torch.equal(packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu"),
                        packcuda.causal_conv1d(x, w, b, cu_seqlens=cu_dev, prefix=p, activation="silu"))
-    host = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, torch.tensor(cu), p, 1)
-    dev = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_dev, p, 1)
+    host = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, torch.tensor(cu), p, "silu")
+    dev = torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_dev, p, "silu")
     for a, b_ in zip(host, dev):
         assert torch.equal(a, b_)
 
@@ -244,11 +244,11 @@ def test_opcheck(device):
     w = torch.randn(4, 3, generator=g).to(device).requires_grad_()
     b = torch.randn(4, generator=g).to(device).requires_grad_()
     p = torch.randn(3, 2, 4, generator=g).to(device).requires_grad_()
-    opcheck(torch.ops.packcuda.causal_conv1d_fwd.default, (x, w, b, cu, p, 1))
-    opcheck(torch.ops.packcuda.causal_conv1d_fwd.default, (x, w, None, None, None, 0))
+    opcheck(torch.ops.packcuda.causal_conv1d_fwd.default, (x, w, b, cu, p, "silu"))
+    opcheck(torch.ops.packcuda.causal_conv1d_fwd.default, (x, w, None, None, None, None))
     dy = torch.randn(10, 4, generator=g).to(device)
     opcheck(torch.ops.packcuda.causal_conv1d_bwd.default, (dy, x.detach(), w.detach(), b.detach(), cu,
-                                                           p.detach(), 1))
+                                                           p.detach(), "silu"))
     a, bb = torch.randn(5, 4).to(device), torch.randn(3, 4).to(device)
     idx = torch.tensor([[0, 7], [-1, -1], [5, 2]], device=device)
     opcheck(torch.ops.packcuda.conv_gather_sum.default, (a, bb, idx))
@@ -351,7 +351,7 @@ def test_causal_conv1d_graph_capture_host_metadata():
 
         def step():
             return (packcuda.causal_conv1d(x, w, b, cu_seqlens=cu, prefix=p, activation="silu"),
-                    *torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_t, p, 1))
+                    *torch.ops.packcuda.causal_conv1d_bwd(dy, x, w, b, cu_t, p, "silu"))
 
         graph, outs = capture_cuda_graph(step)
         for _ in range(2):

@@ -449,7 +449,7 @@ def test_positions_bad_input():
         hf.packed_position_ids(torch.zeros(2, 3, dtype=torch.int64), [0, 3], cfg)
     if HAS_SHARD:
         with pytest.raises(ValueError, match=r"\[R, 1, T\]"):
-            hf.shard_position_ids(torch.zeros(4, 5, dtype=torch.int64), packcuda.shard_plan([0, 5], 1, 0))
+            hf.shard_position_ids(torch.zeros(4, 2, 5, dtype=torch.int64), packcuda.shard_plan([0, 5], 1, 0))
 
 
 @needs_mrope

@@ -287,12 +287,12 @@ def test_opcheck(device):
     wq, wk = torch.rand(2, D, generator=g).to(device).unbind(0)
     op = torch.ops.packcuda
     opcheck(op.apply_qk_norm_rope.default, (q.requires_grad_(), k.requires_grad_(), pos, inv, wq.requires_grad_(),
-                                      wk.requires_grad_(), 1e-6, 0, D, [2, 3, 3], True, False, 1.0))
-    opcheck(op.apply_qk_norm_rope.default, (q, k, pos[0], inv[:4], wq, wk, 1e-5, 1, 8, [], False, True, 0.5))
+                                      wk.requires_grad_(), 1e-6, "rms", D, [2, 3, 3], True, False, 1.0))
+    opcheck(op.apply_qk_norm_rope.default, (q, k, pos[0], inv[:4], wq, wk, 1e-5, "rms_offset", 8, [], False, True, 0.5))
     opcheck(op.apply_qk_norm_rope_.default, (q.detach().clone(), k.detach().clone(), pos, inv, wq.detach(), wk.detach(),
-                                       1e-6, 1, D, [2, 3, 3], False, False, 1.0))
+                                       1e-6, "rms_offset", D, [2, 3, 3], False, False, 1.0))
     opcheck(op.apply_qk_norm_rope_backward.default, (torch.randn_like(q), torch.randn_like(k), q.detach(), k.detach(), pos,
-                                               inv, wq.detach(), wk.detach(), 1e-6, 0, D, [2, 3, 3], True, False,
+                                               inv, wq.detach(), wk.detach(), 1e-6, "rms", D, [2, 3, 3], True, False,
                                                1.0))
 
 

@@ -365,6 +365,87 @@ def test_transformers_oracle(device, model, dtype):
         assert torch.equal(ours[..., rd:], x[..., rd:])
 
 
+def _trainer_forms(pos3, text):
+    """mRoPE positions [3, T] in the forms trainers hold for one packed THD sequence: [3, T], [3, 1, T] (Megatron's
+    [3, B, S] with B = 1), and transformers' [4, B, S] (text positions first) as [4, 1, T] and [4, T]; int64 and
+    int32."""
+    pos4 = torch.cat([text[None], pos3])
+    for p in (pos3, pos3[:, None], pos4[:, None], pos4):
+        for dt in (torch.int64, torch.int32):
+            yield p.to(dt)
+
+
+@pytest.mark.parametrize("model", ["qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3"])
+def test_thd_positions_in_trainer_forms(device, model):
+    """q [T, H, D] with positions as transformers and Megatron hold them for B = 1: the result equals
+    transformers' own rotary module and apply_rotary_pos_emb (which see the t, h, w rows; the text row of the
+    4-row form is not a rotary input), the same bits for every form, out of place and in place."""
+    pytest.importorskip("transformers")
+    if model == "qwen3":
+        from transformers.models.qwen3 import configuration_qwen3 as c, modeling_qwen3 as m
+
+        cfg = c.Qwen3Config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                            rope_parameters=dict(rope_type="default", rope_theta=1e6))
+        Rotary, hf_apply = m.Qwen3RotaryEmbedding, m.apply_rotary_pos_emb
+    else:
+        cfg, Rotary, hf_apply = _hf_models()[model]
+    kw = packcuda.rope_kwargs_from_config(cfg)
+    D = cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
+    g = _seed("thd-forms", model)
+    T, Hq, Hk = 97, 4, 2
+    q = torch.randn(T, Hq, D, generator=g).to(device)
+    k = torch.randn(T, Hk, D, generator=g).to(device)
+    text = torch.arange(T) + 5000  # transformers' text row: never a rotary input
+    if model == "qwen3":
+        pos = torch.randint(0, 30000, (T,), generator=g)
+        forms = [p.to(dt) for p in (pos, pos[None]) for dt in (torch.int64, torch.int32)]
+        hf_pos = pos[None]
+    else:
+        pos = torch.randint(0, 30000, (3, T), generator=g)
+        pos[:, :30] = torch.arange(30) + 100  # a text run: t = h = w
+        forms = list(_trainer_forms(pos, text))
+        hf_pos = pos[:, None]
+    rot = Rotary(cfg).to(device)
+    qh, kh = q.transpose(0, 1)[None], k.transpose(0, 1)[None]  # transformers' [B, H, S, D]
+    cos, sin = rot(qh, hf_pos.to(device))
+    hq, hk = hf_apply(qh, kh, cos, sin)
+    hq, hk = hq[0].transpose(0, 1), hk[0].transpose(0, 1)
+    want = None
+    for p in forms:
+        p = p.to(device)
+        oq, ok = packcuda.apply_rope(q, k, p, **kw)
+        assert torch.allclose(oq, hq, atol=3e-5, rtol=0) and torch.allclose(ok, hk, atol=3e-5, rtol=0), p.shape
+        if want is None:
+            want = (oq, ok)
+        assert torch.equal(oq, want[0]) and torch.equal(ok, want[1]), (p.shape, p.dtype)
+        q2, k2 = q.clone(), k.clone()
+        packcuda.apply_rope_(q2, k2, p, **kw)
+        assert torch.equal(q2, oq) and torch.equal(k2, ok)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_thd_positions_forms_qk_norm_and_grads(device, inplace):
+    """apply_qk_norm_rope(_) takes the same positions forms: bitwise the result and the gradients of [3, T]."""
+    g = _seed("thd-forms-qk", inplace)
+    T, D = 41, 32
+    q0 = torch.randn(T, 4, D, generator=g).to(device)
+    k0 = torch.randn(T, 2, D, generator=g).to(device)
+    wq0, wk0 = torch.rand(2, D, generator=g).to(device).unbind(0)
+    pos = torch.randint(0, 5000, (3, T), generator=g)
+    kw = dict(rope_theta=1e6, mrope_section=[6, 5, 5], mrope_interleaved=True)
+    fn = packcuda.apply_qk_norm_rope_ if inplace else packcuda.apply_qk_norm_rope
+    want = None
+    for p in _trainer_forms(pos, torch.arange(T)):
+        leaves = [x.clone().requires_grad_() for x in (q0, k0, wq0, wk0)]
+        q, k = (leaves[0] * 1, leaves[1] * 1) if inplace else leaves[:2]
+        oq, ok = fn(q, k, p.to(device), q_weight=leaves[2], k_weight=leaves[3], **kw)
+        grads = torch.autograd.grad((oq * oq).sum() + (ok * ok.sin()).sum(), leaves)
+        got = (oq.detach(), ok.detach(), *grads)
+        if want is None:
+            want = got
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (p.shape, p.dtype)
+
+
 def test_rope_kwargs_from_default_configs():
     pytest.importorskip("transformers")
     from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl as c25, modeling_qwen2_5_vl as m25
@@ -395,13 +476,17 @@ def test_bad_inputs():
         packcuda.apply_rope(q, k, pos, rope_theta=1e4, rotary_dim=18)
     with pytest.raises(ValueError, match=r"positions must be \[3, T\]"):
         packcuda.apply_rope(q, k, pos, rope_theta=1e4, mrope_section=[2, 3, 3])
-    with pytest.raises(ValueError, match=r"positions must be \[T\]"):
+    with pytest.raises(ValueError, match=r"positions of shape \[3, 5\] hold mRoPE rows \(t, h, w\): give mrope_section"):
         packcuda.apply_rope(q, k, pos3, rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"positions must be \[T\] or \[1, T\] \(plain RoPE\)"):
+        packcuda.apply_rope(q, k, pos3[None], rope_theta=1e4)
     with pytest.raises(ValueError, match="positions must have 3 rows"):
         packcuda.apply_rope(q, k, pos3[:2], rope_theta=1e4, mrope_section=[2, 3, 3])
     with pytest.raises(ValueError, match="positions has 4 tokens but q has 5"):
         packcuda.apply_rope(q, k, pos[:4], rope_theta=1e4)
-    with pytest.raises(TypeError, match=r"positions must hold integers \(int32/int64\), got torch.float32"):
+    with pytest.raises(TypeError, match=r"positions must hold integers, got torch.float32"):
+        packcuda.apply_rope(q, k, pos.float().tolist(), rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"packcuda.apply_rope: positions must have dtype in \{int32, int64\}"):
         packcuda.apply_rope(q, k, pos.float(), rope_theta=1e4)
     with pytest.raises(ValueError, match=r"positions must have dtype in \{int32, int64\}, got float32"):
         torch.ops.packcuda.apply_rope(q, k, pos.float(), torch.ones(8), 16, [], False, False, 1.0, False)

@@ -1,4 +1,4 @@
-"""README recipe "verl-style padding": shard plans with a bucket reproduce verl's FSDP-engine padding and
+"""The verl recipe of docs/integrations/verl.md: shard plans with a bucket reproduce verl's FSDP-engine padding and
 Ulysses slicing (contiguous) and its Megatron-engine THD preprocessing (zigzag).
 
 verl is not a dependency; the verl steps are written out here from their documented behaviour (packed row
@@ -118,7 +118,7 @@ def test_zigzag_bucket_is_verl_thd_preprocessing(cp):
 
 
 def test_zigzag_bucket_lengths_4_22_cp4_rank3():
-    """The README example: lengths [4, 22], cp=4, bucket 64. The real sequences keep their 2*cp padding (8 and
+    """The docs example: lengths [4, 22], cp=4, bucket 64. The real sequences keep their 2*cp padding (8 and
     24 rows) and the 32 bucket rows are a segment of their own, zigzag-split like any other; every real token
     is on exactly one rank, once, and every label is the next token of its own sequence."""
     cu, ids, _ = _pack([4, 22], 1, 0)

@@ -26,14 +26,17 @@ struct Partition {
 
 // Multi-way largest differencing (Karmarkar-Karp) of `weights` (n entries, >= 0) into k >= 1 parts:
 // part[i] in [0, k). equal_count (n % k == 0): every part gets n / k items (the weights are sorted, cut into
-// groups of k, and each group starts as one k-way state). Ties are broken by position, so the result is
-// deterministic. Exposed for tests and C++ users; the planners below add the token cap and a local search.
+// groups of k, and each group starts as one k-way state). Ties are broken as verl's
+// get_seqlen_balanced_partitions breaks them (see balance_cpu.cpp), so the two make the same partition of the
+// same weights; deterministic. Exposed for tests and C++ users; the planners below add the token cap and a
+// local search, which start from this partition whenever it meets the cap: their largest workload is then never
+// above the plain Karmarkar-Karp split's.
 void karmarkar_karp(const int64_t* weights, int64_t n, int64_t k, bool equal_count, int64_t* part);
 
 // Micro-batches under a token cap. Preconditions (checked by the torch layer): 0 <= seqlens[i] <= max_tokens,
 // min_micro_batches >= 1, multiple_of >= 1, coef >= 0, and the total workload fits comfortably in int64.
 //  - count: start at max(ceil(sum / max_tokens), min_micro_batches) rounded up to multiple_of;
-//  - partition the workloads into that many micro-batches (KK or first-fit-decreasing, see README);
+//  - partition the workloads into that many micro-batches (KK or first-fit-decreasing, see docs/design.md);
 //  - if a micro-batch exceeds max_tokens, repair by moving / swapping sequences into micro-batches with room;
 //    only when that fails, add multiple_of micro-batches and start over (terminates: with one sequence per
 //    micro-batch every cap holds);

@@ -105,9 +105,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 }
 
 // Host metadata work: a CPU kernel (the facade hands CPU tensors; a device tensor is refused).
-#define PC_BALANCE_IMPLS(m)                                                       \
-  m.impl("plan_micro_batches", TORCH_BOX(&packcuda::th::plan_micro_batches));     \
-  m.impl("balance_across_ranks", TORCH_BOX(&packcuda::th::balance_across_ranks));
+#define PC_BALANCE_IMPLS(m)                                            \
+  PC_IMPL(m, "plan_micro_batches", &packcuda::th::plan_micro_batches); \
+  PC_IMPL(m, "balance_across_ranks", &packcuda::th::balance_across_ranks);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_BALANCE_IMPLS(m) }
 #ifdef USE_CUDA

@@ -6,11 +6,12 @@
 #include <mutex>
 #include <numeric>
 #include <set>
+#include <string>
 
 #include "common/checked.h"
 #include "common/torch/checks.h"
 #include "conv/conv.h"
-#include "shard/shard_args.h"
+#include "shard/torch/shard_args.h"
 #include "shard/shard_math.h"
 
 namespace packcuda::th {
@@ -26,6 +27,16 @@ void check_given(const char* op, const char* name, const Tensor& t) {
   PC_ARG(t.defined(), op, name, " must be a tensor, got None");
 }
 
+// The activation of the conv, by name (None, "silu" or its alias "swish"); values of ConvArgs::activation.
+enum class Activation : int { Identity = 0, Silu = 1 };
+
+Activation parse_activation(const char* op, const std::optional<std::string>& activation) {
+  if (!activation.has_value()) return Activation::Identity;
+  PC_ARG(*activation == "silu" || *activation == "swish", op, "activation must be None or 'silu', got '",
+         *activation, "'");
+  return Activation::Silu;
+}
+
 struct Prepared {
   ConvArgs a;
   Tensor x, weight, cu;
@@ -35,7 +46,8 @@ struct Prepared {
 
 // Validates every argument of the conv (forward and backward) before anything is written.
 Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, const std::optional<Tensor>& bias,
-                 const std::optional<Tensor>& cu_seqlens, const std::optional<Tensor>& prefix, int64_t activation) {
+                 const std::optional<Tensor>& cu_seqlens, const std::optional<Tensor>& prefix,
+                 const std::optional<std::string>& activation) {
   check_given(op, "x", x_in);
   check_given(op, "weight", weight_in);
   check_dim(op, "x", x_in, 2);
@@ -50,7 +62,7 @@ Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, co
   const int64_t K = weight_in.size(1);
   PC_ARG(K >= 1 && K <= conv::kMaxK, op, "kernel size K = weight.size(1) must be in [1, ", conv::kMaxK,
          "], got ", K);
-  PC_ARG(activation == 0 || activation == 1, op, "activation must be 0 (none) or 1 (silu), got ", activation);
+  const Activation act = parse_activation(op, activation);
   Prepared p;
   p.x = dense(x_in);
   p.weight = dense(weight_in);
@@ -98,13 +110,13 @@ Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, co
   a.C = C;
   a.nseg = nseg;
   a.K = static_cast<int>(K);
-  a.activation = static_cast<int>(activation);
+  a.activation = static_cast<int>(act);
   a.dtype = core_dtype(x_in.scalar_type());
   return p;
 }
 
 Tensor causal_conv1d_fwd(Tensor x, Tensor weight, std::optional<Tensor> bias, std::optional<Tensor> cu_seqlens,
-                         std::optional<Tensor> prefix, int64_t activation) {
+                         std::optional<Tensor> prefix, std::optional<std::string> activation) {
   Prepared p = prepare("causal_conv1d", x, weight, bias, cu_seqlens, prefix, activation);
   Tensor y = new_like(p.x, {p.a.T, p.a.C});
   if (p.a.T == 0 || p.a.C == 0) return y;
@@ -119,7 +131,8 @@ Tensor causal_conv1d_fwd(Tensor x, Tensor weight, std::optional<Tensor> bias, st
 std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor dy, Tensor x, Tensor weight,
                                                              std::optional<Tensor> bias,
                                                              std::optional<Tensor> cu_seqlens,
-                                                             std::optional<Tensor> prefix, int64_t activation) {
+                                                             std::optional<Tensor> prefix,
+                                                             std::optional<std::string> activation) {
   const char* op = "causal_conv1d_bwd";
   check_given(op, "grad_y", dy);
   Prepared p = prepare(op, x, weight, bias, cu_seqlens, prefix, activation);
@@ -335,8 +348,8 @@ int64_t conv_exchange_prepare(Tensor send_index, std::vector<int64_t> send_count
          " rows but unpack_index has ", unpack_index.size(0));
   PC_ARG(unpack_index.size(1) <= INT_MAX, op, "unpack_index may hold at most ", INT_MAX, " sources per row, got ",
          unpack_index.size(1));
-  PC_ARG(send_index.is_cuda(), op, "send_index must be a CUDA tensor, got ", device_str(send_index));
   check_same_device(op, "unpack_index", unpack_index, "send_index", send_index);
+  PC_ARG(send_index.is_cuda(), op, "send_index must be a CUDA tensor, got ", device_str(send_index));
   {
     std::lock_guard<std::mutex> lock(comm_mutex());
     PC_ARG(comms().count(comm) == 1, op, "comm=", comm, " is not a communicator from conv_nccl_comm_init");
@@ -416,9 +429,9 @@ Tensor conv_exchange_run(Tensor src, int64_t handle, std::vector<int64_t> out_le
 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def("causal_conv1d_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, Tensor? prefix, "
-        "int activation) -> Tensor");
+        "str? activation=None) -> Tensor");
   m.def("causal_conv1d_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, "
-        "Tensor? prefix, int activation) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? prefix, str? activation=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("conv_gather_sum(Tensor a, Tensor b, Tensor index) -> Tensor");
   m.def("conv_prefix_schedule(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket, "
         "int kernel_size) -> Tensor[]");
@@ -432,27 +445,27 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
-  m.impl("conv_nccl_available", TORCH_BOX(&packcuda::th::conv_nccl_available));
-  m.impl("conv_nccl_unique_id", TORCH_BOX(&packcuda::th::conv_nccl_unique_id));
-  m.impl("conv_nccl_comm_init", TORCH_BOX(&packcuda::th::conv_nccl_comm_init));
-  m.impl("conv_exchange_prepare", TORCH_BOX(&packcuda::th::conv_exchange_prepare));
-  m.impl("conv_exchange_release", TORCH_BOX(&packcuda::th::conv_exchange_release));
+  PC_IMPL(m, "conv_nccl_available", &packcuda::th::conv_nccl_available);
+  PC_IMPL(m, "conv_nccl_unique_id", &packcuda::th::conv_nccl_unique_id);
+  PC_IMPL(m, "conv_nccl_comm_init", &packcuda::th::conv_nccl_comm_init);
+  PC_IMPL(m, "conv_exchange_prepare", &packcuda::th::conv_exchange_prepare);
+  PC_IMPL(m, "conv_exchange_release", &packcuda::th::conv_exchange_release);
 }
 
-#define PC_CONV_IMPLS(m)                                                    \
-  m.impl("causal_conv1d_fwd", TORCH_BOX(&packcuda::th::causal_conv1d_fwd)); \
-  m.impl("causal_conv1d_bwd", TORCH_BOX(&packcuda::th::causal_conv1d_bwd)); \
-  m.impl("conv_gather_sum", TORCH_BOX(&packcuda::th::conv_gather_sum));
+#define PC_CONV_IMPLS(m)                                             \
+  PC_IMPL(m, "causal_conv1d_fwd", &packcuda::th::causal_conv1d_fwd); \
+  PC_IMPL(m, "causal_conv1d_bwd", &packcuda::th::causal_conv1d_bwd); \
+  PC_IMPL(m, "conv_gather_sum", &packcuda::th::conv_gather_sum);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
   PC_CONV_IMPLS(m)
-  m.impl("conv_prefix_schedule", TORCH_BOX(&packcuda::th::conv_prefix_schedule));
-  m.impl("conv_exchange_run", TORCH_BOX(&packcuda::th::conv_exchange_run));  // refuses: the exchange runs on CUDA
+  PC_IMPL(m, "conv_prefix_schedule", &packcuda::th::conv_prefix_schedule);
+  PC_IMPL(m, "conv_exchange_run", &packcuda::th::conv_exchange_run);  // refuses: the exchange runs on CUDA
 }
 #ifdef USE_CUDA
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
   PC_CONV_IMPLS(m)
-  m.impl("conv_prefix_schedule", TORCH_BOX(&packcuda::th::conv_prefix_schedule));  // refuses device metadata
-  m.impl("conv_exchange_run", TORCH_BOX(&packcuda::th::conv_exchange_run));
+  PC_IMPL(m, "conv_prefix_schedule", &packcuda::th::conv_prefix_schedule);  // refuses device metadata
+  PC_IMPL(m, "conv_exchange_run", &packcuda::th::conv_exchange_run);
 }
 #endif

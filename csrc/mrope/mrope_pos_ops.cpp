@@ -79,8 +79,9 @@ Grids read_grids(const Tensor& image_grid, const Tensor& video_grid, const Tenso
   if (tps.has_value())
     PC_ARG(std::isfinite(*tps) && *tps >= 0 && *tps <= FLT_MAX, kOp,
            "tokens_per_second must be finite, >= 0 and within float32, got ", *tps);
+  PC_ARG(spg.is_cpu(), kOp, "second_per_grid_ts must be host metadata (a list or CPU tensor), got a tensor on ",
+         device_str(spg));
   if (spg.numel() > 0) {
-    PC_ARG(spg.is_cpu(), kOp, "second_per_grid_ts must be host metadata (a list or CPU tensor)");
     check_dtype(kOp, "second_per_grid_ts", spg, {ST::Float});
     check_dim(kOp, "second_per_grid_ts", spg, 1);
     PC_ARG(spg.numel() == g.n_videos, kOp, "second_per_grid_ts has ", spg.numel(), " entries but video_grid_thw has ",
@@ -293,14 +294,14 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
-  m.impl("mrope_status_token", TORCH_BOX(&packcuda::th::mrope_status_token));
+  PC_IMPL(m, "mrope_status_token", &packcuda::th::mrope_status_token);
 }
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
-  m.impl("mrope_position_ids", TORCH_BOX(&packcuda::th::mrope_position_ids));
+  PC_IMPL(m, "mrope_position_ids", &packcuda::th::mrope_position_ids);
 }
 #ifdef USE_CUDA
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
-  m.impl("mrope_position_ids", TORCH_BOX(&packcuda::th::mrope_position_ids));
+  PC_IMPL(m, "mrope_position_ids", &packcuda::th::mrope_position_ids);
 }
 #endif

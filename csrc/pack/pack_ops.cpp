@@ -168,7 +168,7 @@ Tensor scatter_rows(Tensor src, Tensor index, int64_t num_rows, int64_t dim) {
 Tensor segment_positions(Tensor cu_seqlens, int64_t total, std::optional<Device> device) {
   const char* op = "segment_positions";
   PC_ARG(total >= 0, op, "total must be >= 0, got ", total);
-  const Device target = target_device(cu_seqlens, device);
+  const Device target = target_device(op, cu_seqlens, device);
   Segments seg = segments(op, "cu_seqlens", cu_seqlens, target, total);
   checked_nbytes(op, "total", {total}, ST::Long);
   Tensor out = new_tensor({total}, ST::Long, target);
@@ -209,7 +209,7 @@ Tensor right_pad_indices(Tensor cu_seqlens, int64_t seqlen, int64_t total, std::
   const char* op = "right_pad_indices";
   PC_ARG(seqlen >= 0, op, "seqlen must be >= 0, got ", seqlen);
   PC_ARG(total >= 0, op, "total must be >= 0, got ", total);
-  const Device target = target_device(cu_seqlens, device);
+  const Device target = target_device(op, cu_seqlens, device);
   Segments seg = segments(op, "cu_seqlens", cu_seqlens, target, total);
   // the flat positions b * seqlen + j must fit int64
   checked::mul(op, "batch size * seqlen", seg.count, seqlen);
@@ -270,13 +270,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def("mask_indices(Tensor attention_mask, Tensor cu_seqlens, int total) -> Tensor");
 }
 
-#define PC_PACK_IMPLS(m)                                                    \
-  m.impl("gather_rows", TORCH_BOX(&packcuda::th::gather_rows));             \
-  m.impl("scatter_rows", TORCH_BOX(&packcuda::th::scatter_rows));           \
-  m.impl("segment_positions", TORCH_BOX(&packcuda::th::segment_positions)); \
-  m.impl("next_token_labels", TORCH_BOX(&packcuda::th::next_token_labels)); \
-  m.impl("right_pad_indices", TORCH_BOX(&packcuda::th::right_pad_indices)); \
-  m.impl("mask_indices", TORCH_BOX(&packcuda::th::mask_indices));
+#define PC_PACK_IMPLS(m)                                             \
+  PC_IMPL(m, "gather_rows", &packcuda::th::gather_rows);             \
+  PC_IMPL(m, "scatter_rows", &packcuda::th::scatter_rows);           \
+  PC_IMPL(m, "segment_positions", &packcuda::th::segment_positions); \
+  PC_IMPL(m, "next_token_labels", &packcuda::th::next_token_labels); \
+  PC_IMPL(m, "right_pad_indices", &packcuda::th::right_pad_indices); \
+  PC_IMPL(m, "mask_indices", &packcuda::th::mask_indices);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_PACK_IMPLS(m) }
 #ifdef USE_CUDA

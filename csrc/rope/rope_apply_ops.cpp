@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -22,6 +23,12 @@ using torch::stable::Device;
 Tensor on_device(const Tensor& meta, const Tensor& data) {
   if (data.is_cpu() || !meta.is_cpu()) return meta;
   return torch::stable::to(dense(meta), data.device(), /*non_blocking=*/true);
+}
+
+// An uninitialized output shaped like t: t's layout when t is dense in another order or a view (empty_like), else a
+// plain contiguous allocation (the same layout, without a dispatcher round trip).
+Tensor output_like(const Tensor& t) {
+  return t.is_contiguous() ? new_like(t, shape_of(t)) : torch::stable::empty_like(t);
 }
 
 struct Prepared {
@@ -77,22 +84,36 @@ Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor&
                                inv_freq.get_device_index() == q.get_device_index()),
          op, "inv_freq is on ", device_str(inv_freq), " but q is on ", device_str(q));
 
-  // positions: plain [T] / [B, S]; mRoPE [3, T] / [3, B, S]
+  // positions: plain [T] / [B*S], or [B, S] ([1, T] for q [T, H, D]); mRoPE the same behind a dim of 3 rows (t, h,
+  // w) or of 4 rows whose first holds the text positions (transformers' and Megatron's [4, B, S]; not read here)
   const bool mrope = !mrope_section.empty();
   check_dtype(op, "positions", positions, {ST::Int, ST::Long});
   const int64_t rows_dims = mrope ? 1 : 0;
   const bool flat = positions.dim() == rows_dims + 1;
-  const bool batched = nd == 4 && positions.dim() == rows_dims + 2;
-  const char* want = mrope ? (nd == 4 ? "[3, B*S] or [3, B, S]" : "[3, T]") : (nd == 4 ? "[B*S] or [B, S]" : "[T]");
-  PC_ARG(flat || batched, op, "positions must be ", want, mrope ? " (mrope_section is given)" : " (plain RoPE)",
+  const bool batched = positions.dim() == rows_dims + 2;
+  const char* want = mrope ? (nd == 4 ? "[3, B*S] or [3, B, S]" : "[3, T] or [3, 1, T]")
+                           : (nd == 4 ? "[B*S] or [B, S]" : "[T] or [1, T]");
+  PC_ARG(flat || batched, op, "positions must be ", want,
+         mrope ? " (mrope_section is given; a first dim of 4 rows, text positions first, works too)" : " (plain RoPE)",
          ", got shape ", shape_str(positions));
-  if (mrope) PC_ARG(positions.size(0) == 3, op, "positions must have 3 rows (t, h, w), got shape ", shape_str(positions));
+  int64_t first_row = 0;  // the t row of mRoPE positions
+  if (mrope) {
+    PC_ARG(positions.size(0) == 3 || positions.size(0) == 4, op,
+           "positions must have 3 rows (t, h, w) or 4 (text, t, h, w), got shape ", shape_str(positions));
+    first_row = positions.size(0) - 3;
+  } else {
+    PC_ARG(!(batched && positions.size(0) != B && (positions.size(0) == 3 || positions.size(0) == 4)), op,
+           "positions of shape ", shape_str(positions), " hold mRoPE rows (t, h, w): give mrope_section");
+  }
   if (flat)
     PC_ARG(positions.size(rows_dims) == B * S, op, "positions has ", positions.size(rows_dims),
            " tokens but q has ", B * S);
-  else
+  else if (nd == 4)
     PC_ARG(positions.size(rows_dims) == B && positions.size(rows_dims + 1) == S, op, "positions has shape ",
            shape_str(positions), " but q has B=", B, ", S=", S);
+  else
+    PC_ARG(positions.size(rows_dims) == 1 && positions.size(rows_dims + 1) == S, op, "positions has shape ",
+           shape_str(positions), " but q has ", S, " tokens (", want, ")");
   PC_ARG(positions.is_cpu() || (q.is_cuda() && positions.is_cuda() &&
                                 positions.get_device_index() == q.get_device_index()),
          op, "positions is on ", device_str(positions), " but q is on ", device_str(q));
@@ -122,8 +143,9 @@ Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor&
   a.seq = S > 0 ? S : 1;
   a.head_dim = D;
   a.rotary_dim = rotary_dim;
-  a.pos = p.positions.const_data_ptr();
   a.pos_int64 = p.positions.scalar_type() == ST::Long;
+  a.pos = static_cast<const char*>(p.positions.const_data_ptr()) +
+          first_row * p.positions.stride(0) * (a.pos_int64 ? 8 : 4);
   a.pos_row_stride = mrope ? p.positions.stride(0) : 0;
   if (flat) {
     const int64_t st = p.positions.stride(rows_dims);
@@ -272,8 +294,8 @@ std::tuple<Tensor, Tensor> apply_rope(Tensor q, Tensor k, Tensor positions, Tens
   const char* op = "apply_rope";
   Prepared p = prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj,
                        attention_scaling);
-  Tensor q_out = torch::stable::empty_like(q);
-  Tensor k_out = torch::stable::empty_like(k);
+  Tensor q_out = output_like(q);
+  Tensor k_out = output_like(k);
   fill_view(p.args.q, q, q_out);
   fill_view(p.args.k, k, k_out);
   p.args.inverse = inverse;
@@ -300,6 +322,15 @@ void apply_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, int64_t 
 // ---------------------------------------------------------------------------------------------------
 // QK norm fused with the rotation
 // ---------------------------------------------------------------------------------------------------
+// The norm of apply_qk_norm_rope, by name (the core's kinds, rope_math.h).
+enum class Norm : int { Rms = rope::kNormRms, RmsOffset = rope::kNormRmsOffset };
+
+Norm parse_norm(const char* op, const std::string& norm) {
+  if (norm == "rms") return Norm::Rms;
+  PC_ARG(norm == "rms_offset", op, "norm must be 'rms' or 'rms_offset', got '", norm, "'");
+  return Norm::RmsOffset;
+}
+
 struct NormPrepared {
   Prepared p;
   rope::NormArgs n;
@@ -309,7 +340,7 @@ struct NormPrepared {
 // prepare() plus the norm's own arguments (weights, eps, norm kind).
 NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, const Tensor& positions,
                           const Tensor& inv_freq, const Tensor& q_weight, const Tensor& k_weight, double eps,
-                          int64_t norm, int64_t rotary_dim, const std::vector<int64_t>& mrope_section,
+                          const std::string& norm, int64_t rotary_dim, const std::vector<int64_t>& mrope_section,
                           bool mrope_interleaved, bool gptj, double attention_scaling) {
   NormPrepared np{prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj,
                           attention_scaling), {}, {}, {}};
@@ -317,8 +348,7 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
   PC_ARG(D <= rope::kMaxNormHeadDim, op, "head_dim must be <= ", rope::kMaxNormHeadDim, " for the fused norm, got ",
          D);
   PC_ARG(!gptj || D % 2 == 0, op, "head_dim must be even with gptj pairs, got ", D);
-  PC_ARG(norm == rope::kNormRms || norm == rope::kNormRmsOffset, op, "norm must be 0 (rms) or 1 (rms_offset), got ",
-         norm);
+  const Norm kind = parse_norm(op, norm);
   PC_ARG(std::isfinite(eps) && eps >= 0, op, "eps must be finite and >= 0, got ", eps);
   const std::pair<const char*, const Tensor*> ws[] = {{"q_weight", &q_weight}, {"k_weight", &k_weight}};
   for (const auto& [name, w] : ws) {
@@ -330,13 +360,14 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
   }
   PC_ARG(k_weight.scalar_type() == q_weight.scalar_type(), op, "k_weight has dtype ",
          dtype_name(k_weight.scalar_type()), " but q_weight has dtype ", dtype_name(q_weight.scalar_type()));
-  // the kernels read the weights in the compute type (exact conversions: bf16 / fp16 / fp32 -> fp32 or fp64)
+  // the kernels read the weights in the compute type (exact conversions: bf16 / fp16 / fp32 -> fp32 or fp64),
+  // 16-byte aligned (the CUDA kernel reads them with vector loads): a converted copy is a fresh allocation
   const ST acc = q.scalar_type() == ST::Double ? ST::Double : ST::Float;
-  // (and 16-byte aligned: the CUDA kernel reads them with vector loads)
   const auto as_acc = [&](const Tensor& w) {
-    Tensor d = dense(w.scalar_type() == acc ? w : torch::stable::to(w, acc));
-    if (reinterpret_cast<uintptr_t>(d.const_data_ptr()) % 16 != 0)
-      d = torch::stable::to(d, acc, std::nullopt, std::nullopt, std::nullopt, false, /*copy=*/true);
+    if (w.scalar_type() == acc && w.is_contiguous() && reinterpret_cast<uintptr_t>(w.const_data_ptr()) % 16 == 0)
+      return w;
+    Tensor d = new_like(w, {D}, acc);
+    copy_into(d, w, /*non_blocking=*/false);
     return d;
   };
   np.w_q = as_acc(q_weight);
@@ -344,7 +375,7 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
   np.n.w_q = np.w_q.const_data_ptr();
   np.n.w_k = np.w_k.const_data_ptr();
   np.n.eps = eps;
-  np.n.norm = static_cast<int>(norm);
+  np.n.norm = static_cast<int>(kind);
   return np;
 }
 
@@ -360,14 +391,14 @@ void launch_norm(const Tensor& q, rope::NormArgs& a, bool backward) {
 }
 
 std::tuple<Tensor, Tensor> qk_norm_rope(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight,
-                                        Tensor k_weight, double eps, int64_t norm, int64_t rotary_dim,
+                                        Tensor k_weight, double eps, std::string norm, int64_t rotary_dim,
                                         std::vector<int64_t> mrope_section, bool mrope_interleaved, bool gptj,
                                         double attention_scaling) {
   const char* op = "apply_qk_norm_rope";
   NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
                                  mrope_section, mrope_interleaved, gptj, attention_scaling);
-  Tensor q_out = torch::stable::empty_like(q);
-  Tensor k_out = torch::stable::empty_like(k);
+  Tensor q_out = output_like(q);
+  Tensor k_out = output_like(k);
   np.n.r = np.p.args;
   fill_view(np.n.r.q, q, q_out);
   fill_view(np.n.r.k, k, k_out);
@@ -376,7 +407,7 @@ std::tuple<Tensor, Tensor> qk_norm_rope(Tensor q, Tensor k, Tensor positions, Te
 }
 
 void qk_norm_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight, Tensor k_weight,
-                   double eps, int64_t norm, int64_t rotary_dim, std::vector<int64_t> mrope_section,
+                   double eps, std::string norm, int64_t rotary_dim, std::vector<int64_t> mrope_section,
                    bool mrope_interleaved, bool gptj, double attention_scaling) {
   const char* op = "apply_qk_norm_rope_";
   NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
@@ -392,7 +423,7 @@ void qk_norm_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor
 // forward's inputs. Returns (dq, dk, dq_weight, dk_weight), the weight gradients [D] in fp32 (fp64 for fp64 data).
 std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(
     Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight,
-    Tensor k_weight, double eps, int64_t norm, int64_t rotary_dim, std::vector<int64_t> mrope_section,
+    Tensor k_weight, double eps, std::string norm, int64_t rotary_dim, std::vector<int64_t> mrope_section,
     bool mrope_interleaved, bool gptj, double attention_scaling) {
   const char* op = "apply_qk_norm_rope_backward";
   NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
@@ -412,10 +443,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(
   }
   const int64_t D = q.size(q.dim() - 1);
   const ST acc = q.scalar_type() == ST::Double ? ST::Double : ST::Float;
-  Tensor dq = torch::stable::empty_like(q);
-  Tensor dk = torch::stable::empty_like(k);
-  Tensor dwq = torch::stable::new_empty(q, {D}, acc);
-  Tensor dwk = torch::stable::new_empty(q, {D}, acc);
+  Tensor dq = output_like(q);
+  Tensor dk = output_like(k);
+  Tensor dwq = new_like(q, {D}, acc);
+  Tensor dwk = new_like(q, {D}, acc);
   np.n.r = np.p.args;
   fill_view(np.n.r.q, q, dq);
   fill_view(np.n.r.k, k, dk);
@@ -430,12 +461,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(
   }
   Tensor ws;
   if (q.is_cuda()) {
-    ws = torch::stable::new_empty(q, {rope::qk_norm_workspace_floats(D)}, acc);
+    ws = new_like(q, {rope::qk_norm_workspace_floats(D)}, acc);
     np.n.workspace = ws.mutable_data_ptr();
   }
   launch_norm(q, np.n, true);
   return {dq, dk, dwq, dwk};
 }
+
+// Largest rotary_dim the kernels take (the facade's default_inv_freq refuses larger ones by this bound).
+int64_t rope_max_rotary_dim() { return rope::kMaxRotaryDim; }
 }  // namespace
 }  // namespace packcuda::th
 
@@ -450,24 +484,29 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
       "bool inverse=False) -> ()");
   m.def(
       "apply_qk_norm_rope(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight, Tensor k_weight, "
-      "float eps, int norm, int rotary_dim, int[] mrope_section, bool mrope_interleaved=False, bool gptj=False, "
+      "float eps, str norm, int rotary_dim, int[] mrope_section, bool mrope_interleaved=False, bool gptj=False, "
       "float attention_scaling=1.) -> (Tensor, Tensor)");
   m.def(
       "apply_qk_norm_rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor inv_freq, Tensor q_weight, "
-      "Tensor k_weight, float eps, int norm, int rotary_dim, int[] mrope_section, bool mrope_interleaved=False, "
+      "Tensor k_weight, float eps, str norm, int rotary_dim, int[] mrope_section, bool mrope_interleaved=False, "
       "bool gptj=False, float attention_scaling=1.) -> ()");
   m.def(
       "apply_qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor positions, Tensor inv_freq, "
-      "Tensor q_weight, Tensor k_weight, float eps, int norm, int rotary_dim, int[] mrope_section, "
+      "Tensor q_weight, Tensor k_weight, float eps, str norm, int rotary_dim, int[] mrope_section, "
       "bool mrope_interleaved=False, bool gptj=False, float attention_scaling=1.) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("rope_max_rotary_dim() -> int");
 }
 
-#define PC_ROPE_APPLY_IMPLS(m)                                  \
-  m.impl("apply_rope", TORCH_BOX(&packcuda::th::apply_rope));   \
-  m.impl("apply_rope_", TORCH_BOX(&packcuda::th::apply_rope_));   \
-  m.impl("apply_qk_norm_rope", TORCH_BOX(&packcuda::th::qk_norm_rope)); \
-  m.impl("apply_qk_norm_rope_", TORCH_BOX(&packcuda::th::qk_norm_rope_)); \
-  m.impl("apply_qk_norm_rope_backward", TORCH_BOX(&packcuda::th::qk_norm_rope_backward));
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
+  m.impl("rope_max_rotary_dim", TORCH_BOX(&packcuda::th::rope_max_rotary_dim));
+}
+
+#define PC_ROPE_APPLY_IMPLS(m)                                     \
+  PC_IMPL(m, "apply_rope", &packcuda::th::apply_rope);             \
+  PC_IMPL(m, "apply_rope_", &packcuda::th::apply_rope_);           \
+  PC_IMPL(m, "apply_qk_norm_rope", &packcuda::th::qk_norm_rope);   \
+  PC_IMPL(m, "apply_qk_norm_rope_", &packcuda::th::qk_norm_rope_); \
+  PC_IMPL(m, "apply_qk_norm_rope_backward", &packcuda::th::qk_norm_rope_backward);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_ROPE_APPLY_IMPLS(m) }
 #ifdef USE_CUDA

@@ -253,7 +253,7 @@ struct StaticCheck {
 };
 PC_HD bool static_num_seqs_ok(const StaticBuild& b, int64_t n) { return n >= 0 && n <= b.max_seqs; }
 PC_HD StaticCheck static_check(const StaticBuild& b, int64_t n_in, int64_t sum, int64_t first_bad) {
-  int64_t flags = static_num_seqs_ok(b, n_in) ? 0 : kStaticTooManySeqs;
+  int64_t flags = static_num_seqs_ok(b, n_in) ? 0 : int64_t{kStaticTooManySeqs};
   if (first_bad >= 0) flags |= kStaticBadCu;
   if (sum > b.capacity) flags |= kStaticOverCapacity;
   return StaticCheck{flags, n_in, sum};

@@ -10,7 +10,7 @@
 #include "common/checked.h"
 #include "common/torch/checks.h"
 #include "shard/shard.h"
-#include "shard/shard_args.h"
+#include "shard/torch/shard_args.h"
 
 namespace packcuda::th {
 namespace {
@@ -33,13 +33,6 @@ void check_layout_args(const char* op, int64_t cp_size, int64_t layout) {
 // total_local (rows of one rank's local buffer): in [0, kMaxPaddedTotal].
 void check_total_local(const char* op, int64_t total_local) {
   PC_ARG(total_local >= 0 && total_local <= kMax, op, "total_local must be in [0, ", kMax, "], got ", total_local);
-}
-
-// The device the outputs go to (`device`, else the metadata's): packcuda has kernels for cpu and cuda only.
-Device checked_target(const char* op, const Tensor& meta, const std::optional<Device>& device) {
-  const Device target = target_device(meta, device);
-  check_device_kind(op, "device", target);
-  return target;
 }
 
 }  // namespace
@@ -162,7 +155,7 @@ using PlanOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
 PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
                        std::optional<int64_t> bucket_opt, std::optional<Device> device) {
   const char* op = "shard_plan";
-  const Device target = checked_target(op, cu_seqlens, device);
+  const Device target = target_device(op, cu_seqlens, device);
   const CheckedLayout c = checked_layout(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket_opt);
   const shard::HostLayout& h = c.h;
   const int64_t nseq = static_cast<int64_t>(c.cu.size()) - 1;
@@ -246,7 +239,7 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
   const int64_t concat = checked::mul(op, "cp_size * total_local", cp_size, total_local);
   PC_ARG(concat <= kMax, op, "cp_size * total_local = ", concat, " does not fit int32 boundaries (at most ", kMax,
          ")");
-  const Device target = checked_target(op, cu_seqlens, device);
+  const Device target = target_device(op, cu_seqlens, device);
   PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
          device_str(cu_seqlens));
   PC_ARG(cu_seqlens_padded.is_cpu(), op,
@@ -265,7 +258,7 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
              " rows, not a multiple of 2*cp_size=", 2 * cp_size);
   }
   const int64_t total = cu.host.back();
-  Tensor out = torch::stable::new_empty(cu.tensor, {total}, ST::Long);
+  Tensor out = new_tensor({total}, ST::Long, target);
   if (total == 0) return out;
   run_kernel(out, [&] {
     shard::unshard_index_cpu(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
@@ -515,15 +508,15 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 
 // The host-plan ops take host metadata (their CUDA registration only answers a device tensor with a clear error);
 // the static-plan ops run on the device of their inputs.
-#define PC_SHARD_IMPLS(m)                                                       \
-  m.impl("shard_plan", TORCH_BOX(&packcuda::th::shard_plan));                   \
-  m.impl("shard_unshard_index", TORCH_BOX(&packcuda::th::shard_unshard_index));         \
-  m.impl("static_shard_plan", TORCH_BOX(&packcuda::th::static_shard_plan));             \
-  m.impl("shard_static_unshard_index", TORCH_BOX(&packcuda::th::shard_static_unshard_index)); \
-  m.impl("shard_static_exchange_index", TORCH_BOX(&packcuda::th::shard_static_exchange_index));
+#define PC_SHARD_IMPLS(m)                                                              \
+  PC_IMPL(m, "shard_plan", &packcuda::th::shard_plan);                                 \
+  PC_IMPL(m, "shard_unshard_index", &packcuda::th::shard_unshard_index);               \
+  PC_IMPL(m, "static_shard_plan", &packcuda::th::static_shard_plan);                   \
+  PC_IMPL(m, "shard_static_unshard_index", &packcuda::th::shard_static_unshard_index); \
+  PC_IMPL(m, "shard_static_exchange_index", &packcuda::th::shard_static_exchange_index);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
-  m.impl("shard_plan_fields", TORCH_BOX(&packcuda::th::shard_plan_fields));
+  PC_IMPL(m, "shard_plan_fields", &packcuda::th::shard_plan_fields);
 }
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_SHARD_IMPLS(m) }
 #ifdef USE_CUDA

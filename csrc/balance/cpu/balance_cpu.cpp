@@ -19,25 +19,33 @@ namespace {
 constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
 
 // --------------------------------------------------------------------------------- Karmarkar-Karp
-// A k-way state keeps only its non-empty subsets, sorted heaviest first (ties: smaller first index); the
-// k - size() empty subsets are implicitly at the end. Items of a subset form a linked list through `next`.
+// A k-way state keeps only its non-empty subsets, heaviest first; the k - size() empty subsets are implicitly
+// at the end. Items of a subset form a linked list through `next`, in the order they joined it.
+//
+// Ties are broken exactly as verl's get_seqlen_balanced_partitions (verl.utils.seqlen_balancing) breaks
+// them, so that both give the same partition of the same weights: subsets are ordered by (sum, item count,
+// index of the first item to join), the larger first; of two states, the one of larger spread merges first,
+// then the one whose heaviest subset comes first in that order; a merge lists the first state's items before
+// the second's. Subsets are disjoint, so the order is strict and the merges happen in one determined order.
 struct Sub {
   int64_t sum;
-  int64_t min_idx;
-  int64_t head, tail;
+  int64_t count;
+  int64_t first;  // index of the first item of the list
+  int64_t tail;   // index of the last item of the list
 };
 
 inline bool sub_before(const Sub& a, const Sub& b) {
-  return a.sum != b.sum ? a.sum > b.sum : a.min_idx < b.min_idx;
+  return std::tie(a.sum, a.count, a.first) > std::tie(b.sum, b.count, b.first);
 }
 
 struct HeapItem {
   int64_t spread;
+  Sub top;  // the state's heaviest subset
   int64_t id;
 };
-struct HeapLess {  // top = largest spread, then the oldest state
+struct HeapLess {  // top = largest spread, then the heaviest subset first in sub_before's order
   bool operator()(const HeapItem& x, const HeapItem& y) const {
-    return x.spread != y.spread ? x.spread < y.spread : x.id > y.id;
+    return x.spread != y.spread ? x.spread < y.spread : sub_before(y.top, x.top);
   }
 };
 
@@ -51,27 +59,30 @@ void karmarkar_karp(const int64_t* weights, int64_t n, int64_t k, bool equal_cou
     return s.front().sum - (static_cast<int64_t>(s.size()) == k ? s.back().sum : 0);
   };
   if (equal_count) {
-    // Sorted heaviest first and cut into groups of k: each group is a state with one item per subset.
+    // Sorted lightest first (ties: smaller index) and cut into groups of k: each group is a state with one
+    // item per subset.
     std::vector<int64_t> order(n);
     std::iota(order.begin(), order.end(), 0);
     std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return weights[a] != weights[b] ? weights[a] > weights[b] : a < b;
+      return weights[a] != weights[b] ? weights[a] < weights[b] : a < b;
     });
     states.reserve(2 * (n / k));
     for (int64_t g = 0; g < n / k; ++g) {
       std::vector<Sub> s(k);
       for (int64_t j = 0; j < k; ++j) {
         const int64_t i = order[g * k + j];
-        s[j] = Sub{weights[i], i, i, i};
+        s[j] = Sub{weights[i], 1, i, i};
       }
+      std::sort(s.begin(), s.end(), sub_before);
       states.push_back(std::move(s));
     }
   } else {
     states.reserve(2 * n);
-    for (int64_t i = 0; i < n; ++i) states.push_back({Sub{weights[i], i, i, i}});
+    for (int64_t i = 0; i < n; ++i) states.push_back({Sub{weights[i], 1, i, i}});
   }
   std::priority_queue<HeapItem, std::vector<HeapItem>, HeapLess> heap;
-  for (int64_t id = 0; id < static_cast<int64_t>(states.size()); ++id) heap.push({spread(states[id]), id});
+  for (int64_t id = 0; id < static_cast<int64_t>(states.size()); ++id)
+    heap.push({spread(states[id]), states[id].front(), id});
 
   std::vector<Sub> tmp;
   while (heap.size() > 1) {
@@ -82,18 +93,20 @@ void karmarkar_karp(const int64_t* weights, int64_t n, int64_t k, bool equal_cou
     // Subset i of the result joins A's i-th heaviest with B's i-th lightest (B[k - 1 - i]; empty when
     // k - 1 - i >= |B|). The pairing is symmetric in A and B, so A is taken as the larger state and updated
     // in place: its first `lo` subsets are untouched (still sorted); the joined ones and B's unpaired
-    // heaviest ones are sorted on the side and merged in from the back.
-    if (states[ib].size() > states[ia].size()) std::swap(ia, ib);
+    // heaviest ones are sorted on the side and merged in from the back. A joined subset lists the items of
+    // the state popped first before the other's.
+    const bool a_first = states[ib].size() <= states[ia].size();
+    if (!a_first) std::swap(ia, ib);
     std::vector<Sub> A = std::move(states[ia]);
     const std::vector<Sub>& B = states[ib];
     const int64_t a = static_cast<int64_t>(A.size()), b = static_cast<int64_t>(B.size());
     const int64_t lo = std::max<int64_t>(k - b, 0);  // A[i] for i >= lo has a partner in B
     tmp.clear();
     for (int64_t i = lo; i < a; ++i) {
-      const Sub& x = A[i];
-      const Sub& y = B[k - 1 - i];
-      next[x.tail] = y.head;
-      tmp.push_back(Sub{x.sum + y.sum, std::min(x.min_idx, y.min_idx), x.head, y.tail});
+      const Sub& x = a_first ? A[i] : B[k - 1 - i];  // first in the joined list
+      const Sub& y = a_first ? B[k - 1 - i] : A[i];
+      next[x.tail] = y.first;
+      tmp.push_back(Sub{x.sum + y.sum, x.count + y.count, x.first, y.tail});
     }
     for (int64_t j = 0; j < std::min(k - a, b); ++j) tmp.push_back(B[j]);  // B's heaviest, paired with empties
     std::sort(tmp.begin(), tmp.end(), sub_before);
@@ -107,12 +120,13 @@ void karmarkar_karp(const int64_t* weights, int64_t n, int64_t k, bool equal_cou
     std::vector<Sub>().swap(states[ia]);
     std::vector<Sub>().swap(states[ib]);
     const int64_t sp = spread(A);
+    const Sub top = A.front();
     states.push_back(std::move(A));
-    heap.push({sp, static_cast<int64_t>(states.size()) - 1});
+    heap.push({sp, top, static_cast<int64_t>(states.size()) - 1});
   }
   const std::vector<Sub>& final_state = states[heap.top().id];
   for (int64_t p = 0; p < static_cast<int64_t>(final_state.size()); ++p)
-    for (int64_t i = final_state[p].head; i >= 0; i = (i == final_state[p].tail ? -1 : next[i])) part[i] = p;
+    for (int64_t i = final_state[p].first; i >= 0; i = (i == final_state[p].tail ? -1 : next[i])) part[i] = p;
 }
 
 namespace {

@@ -1,5 +1,6 @@
 #include "common/torch/checks.h"
 #include "common/checked.h"
+#include "common/devices.h"
 
 #include <algorithm>
 #include <cmath>
@@ -59,11 +60,14 @@ std::string shape_str(const Tensor& t) {
   return list_str(std::vector<int64_t>(sz.begin(), sz.end()));
 }
 
-std::string device_str(const Tensor& t) {
-  if (t.is_cpu()) return "cpu";
-  if (t.is_cuda()) return "cuda:" + std::to_string(t.get_device_index());
-  return "other";
+std::string device_str(const torch::stable::Device& d) {
+  if (d.is_cpu()) return "cpu";
+  if (d.is_cuda()) return d.has_index() ? "cuda:" + std::to_string(d.index()) : std::string("cuda");
+  if (d.type() == torch::headeronly::DeviceType::Meta) return "meta";
+  return detail::cat("device type ", static_cast<int>(d.type()));
 }
+
+std::string device_str(const Tensor& t) { return device_str(t.device()); }
 
 void check_dtype(const char* op, const char* name, const Tensor& t, std::initializer_list<ST> allowed) {
   for (ST a : allowed)
@@ -127,7 +131,7 @@ Segments segments(const char* op, const char* name, const Tensor& cu, const torc
   } else {
     PC_ARG(cu.is_cuda() && target.type() == torch::headeronly::DeviceType::CUDA &&
                cu.get_device_index() == target.index(),
-           op, name, " is on ", device_str(cu), " but the data is on another device");
+           op, name, " is on ", device_str(cu), " but the data is on ", device_str(target));
     Tensor t = cu;
     if (t.scalar_type() != ST::Long) t = torch::stable::to(t, ST::Long);
     if (!t.is_contiguous()) t = torch::stable::contiguous(t);
@@ -244,18 +248,26 @@ int64_t checked_nbytes(const char* op, const char* what, const std::vector<int64
   return n;
 }
 
-torch::stable::Device target_device(const Tensor& meta, const std::optional<torch::stable::Device>& device) {
+torch::stable::Device target_device(const char* op, const Tensor& meta,
+                                    const std::optional<torch::stable::Device>& device) {
   torch::stable::Device d = device.has_value() ? *device : meta.device();
+  check_device_kind(op, "device", d);
+  if (device.has_value() && d.is_cuda()) {
+    // A device argument may name a CUDA device this process cannot use: refused here, before torch's CUDA calls
+    // (the current device, pinned staging) would fail on it with a driver error.
+#ifdef USE_CUDA
+    const int n = cuda_device_count();
+    PC_ARG(n > 0 && d.index() < n, op, "device=", device_str(d), " is not available here (CUDA devices: ", n, ")");
+#else
+    PC_ARG(false, op, "device=", device_str(d), " is not available: packcuda was built without CUDA kernels");
+#endif
+  }
   if (d.is_cuda() && !d.has_index()) d.set_index(torch::stable::accelerator::getCurrentDeviceIndex());
   return d;
 }
 
 void check_device_kind(const char* op, const char* name, const torch::stable::Device& d) {
-  const auto ty = d.type();
-  PC_ARG(d.is_cpu() || d.is_cuda(), op, name, "=",
-         ty == torch::headeronly::DeviceType::Meta ? std::string("meta")
-                                                   : detail::cat("device type ", static_cast<int>(ty)),
-         " is not supported (packcuda runs on cpu and cuda)");
+  PC_ARG(d.is_cpu() || d.is_cuda(), op, name, "=", device_str(d), " is not supported (packcuda runs on cpu and cuda)");
 }
 
 }  // namespace packcuda::th

@@ -30,6 +30,7 @@ DType core_dtype(ST t);
 std::string list_str(const std::vector<int64_t>& v);  // "[a, b, c]"
 std::string shape_str(const Tensor& t);
 std::string device_str(const Tensor& t);
+std::string device_str(const torch::stable::Device& d);  // "cpu", "cuda:0", "meta", ...
 
 // Throws std::invalid_argument("packcuda.<op>: <message>") when cond is false.
 #define PC_ARG(cond, op, ...)                                                         \
@@ -37,6 +38,16 @@ std::string device_str(const Tensor& t);
     if (!(cond))                                                                      \
       throw std::invalid_argument(::packcuda::detail::cat("packcuda.", op, ": ", __VA_ARGS__)); \
   } while (0)
+
+// Registers `fn` as the kernel of packcuda::<name> (m.impl with TORCH_BOX) behind run_boxed, so that an
+// allocation failure inside it names the op: "packcuda.<name>: could not allocate <bytes> for a <dtype> tensor of
+// shape <shape> on <device> ...". Every op registers through it.
+#define PC_IMPL(m, name, fn)                                                                   \
+  (m).impl(name, [](StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {              \
+    ::packcuda::th::run_boxed(name, TORCH_BOX(fn), stack, num_args, num_outputs);              \
+  })
+void run_boxed(const char* op, void (*boxed)(StableIValue*, uint64_t, uint64_t), StableIValue* stack,
+               uint64_t num_args, uint64_t num_outputs);
 
 void check_dtype(const char* op, const char* name, const Tensor& t, std::initializer_list<ST> allowed);
 void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim);
@@ -83,8 +94,10 @@ void check_index_range(const char* op, const char* name, const Tensor& index, in
 // op and what).
 int64_t checked_nbytes(const char* op, const char* what, const std::vector<int64_t>& sizes, ST t);
 // The device outputs go to: `device` when given, else the metadata's device. An index-less CUDA device means
-// the current CUDA device. (segments() refuses targets other than cpu and cuda.)
-torch::stable::Device target_device(const Tensor& meta, const std::optional<torch::stable::Device>& device);
+// the current CUDA device. Refuses, naming op and `device`, devices packcuda has no kernels for (meta, ...) and a
+// CUDA device this process cannot use (no usable GPU or driver, an index past the device count, a CPU-only build).
+torch::stable::Device target_device(const char* op, const Tensor& meta,
+                                    const std::optional<torch::stable::Device>& device);
 // Refuses devices packcuda has no kernels for (meta, ...), naming op and name.
 void check_device_kind(const char* op, const char* name, const torch::stable::Device& d);
 

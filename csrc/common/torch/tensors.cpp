@@ -1,8 +1,26 @@
 #include "common/torch/tensors.h"
+#include "common/build_info.h"  // require_kernel_image
 
 #include <cstring>
 
+#include "common/torch/checks.h"
+
 namespace packcuda::th {
+
+namespace {
+// "<n> bytes (<n / 2^k> <unit>)"; sizes whose byte count overflows int64 say so.
+std::string bytes_str(const std::vector<int64_t>& sizes, ST dtype) {
+  int64_t n = element_size(dtype);
+  for (int64_t s : sizes)
+    if (__builtin_mul_overflow(n, s, &n)) return "more than 2^63 bytes";
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  for (; v >= 1024.0 && u < 6; ++u) v /= 1024.0;
+  if (u == 0) return detail::cat(n, " bytes");
+  return detail::cat(n, " bytes (", static_cast<double>(static_cast<int64_t>(v * 10)) / 10, " ", units[u], ")");
+}
+}  // namespace
 
 Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stable::Device& device, bool pinned) {
   const int64_t nd = static_cast<int64_t>(sizes.size());
@@ -16,11 +34,13 @@ Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stab
   const int32_t dt = static_cast<int32_t>(dtype);
   const int32_t dev = static_cast<int32_t>(device.type());
   const int32_t idx = device.index();
-  if (pinned) {
-    TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided_pinned(nd, sizes.data(), strides.data(), dt, dev, idx, &h));
-  } else {
-    TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(nd, sizes.data(), strides.data(), dt, dev, idx, &h));
-  }
+  const AOTITorchError err =
+      pinned ? aoti_torch_empty_strided_pinned(nd, sizes.data(), strides.data(), dt, dev, idx, &h)
+             : aoti_torch_empty_strided(nd, sizes.data(), strides.data(), dt, dev, idx, &h);
+  if (err != AOTI_TORCH_SUCCESS)
+    throw AllocError(detail::cat("could not allocate ", bytes_str(sizes, dtype), " for a ", dtype_name(dtype),
+                                 " tensor of shape ", list_str(sizes), " on ",
+                                 pinned ? std::string("pinned host memory") : device_str(device), " (out of memory)"));
   return Tensor(h);
 }
 
@@ -53,6 +73,7 @@ Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Devic
 
 cudaStream_t current_stream(int32_t device_index) {
 #ifdef USE_CUDA
+  require_kernel_image(device_index);
   void* stream = nullptr;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device_index, &stream));
   return reinterpret_cast<cudaStream_t>(stream);

@@ -21,8 +21,17 @@ using ST = torch::headeronly::ScalarType;
 // Copy of host int64 values onto a device (non-blocking, no sync).
 Tensor upload_i64(const std::vector<int64_t>& values, const torch::stable::Device& target);
 
+// An allocation that torch's allocator refused (out of memory, or more than any allocator can give): a
+// std::runtime_error (a RuntimeError in Python, like torch's own allocation failures; torch.OutOfMemoryError
+// cannot cross the stable ABI) saying what was asked for - dtype, shape, bytes, device. The op registration
+// (PC_IMPL, checks.h) puts the op's name in front.
+struct AllocError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // A new uninitialized contiguous tensor, straight through the C shim (no operator lookup by name: these sit
 // on per-call host paths). pinned: page-locked host memory from torch's caching host allocator (CPU only).
+// Throws AllocError when the allocator refuses.
 Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stable::Device& device,
                   bool pinned = false);
 // `t` itself when it is already contiguous (one cheap query), else a contiguous copy.
@@ -34,7 +43,9 @@ Tensor new_like(const Tensor& like, const std::vector<int64_t>& sizes, ST dtype)
 // host allocator keeps the source alive until it has run.
 void copy_into(Tensor& dst, const Tensor& src, bool non_blocking);
 
-// Current CUDA stream of a device (only valid in CUDA builds).
+// Current CUDA stream of a device (only valid in CUDA builds). Every kernel launch gets its stream here, so this
+// is where a device the build has no code for is refused, with the command that rebuilds for it
+// (require_kernel_image, common/build_info.h).
 cudaStream_t current_stream(int32_t device_index);
 
 // Device guard + current stream of a tensor's CUDA device.

@@ -45,10 +45,10 @@ template <typename S, int P_> struct Slab {
   static_assert(kAcross >= 1 && kWarps % kAcross == 0, "slab layout");
 };
 
-// The shapes in use (the fastest of the variants in benchmarks/RESULTS.md): forward sub-tiles of 64 tokens
-// with 8 bytes of a row per thread in three buffers (two sub-tiles load while one computes), backward sub-tiles
-// of 32 tokens with 4 bytes per thread in two buffers (its window and gradient arrays are twice the forward's
-// registers, and its sub-tiles stage x and dy).
+// The shapes in use (the fastest of the variants, docs/design.md "Block tiles and sub-tile buffering"): forward
+// sub-tiles of 64 tokens with 8 bytes of a row per thread in three buffers (two sub-tiles load while one computes),
+// backward sub-tiles of 32 tokens with 4 bytes per thread in two buffers (its window and gradient arrays are twice
+// the forward's registers, and its sub-tiles stage x and dy).
 template <typename S, bool kVec> struct FwdCfg {
   static constexpr int P = !kVec ? 1 : (sizeof(S) == 8 ? 1 : 8 / static_cast<int>(sizeof(S)));
   static constexpr int TT = 64;
@@ -240,7 +240,8 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : (NST > 2 ? 2 : 3))
 }
 
 // kPre: with a prefix or a prefix gradient to write (dprefix); the kernel without either carries no prefix code,
-// which makes its runs at segment boundaries cheaper (RESULTS.md, 2026-12-03: 7 % at 400 segments).
+// which makes its runs at segment boundaries cheaper (docs/design.md "A backward without prefix code": 7 % at 400
+// segments).
 template <typename S, int KM, bool kVec, int ACT, bool kExact, bool kPre, int P = BwdCfg<S, kVec>::P,
           int TT = BwdCfg<S, kVec>::TT, int NB = BwdCfg<S, kVec>::NB, int NST = BwdCfg<S, kVec>::NST>
 __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
@@ -372,8 +373,8 @@ void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
 // has slabs and sub-tiles of the same size and reuses them. The spans fill one wave only if every kernel launched
 // with them (with or without prefix, K exact or not) reaches that occupancy: today this kernel's is the lowest
 // of them (2 blocks per SM for K <= 4, 1 for K = 8). A change that lowers the registers of this one kernel
-// alone gives more spans than the others fit, and their launches take more than a wave (RESULTS.md,
-// 2026-12-04: the prefix backward 5 to 39 % slower at K = 2 and 3).
+// alone gives more spans than the others fit, and their launches take more than a wave (docs/design.md "Spans and
+// occupancy": the prefix backward 5 to 39 % slower at K = 2 and 3).
 template <typename S, int KM, int P, int TT, int NB = BwdCfg<S, true>::NB> Spans bwd_spans(int64_t T, int64_t C) {
   static const int occ = blocks_per_sm(conv_bwd_kernel<S, KM, true, 1, KM != 2 && KM != kMaxK, false, P, TT, NB>,
                                        Stage<KM, TT, BwdCfg<S, true>::NST>::kBwdBytes);

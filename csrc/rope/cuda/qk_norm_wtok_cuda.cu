@@ -35,7 +35,8 @@ constexpr int kWtokBwdBlocks = 2 * 132;  // backward grid: two blocks on each of
                                          // weight-gradient sums depends on the shape only
 static_assert(kWtokBwdBlocks <= kNormBwdBlocks, "the workspace holds kNormBwdBlocks partials");
 constexpr int kWtokFwdAhead = 2;         // forward: steps whose loads are issued ahead of the math (A; a step
-                                         // reads 1 KB per warp; the fastest of the variants in benchmarks/RESULTS.md)
+                                         // reads 1 KB per warp; the fastest of the variants, docs/design.md
+                                         // "Look-ahead of the forward")
 constexpr int kWtokFwdMinBlocks = 3;     // forward: blocks per SM the registers are bounded for (80 registers)
 
 struct WParams {
@@ -306,8 +307,8 @@ __device__ __forceinline__ void wtok_rotate(const CosSin<float>* tab, int P, int
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Backward, one warp per token (the structure of benchmarks/variants/qk_norm_rope_bwd_structures.cu, wtok_kernel
-// with one row of loads ahead and a per-warp cos/sin table): a step reads x and the gradient of its rows, two
+// Backward, one warp per token (the fastest structure measured, docs/design.md "Why one warp per token": one row of
+// loads ahead and a per-warp cos/sin table): a step reads x and the gradient of its rows, two
 // vectors each, one step ahead, and writes dx; the table holds the inverse rotation. The weight gradients stay
 // in registers over all of the warp's tokens; at the end an xor butterfly over the row slots, then the block's
 // warps summed in warp order (shared memory) into its [2, D] partial, and sum_partials sums the partials in
@@ -429,7 +430,7 @@ void launch_wtok_bwd(const NormArgs& a, cudaStream_t stream) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Forward, one warp per token (the structure of benchmarks/variants/qk_norm_rope_fwd_structures.cu, wt_kernel:
+// Forward, one warp per token (the fastest structure measured, docs/design.md "Why one warp per token":
 // loads issued steps ahead into a ring of registers, a grid of one wave of resident blocks; with the lane layout
 // and the per-warp cos/sin table above): a step reads x of its rows, two vectors per lane, kWtokFwdAhead steps
 // ahead, and writes y = R(a) (gain * xhat) on the rotary pairs, gain * xhat on the pass-through channels, xhat =

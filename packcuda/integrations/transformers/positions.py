@@ -117,23 +117,17 @@ def mm_token_type_ids(input_ids: torch.Tensor, config) -> torch.Tensor:
 
 
 def shard_position_ids(position_ids: torch.Tensor, plan) -> torch.Tensor:
-    """This CP rank's ``[R, 1, T_local]`` (R = 3 or 4) positions from the global ``[R, 1, T]`` ones, with a
-    :func:`packcuda.shard_plan` of the same packed stream. Padding slots get the plan's ``position_ids`` on
-    every row (a sequence's tail pads keep counting past its real positions, the bucket pad segment counts
-    from 0), so positions restart at 0 only where a segment starts and transformers' packed-sequence
-    detection sees each pad run as part of one segment (see :meth:`packcuda.ShardPlan.shard_positions`)."""
-    op = "packcuda.shard_position_ids"
-    if not isinstance(position_ids, torch.Tensor):
-        raise TypeError(f"{op}: position_ids must be a tensor, got {type(position_ids).__name__}")
-    if position_ids.dim() != 3 or position_ids.shape[1] != 1:
-        raise ValueError(f"{op}: position_ids must be [R, 1, T], got {tuple(position_ids.shape)}")
-    if position_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{op}: position_ids must be an int32/int64 tensor, got {position_ids.dtype}")
+    """This CP rank's positions from the global ones, with a :func:`packcuda.shard_plan` of the same packed
+    stream, in the form given: mRoPE ``[R, 1, T]`` (R = 3 or 4, transformers' ``[R, B, T]`` with B = 1) gives
+    ``[R, 1, T_local]``; ``[R, T]``, ``[1, R, T]``, ``[1, T]`` and ``[T]`` likewise, int32 or int64. Padding
+    slots get the plan's ``position_ids`` on every row (a sequence's tail pads keep counting past its real
+    positions, the bucket pad segment counts from 0), so positions restart at 0 only where a segment starts and
+    transformers' packed-sequence detection sees each pad run as part of one segment (see
+    :meth:`packcuda.ShardPlan.shard_positions`)."""
+    op = "shard_position_ids"
     if not isinstance(plan, packcuda.ShardPlan):
-        raise TypeError(f"{op}: plan must be a packcuda.ShardPlan, got {type(plan).__name__}")
-    if position_ids.shape[2] != plan.total:
-        raise ValueError(f"{op}: position_ids has {position_ids.shape[2]} tokens, but the plan has {plan.total}")
-    return plan.shard_positions(position_ids)
+        raise TypeError(f"packcuda.{op}: plan must be a packcuda.ShardPlan, got {type(plan).__name__}")
+    return plan._shard_positions(op, "position_ids", position_ids)
 
 
 @functools.lru_cache(maxsize=1)

@@ -5,7 +5,7 @@
 #include <optional>
 #include <vector>
 
-#include "../common/torch/checks.h"
+#include "common/torch/checks.h"
 
 namespace packcuda::th {
 

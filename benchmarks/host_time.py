@@ -1,0 +1,211 @@
+"""Host time per call of the packcuda facades against a bare ``torch.autograd.Function`` wrapping one torch kernel
+each way, measured in the same process, and the ratios against the goal (forward+backward <= 1.5x the bare
+Function's, forward alone <= 1.2x); then the quick report's unpad row (host lengths against nonzero +
+index_select).
+
+    python -m benchmarks.host_time [--device cuda|cpu] [--tokens T] [--rounds N] [--clock wall|thread]
+
+Host time (``harness.host_us``): the wall time of back-to-back calls divided by their number, with the GPU running
+ahead (synchronized between runs, outside the timing), the median over runs; the cases are measured in turns so
+that drifts of the machine hit every row alike. The shapes default to the per-rank sizes context parallelism gives
+(T = 4096 tokens) on CUDA and to tiny ones on the CPU, where the kernels take a few microseconds and the rows
+measure the same Python and dispatcher code. A second bare Function, two tensors in and out with one kernel each
+way per tensor, is printed for context: it is what autograd itself costs for an op on q and k. The benchmark
+modules add the per-op rows to their tables through :func:`host_rows`.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import packcuda
+from benchmarks.harness import HOST_CLOCKS, Timer, host_us
+
+GOAL_FWD_BWD, GOAL_FWD = 1.5, 1.2
+BARE = "bare autograd.Function"
+BARE2 = "bare Function, 2 in / 2 out"
+
+
+class BareFunction(torch.autograd.Function):
+    """The leanest custom autograd op: one torch kernel forward, one backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class BarePair(torch.autograd.Function):
+    """The same for two tensors (what an op on q and k costs autograd: two inputs, two outputs)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a * 2, b * 2
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        return ga * 2, gb * 2
+
+
+def measure(cases: Dict, device, rounds: int = 5, **kw) -> Dict:
+    """:func:`host_us` of every case, measured in turns (``rounds`` times each); the median per case."""
+    got: Dict = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            got[name].append(host_us(fn, device, **kw))
+    return {name: statistics.median(v) for name, v in got.items()}
+
+
+def _grad(outs, ins, grads):
+    return torch.autograd.grad(outs, ins, grads)
+
+
+def _no_grad(fn):
+    def run():
+        with torch.no_grad():
+            return fn()
+    return run
+
+
+def cases(device, tokens: Optional[int] = None) -> Tuple[Dict[str, Tuple[Callable, Callable]], str]:
+    """{name: (forward, forward+backward)} for the bare Functions and each op on ``device``; and a shape note."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    T = tokens or (4096 if cuda else 4)
+    dt = torch.bfloat16
+    Hq, Hk, D, section = (32, 8, 128, [24, 20, 20]) if cuda else (2, 1, 16, [4, 2, 2])
+    C, K = (4096, 4) if cuda else (8, 4)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=dt):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    x = rand(T, Hq * D).requires_grad_()
+    gx = rand(T, Hq * D)
+    q, k = rand(T, Hq, D).requires_grad_(), rand(T, Hk, D).requires_grad_()
+    gq, gk = rand(T, Hq, D), rand(T, Hk, D)
+    out = {BARE: (_no_grad(lambda: BareFunction.apply(x)), lambda: _grad(BareFunction.apply(x), x, gx)),
+           BARE2: (_no_grad(lambda: BarePair.apply(q, k)), lambda: _grad(BarePair.apply(q, k), (q, k), (gq, gk)))}
+
+    pos = torch.arange(T, device=device).remainder(max(1, T // 2)).repeat(3, 1)
+    kw = dict(inv_freq=packcuda.default_inv_freq(5e6, D).to(device), mrope_section=section, mrope_interleaved=True)
+    out["apply_rope"] = (_no_grad(lambda: packcuda.apply_rope(q, k, pos, **kw)),
+                         lambda: _grad(packcuda.apply_rope(q, k, pos, **kw), (q, k), (gq, gk)))
+    for wdt in (torch.float32, torch.bfloat16):
+        wq, wk = rand(D, dtype=wdt).requires_grad_(), rand(D, dtype=wdt).requires_grad_()
+
+        def fwd(wq=wq, wk=wk):
+            return packcuda.apply_qk_norm_rope(q, k, pos, q_weight=wq, k_weight=wk, **kw)
+
+        out[f"apply_qk_norm_rope (w {str(wdt)[6:]})"] = (
+            _no_grad(fwd), lambda fwd=fwd, wq=wq, wk=wk: _grad(fwd(), (q, k, wq, wk), (gq, gk)))
+
+    xc = rand(T, C).requires_grad_()
+    w, b = rand(C, K).requires_grad_(), rand(C).requires_grad_()
+    gy = rand(T, C)
+    cu = [0] + [T * i // 8 for i in range(1, 8)] + [T]
+    out["causal_conv1d"] = (
+        _no_grad(lambda: packcuda.causal_conv1d(xc, w, b, cu_seqlens=cu, activation="silu")),
+        lambda: _grad(packcuda.causal_conv1d(xc, w, b, cu_seqlens=cu, activation="silu"), (xc, w, b), gy))
+    shape = (f"T={T} bf16: q/k [{T}, {Hq}/{Hk}, {D}] mRoPE {section} interleaved; conv x [{T}, {C}] K={K} bias silu, "
+             f"8 host segments; bare: x*2 on [{T}, {Hq * D}]")
+    return out, shape
+
+
+HOST_NOTE = ("host µs per call rows: host wall time per call with the GPU running ahead (benchmarks/host_time.py), "
+             f"the baseline a {BARE} wrapping one torch kernel each way measured in the same turns; goal ratio: "
+             f"fwd <= {GOAL_FWD}x, fwd+bwd <= {GOAL_FWD_BWD}x. The '{BARE2}' row is what autograd alone costs an op "
+             "on two tensors.")
+
+
+def host_rows(names=None, device=None, tokens: Optional[int] = None, rounds: int = 3, pair: bool = False) -> List[dict]:
+    """Benchmark-table rows "host µs per call" of the ops whose names start with one of ``names`` (all when None),
+    forward and forward+backward, each with the bare Function measured in the same turns as its baseline
+    (packcuda_ms / baseline_ms in ms, as every row; ratio and goal beside them); ``pair``: add the two-tensor bare
+    Function (context for the ops on q and k)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    all_cases, shape = cases(device, tokens)
+    chosen = {n: c for n, c in all_cases.items()
+              if n == BARE or (n == BARE2 and pair) or (n != BARE2 and (names is None or any(
+                  n.startswith(m) for m in names)))}
+    got = measure({(n, m): fn for n, c in chosen.items() for m, fn in zip(("fwd", "fwd+bwd"), c)}, device,
+                  rounds=rounds)
+    rows = []
+    for (n, mode), us in got.items():
+        if n == BARE:
+            continue
+        base = got[(BARE, mode)]
+        rows.append(dict(op=f"{n} {mode}, host µs per call", shape=shape, packcuda_ms=us / 1e3,
+                         baseline=f"{BARE} {mode}, host", baseline_ms=base / 1e3, host_us=us, ratio=us / base,
+                         goal=f"<= {GOAL_FWD if mode == 'fwd' else GOAL_FWD_BWD}x" if n != BARE2 else "context"))
+    return rows
+
+
+def _nonzero_unpad(x, mask):
+    """flash-attn's unpad_input: seqlens, nonzero indices, cumsum, max via .item(), index_select."""
+    seqlens = mask.sum(-1, dtype=torch.int32)
+    indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(seqlens.max().item())
+    cu = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))
+    return x.reshape(-1, *x.shape[2:]).index_select(0, indices), indices, cu, max_seqlen
+
+
+def unpad_rows(device, clock: str = "wall") -> List[dict]:
+    """The quick report's unpad row (host lengths against nonzero + index_select, B=16 S=4096 H=1024 bf16 on
+    CUDA; a small shape on the CPU): device time per call as the report times it, and host time per call."""
+    device = torch.device(device)
+    B, S, H = (16, 4096, 1024) if device.type == "cuda" else (16, 64, 8)
+    rng = random.Random(0)
+    lens = [rng.randint(S // 4, S) for _ in range(B)]
+    x = torch.randn(B, S, H, device=device).to(torch.bfloat16)
+    mask = torch.arange(S, device=device)[None] < torch.tensor(lens, device=device)[:, None]
+    ours, base = (lambda: packcuda.unpad(x, lengths=lens)), (lambda: _nonzero_unpad(x, mask))
+    timer = Timer(device, warmup=5, reps=50)
+    t_ours, t_base = timer.median_ms(ours), timer.median_ms(base)
+    h = measure({"ours": ours, "base": base}, device, rounds=3, clock=clock)
+    return [dict(op="unpad (host lengths)", shape=f"B={B} S={S} H={H} bf16 T={sum(lens)}", packcuda_ms=t_ours,
+                 baseline="nonzero+index_select", baseline_ms=t_base, speedup=t_base / t_ours,
+                 host_us=h["ours"], baseline_host_us=h["base"])]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_time")
+    p.add_argument("--device", default=None)
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--clock", choices=sorted(HOST_CLOCKS), default="wall",
+                   help="thread: this thread's CPU time (a shared CPU-only machine); wall: wall time (default)")
+    p.add_argument("--no-unpad", action="store_true", help="leave out the unpad row")
+    a = p.parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    all_cases, shape = cases(device, a.tokens)
+    flat = {(n, m): fn for n, c in all_cases.items() for m, fn in zip(("fwd", "fwd+bwd"), c)}
+    got = measure(flat, device, rounds=a.rounds, clock=a.clock)
+    print(f"host time per call ({a.clock} clock), {device} ({shape})")
+    print(f"goal: fwd+bwd <= {GOAL_FWD_BWD}x and fwd <= {GOAL_FWD}x the {BARE}'s; 'vs pair': against the {BARE2}")
+    print(f"{'op':34s} {'fwd µs':>8s} {'ratio':>6s} {'fwd+bwd µs':>11s} {'ratio':>6s} {'vs pair':>8s}")
+    ok = True
+    for n in all_cases:
+        f, fb = got[(n, "fwd")], got[(n, "fwd+bwd")]
+        rf, rfb = f / got[(BARE, "fwd")], fb / got[(BARE, "fwd+bwd")]
+        met = n in (BARE, BARE2) or (rf <= GOAL_FWD and rfb <= GOAL_FWD_BWD)
+        ok &= met
+        print(f"{n:34s} {f:8.1f} {rf:6.2f} {fb:11.1f} {rfb:6.2f} {fb / got[(BARE2, 'fwd+bwd')]:8.2f}"
+              f"{'' if met else '  over the goal'}")
+    print("goal met" if ok else "goal not met")
+    if not a.no_unpad:
+        for r in unpad_rows(device, a.clock):
+            print(f"\n{r['op']} {r['shape']}: {r['packcuda_ms'] * 1e3:.1f} µs per call vs {r['baseline']} "
+                  f"{r['baseline_ms'] * 1e3:.1f} µs ({r['speedup']:.2f}x); host {r['host_us']:.1f} µs vs "
+                  f"{r['baseline_host_us']:.1f} µs")
+
+
+if __name__ == "__main__":
+    main()
