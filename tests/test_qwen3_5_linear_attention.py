@@ -8,6 +8,7 @@ also for CPU tensors."""
 import contextlib
 import importlib.util
 import inspect
+from itertools import accumulate
 
 import pytest
 import torch
@@ -305,13 +306,6 @@ def _which_recurrence() -> str:
     return f"gather-based reference recurrence (flash-linear-attention's CP context: {why})"
 
 
-def _cu(lens):
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return cu
-
-
 def _cp_groups(dist, world):
     return {cp: (dist.new_group(list(range(cp))) if cp < world else dist.group.WORLD) for cp in range(2, world + 1)}
 
@@ -340,7 +334,7 @@ def _cp_worker(rank, world, init, results):
                 continue
             group = groups[cp]
             what = f"cp={cp} {layout} K={K} lens={lens} bucket={bucket} rank={rank}"
-            cu = _cu(lens)
+            cu = [0, *accumulate(lens)]
             plan = packcuda.shard_plan(cu, cp, rank, layout=layout, bucket=bucket)
             model = models.setdefault(K, _model(K, layer_types=("linear_attention",)))
             layer = model.model.layers[0].linear_attn
@@ -472,12 +466,12 @@ def _model_worker(rank, world, init, results):
             what = f"cp={cp} K={K} lens={lens} bucket={bucket} path={path} native={native} rank={rank}"
             la._fla_native_zigzag = lambda: native
             model = _model(K, seed=ci, layer_types=("linear_attention", "full_attention", "linear_attention"))
-            cu = _cu(lens)
+            cu = [0, *accumulate(lens)]
             ids = _ids(lens, seed=ci)
-            labels = torch.cat([torch.cat([s[1:], s.new_tensor([-100])]) for s in ids.split(lens)])
+            labels = ref.next_token_labels(ids, cu)
             count = int((labels != -100).sum())
             # the unsharded packed run (sdpa on the packed row, the patch without a plan)
-            pos = torch.cat([torch.arange(L) for L in lens])[None]
+            pos = ref.position_ids(cu)[None]
             model.zero_grad(set_to_none=True)
             with hf.patch_qwen3_5_linear_attention(model):
                 want_loss = _loss(model(input_ids=ids[None], position_ids=pos, use_cache=False).logits[0], labels,
@@ -605,10 +599,12 @@ def test_gpu_zigzag_cp1_equals_packed_run(tmp_path, lens, path):
         pytest.skip("needs flash-linear-attention with fla.ops.cp")
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _model(4, dtype=torch.float32).cuda()
-    ids = _ids(lens).cuda()
-    labels = torch.cat([torch.cat([s[1:], s.new_tensor([-100])]) for s in ids.split(lens)])
+    cu = [0, *accumulate(lens)]
+    ids = _ids(lens)
+    labels = ref.next_token_labels(ids, cu).cuda()
     count = int((labels != -100).sum())
-    pos = torch.cat([torch.arange(n) for n in lens]).cuda()[None]
+    pos = ref.position_ids(cu).cuda()[None]
+    ids = ids.cuda()
     with hf.patch_qwen3_5_linear_attention(model):
         want_loss = _loss(model(input_ids=ids[None], position_ids=pos, use_cache=False).logits[0], labels, count)
         want_loss.backward()
@@ -616,7 +612,7 @@ def test_gpu_zigzag_cp1_equals_packed_run(tmp_path, lens, path):
     model.zero_grad(set_to_none=True)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        plan = packcuda.shard_plan(_cu(lens), 1, 0, device="cuda")
+        plan = packcuda.shard_plan(cu, 1, 0, device="cuda")
         with hf.patch_qwen3_5_linear_attention(model, plan=plan, group=dist.group.WORLD, zigzag_path=path) as h:
             native = hf.linear_attention._fla_native_zigzag() and len(lens) == 1 and path == "auto"
             assert h.layout_path == ("native" if native else "relayout")
