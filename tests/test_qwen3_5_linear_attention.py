@@ -588,7 +588,7 @@ def test_gpu_conv_with_host_boundaries_does_not_sync():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of packcuda")
 @pytest.mark.skipif(not HAS_FLA, reason="needs flash-linear-attention")
 @pytest.mark.parametrize("lens, path", [([300, 17, 1, 3, 700, 64], "auto"), ([1000], "auto"), ([1000], "relayout")])
-def test_gpu_zigzag_cp1_equals_packed_run(tmp_path, lens, path):
+def test_gpu_zigzag_cp1_equals_packed_run(tmp_path, monkeypatch, lens, path):
     """The zigzag path on CUDA at cp = 1 (an NCCL group of one): the patched fp32 model fed a zigzag plan's slots
     (each GatedDeltaNet layer moved to the contiguous plan and back, or on FLA's own zigzag for one sequence)
     gives the loss and parameter gradients of the unsharded packed run (flash-linear-attention's varlen rule).
@@ -597,7 +597,7 @@ def test_gpu_zigzag_cp1_equals_packed_run(tmp_path, lens, path):
 
     if hf.linear_attention._fla_cp() is None:
         pytest.skip("needs flash-linear-attention with fla.ops.cp")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = _model(4, dtype=torch.float32).cuda()
     cu = [0, *accumulate(lens)]
     ids = _ids(lens)
@@ -607,7 +607,12 @@ def test_gpu_zigzag_cp1_equals_packed_run(tmp_path, lens, path):
     ids = ids.cuda()
     with hf.patch_qwen3_5_linear_attention(model):
         want_loss = _loss(model(input_ids=ids[None], position_ids=pos, use_cache=False).logits[0], labels, count)
-        want_loss.backward()
+        try:
+            want_loss.backward()
+        except RuntimeError as e:  # see _fla_loss_grads
+            if "Triton" not in str(e):
+                raise
+            pytest.skip("flash-linear-attention refuses its gated-delta backward with the Triton installed here")
     want = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
