@@ -301,9 +301,9 @@ def _ref_cp_recurrence(q, k, v, g, beta, *, plan, group, state):
 
 
 def _which_recurrence() -> str:
-    """Which recurrence the CPU CP tests run (flash-linear-attention's CP kernels are GPU kernels)."""
-    why = "installed, but its kernels need CUDA" if hf.linear_attention._fla_cp() else "not installed"
-    return f"gather-based reference recurrence (flash-linear-attention's CP context: {why})"
+    """Which recurrence the CPU CP tests run, as their parameter id (flash-linear-attention's CP kernels are GPU
+    kernels: on the CPU the gather-based reference runs either way)."""
+    return "gather-reference-recurrence-" + ("fla-cp-needs-cuda" if hf.linear_attention._fla_cp() else "no-fla-cp")
 
 
 def _cp_groups(dist, world):
@@ -392,13 +392,13 @@ def _cp_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
-def test_cp_conv_and_layer_gloo(tmp_path, record_property):
+@pytest.mark.parametrize("recurrence", [_which_recurrence()])
+def test_cp_conv_and_layer_gloo(tmp_path, recurrence):
     """cp 2-4 over gloo, contiguous and zigzag, K 2 and 4, samples shorter than K-1, a bucket segment: the
     patched layer's conv (conv_prefix + causal_conv1d on plan.pieces) equals the unsharded layer's conv on this
     rank's slots (values, input and weight gradients); the whole patched layer (zigzag: moved to the contiguous
     plan and back), with a gather-based reference recurrence in place of flash-linear-attention's CP context,
     equals the unpatched layer run on every sequence alone (outputs and parameter gradients)."""
-    record_property("recurrence", _which_recurrence())
     world = 4
     results = spawn_ranks(_cp_worker, world, tmp_path)
     per_rank = {r: sum(1 for c in _cp_cases() if r < c[0]) for r in range(world)}
@@ -513,14 +513,15 @@ def _model_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
-def test_cp_zigzag_hybrid_model_gloo(tmp_path, record_property):
+@pytest.mark.parametrize("recurrence", [_which_recurrence()])
+def test_cp_zigzag_hybrid_model_gloo(tmp_path, recurrence):
     """transformers' tiny Qwen3.5 with both layer kinds, fp64, cp 2-4 over gloo with zigzag plans: the loss
     and every parameter gradient equal the unsharded packed run. Attention runs on the zigzag slots (positions
     from the plan) through a gather-based reference across ranks; each GatedDeltaNet layer moves its
     hidden_size-wide input to the contiguous plan and its output back (relayout path), or stays on the zigzag
     slots (native path: one padded sequence, FLA's zigzag offered); the recurrence is a gather-based
-    reference (flash-linear-attention's CP kernels need CUDA)."""
-    record_property("recurrence", _which_recurrence())
+    reference (flash-linear-attention's CP kernels need CUDA; the parameter id says whether FLA's CP context
+    is installed)."""
     world = 4
     results = spawn_ranks(_model_worker, world, tmp_path)
     assert results == {r: sum(1 for c in _model_cases() if r < c[0]) for r in range(world)}
