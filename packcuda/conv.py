@@ -8,15 +8,15 @@ equals the unsharded conv on this rank's slots, values and gradients.
 """
 from __future__ import annotations
 
-import os
-import weakref
-
 from typing import Optional
 
 import torch
 
 from . import _lib
-from ._meta import IntsLike, check_int, fake_kernel, host_tensor, resolve_device
+from ._meta import IntsLike, check_int, fake_kernel, host_tensor
+from .exchange import (Field, RowSchedule, StaticRowSchedule, check_backend, check_flag, check_group,
+                       check_group_matches, move, static_move)
+from .shard import ShardPlan, StaticShardPlan
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -48,21 +48,6 @@ def _conv_bwd_fake(grad_y, x, weight, bias, cu_seqlens, prefix, activation=None)
     C, K = weight.shape
     S = prefix.shape[0] if prefix is not None else 0
     return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty((C,)), x.new_empty((S, K - 1, C))
-
-
-@fake_kernel("conv_gather_sum")
-def _gather_sum_fake(a, b, index):
-    return a.new_empty((index.shape[0], a.shape[1]))
-
-
-@fake_kernel("conv_prefix_schedule", host_only=["cu_seqlens"])
-def _prefix_schedule_fake(cu_seqlens, cp_size, cp_rank, layout, align, bucket, kernel_size):
-    # host lists whose lengths depend on the values (ConvPrefixSchedule reads them in this order)
-    ctx = torch.library.get_ctx()
-    n_send, n_unpack, n_bwd_send, n_local, bwd_m = (ctx.new_dynamic_size() for _ in range(5))
-    e = lambda *n: torch.empty(n, dtype=torch.int64)  # noqa: E731
-    return [e(n_send), e(cp_size), e(cp_size), e(n_unpack), e(n_bwd_send), e(n_local, bwd_m), e(2), e(cp_size),
-            e(cp_size)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -150,79 +135,36 @@ def causal_conv1d(
 
 
 # ---------------------------------------------------------------------------------------------------
-# conv-prefix exchange under context parallelism
+# conv-prefix exchange under context parallelism: the conv prefix says which rows go where (its moves, built in
+# C++ from the plan's layout), the row exchange (packcuda/exchange.py) moves them
 # ---------------------------------------------------------------------------------------------------
 _LAYOUT_CODES = {"zigzag": 0, "contiguous": 1}
 
 
-class ConvPrefixSchedule:
-    """Which rows of which rank fill each local piece's K-1 prefix rows, for one rank of a shard plan.
+class ConvPrefixSchedule(RowSchedule):
+    """Which rows of which rank fill each local piece's K-1 prefix rows, for one rank of a shard plan: the row
+    exchange's schedule (:class:`packcuda.exchange.RowSchedule`) of the conv prefix's moves, with output slot
+    ``piece*(K-1)+j`` = prefix row j of the piece.
 
     A pure function of the plan and K, computed once on the host (``O(cp * pieces * K)``) and cached on the
-    plan (``conv_prefix_schedule``).
-
-    Attributes:
-        send_index: host int64 ``[n_send]``, the local rows to send, grouped by peer in rank order.
-        send_counts: list of ``cp`` ints, rows sent to each peer.
-        recv_counts: list of ``cp`` ints, rows received from each peer.
-        unpack: host int64 ``[n_pieces * (K-1)]``: for prefix slot ``piece*(K-1)+j``, a local row, ``n_local + i``
-            for row i of the receive buffer, or -1 for a zero row before the sequence start.
-        bwd_send_index: host int64, the prefix slots whose gradients go back to their owners, grouped by peer.
-        bwd_unpack: host int64 ``[n_local, bwd_m]``: for every local row, the gradient rows it sums, in a fixed
-            order.
-        send_first: list of ``cp`` ints: per peer, the first row when the rows sent to it are consecutive (they
-            are then sent straight from the source), else -1.
-        bwd_send_first: the same for the backward.
+    plan. Host lists: ``send_index`` (local rows to send, grouped by peer in rank order), ``send_counts`` /
+    ``recv_counts`` (rows per peer), ``unpack`` (for prefix slot ``piece*(K-1)+j``: a local row, ``n_local + i``
+    for row i of the receive buffer, or -1 for a zero row before the sequence start). Backward:
+    ``bwd_send_index`` (prefix slots whose gradients go back to their owners, grouped by peer) and
+    ``bwd_unpack`` ``[n_local, bwd_m]`` (for every local row, the gradient rows it sums, in a fixed order).
+    ``send_first`` / ``bwd_send_first``: per peer, the first row when the rows sent to it are consecutive (they
+    are then sent straight from the source), else -1. ``n_pieces``, ``n_local``, ``kernel_size``.
     """
 
     def __init__(self, plan, kernel_size: int):
         kernel_size = _check_schedule_args("conv_prefix_schedule", plan, kernel_size)
         bucket = plan.bucket
-        t = ops.conv_prefix_schedule(
+        super().__init__(ops.conv_prefix_schedule(
             torch.tensor(plan.cu_seqlens_host, dtype=torch.int64), int(plan.cp_size), int(plan.cp_rank),
-            _LAYOUT_CODES[plan.layout], int(plan.align), None if bucket is None else int(bucket), kernel_size)
-        send_index, send_counts, recv_counts, unpack, bwd_send_index, bwd_unpack, info, send_first, bwd_send_first = t
+            _LAYOUT_CODES[plan.layout], int(plan.align), None if bucket is None else int(bucket), kernel_size))
         self.kernel_size = kernel_size
-        self.cp_size, self.rank = int(plan.cp_size), int(plan.cp_rank)
-        self.n_pieces, self.n_local = (int(v) for v in info.tolist())
-        self.send_counts = send_counts.tolist()
-        self.recv_counts = recv_counts.tolist()
-        self.send_first, self.bwd_send_first = send_first.tolist(), bwd_send_first.tolist()
-        self.send_index, self.unpack = send_index, unpack
-        self.bwd_send_index, self.bwd_unpack = bwd_send_index, bwd_unpack
-        self.fingerprint = _plan_fingerprint(plan, kernel_size)
-        self._dev = {}
-
-    def on(self, device: torch.device):
-        """The schedule's index tensors on ``device``, uploaded once and cached.
-
-        Args:
-            device: CPU or CUDA (an index-less ``"cuda"`` is the current device).
-
-        Returns:
-            ``(send_index, unpack [n, 1], bwd_send_index, bwd_unpack)`` on ``device``. No sync.
-        """
-        device = _usable_device("ConvPrefixSchedule.on", "device", device)
-        key = str(device)
-        if key not in self._dev:
-            from ._meta import to_device_async
-
-            self._dev[key] = tuple(
-                to_device_async(t, device) for t in
-                (self.send_index, self.unpack[:, None].contiguous(), self.bwd_send_index, self.bwd_unpack))
-        return self._dev[key]
-
-    @property
-    def rows_moved(self) -> int:
-        """Rows this rank receives per forward call (the exchange's payload, in rows of C elements)."""
-        return int(sum(self.recv_counts))
-
-
-def _usable_device(op: str, name: str, device) -> torch.device:
-    """A cpu or cuda device that exists here (resolve_device, and given)."""
-    if device is None:
-        raise TypeError(f"packcuda.{op}: {name} must be a device, got None")
-    return resolve_device(op, name, device)
+        self.n_pieces, self.n_local = len(plan.piece_offset_host), self.n_src
+        self.fingerprint = (plan.fingerprint, kernel_size)
 
 
 def _check_x_local(op: str, x_local, plan, *, same_device: bool = False) -> None:
@@ -244,8 +186,6 @@ def _check_x_local(op: str, x_local, plan, *, same_device: bool = False) -> None
 def _check_schedule_args(op: str, plan, kernel_size, *, static_ok: bool = False) -> int:
     """The plan must be a ShardPlan (a StaticShardPlan only where static_ok) and kernel_size an integer in
     [1, 8]; returns kernel_size."""
-    from .shard import ShardPlan, StaticShardPlan
-
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"packcuda.{op}: plan must be a ShardPlan (from packcuda.shard_plan), got "
                         f"{type(plan).__name__}")
@@ -253,16 +193,6 @@ def _check_schedule_args(op: str, plan, kernel_size, *, static_ok: bool = False)
         raise ValueError(f"packcuda.{op}: plan is a StaticShardPlan, whose layout lives on the device; the host "
                          "exchange schedule needs a host plan (packcuda.shard_plan)")
     return check_int(op, "kernel_size", kernel_size, lo=1, hi=8)
-
-
-def _plan_fingerprint(plan, kernel_size=None) -> int:
-    """A signed 64-bit hash of what makes two ranks' plans one plan (cu_seqlens, cp_size, layout, align,
-    bucket), and of kernel_size when given."""
-    import hashlib
-
-    key = repr((list(plan.cu_seqlens_host), plan.cp_size, plan.layout, plan.align, plan.bucket,
-                None if kernel_size is None else int(kernel_size)))
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def conv_prefix_schedule(plan, kernel_size: int) -> ConvPrefixSchedule:
@@ -282,127 +212,15 @@ def conv_prefix_schedule(plan, kernel_size: int) -> ConvPrefixSchedule:
     return cache[k]
 
 
-_NCCL_COMMS = {}
+def _agreement_fields(plan, K: int) -> list:
+    """What the ranks of a conv_prefix call must agree on besides the rows' shape, dtype and backend."""
+    return [Field("the plan (cu_seqlens / cp_size / layout / align / bucket)", plan.fingerprint, show=False),
+            Field("kernel_size", K), Field("plan.cp_rank", plan.cp_rank, per_rank=True),
+            Field("plan.layout", plan.layout)]
 
 
-def _nccl_comm(group, device: torch.device) -> int:
-    """A dedicated NCCL communicator over ``group``'s ranks (created once per group and device)."""
-    import torch.distributed as dist
-
-    key = (id(group), str(device))
-    if key not in _NCCL_COMMS:
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        uid = ops.conv_nccl_unique_id() if rank == 0 else torch.empty(128, dtype=torch.uint8)
-        buf = uid.to(device)
-        dist.broadcast(buf, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        _NCCL_COMMS[key] = ops.conv_nccl_comm_init(buf.cpu(), world, rank, device.index or 0)
-    return _NCCL_COMMS[key]
-
-
-def _group_backend(group) -> str:
-    import torch.distributed as dist
-
-    try:
-        return str(dist.get_backend(group)).lower()
-    except Exception:  # pragma: no cover
-        return ""
-
-
-def _exchange_torch(src, send_index, send_counts, recv_counts, unpack_index, group, rank):
-    """One exchange through torch.distributed: rows src[send_index] go to the peers, then
-    out = gather_sum(src, received, unpack_index)."""
-    import torch.distributed as dist
-
-    C = src.shape[1]
-    send_buf = ops.gather_rows(src, send_index, 0.0)
-    recv_buf = src.new_empty((int(sum(recv_counts)), C))
-    p2p = []
-    so = ro = 0
-    for p in range(len(send_counts)):
-        if p == rank:
-            continue
-        peer = dist.get_global_rank(group, p) if group is not None else p
-        if send_counts[p]:
-            p2p.append(dist.P2POp(dist.isend, send_buf[so:so + send_counts[p]], peer, group))
-        if recv_counts[p]:
-            p2p.append(dist.P2POp(dist.irecv, recv_buf[ro:ro + recv_counts[p]], peer, group))
-        so += send_counts[p]
-        ro += recv_counts[p]
-    if p2p:
-        for req in dist.batch_isend_irecv(p2p):
-            req.wait()
-    return ops.conv_gather_sum(src, recv_buf, unpack_index)
-
-
-class _ConvPrefix(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_local, call):
-        ctx.call = call
-        return call.forward(x_local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.call.backward(grad), None
-
-
-_BACKEND_CODES = {"torch": 0, "nccl": 1}
-
-
-def _group_timeout(group, device):
-    """The process group's timeout (what its collectives wait at most), or None when it cannot be read."""
-    import torch.distributed as dist
-
-    try:
-        pg = group if group is not None else dist.group.WORLD
-        return pg._get_backend(device).options._timeout
-    except Exception:
-        return None
-
-
-def _verify_call(plan, K, x_local, group, backend) -> None:
-    """One all_gather of a few int64 per rank (plan fingerprint, K, C, dtype, cp_rank, layout, backend): every
-    rank raises the same ValueError when the ranks disagree, before any row is exchanged. A rank that does
-    not join makes the others fail after the process group's timeout instead of waiting forever."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    dev = x_local.device if backend == "nccl" or _group_backend(group) == "nccl" else torch.device("cpu")
-    fields = ("plan", "kernel_size", "C", "dtype", "cp_rank", "layout", "backend")
-    mine = torch.tensor([_plan_fingerprint(plan), K, x_local.shape[1], _FLOAT_DTYPES.index(x_local.dtype),
-                         plan.cp_rank, _LAYOUT_CODES[plan.layout], _BACKEND_CODES[backend]],
-                        dtype=torch.int64, device=dev)
-    allv = [torch.empty_like(mine) for _ in range(world)]
-    try:
-        dist.all_gather(allv, mine, group=group)
-    except RuntimeError as e:
-        timeout = _group_timeout(group, dev)
-        raise RuntimeError(
-            "packcuda.conv_prefix: group: not every rank of the group joined the plan check within the process "
-            f"group's timeout ({timeout if timeout is not None else 'unknown'}); every rank must call conv_prefix "
-            f"with its own rank's plan and the same kernel_size ({type(e).__name__}: {e})") from e
-    rows = torch.stack(allv).cpu().tolist()  # host read: once per prepared exchange (every call with check=True)
-    col = dict(zip(fields, zip(*rows)))
-    diffs = []
-    if len(set(col["plan"])) > 1:
-        diffs.append("the plan (cu_seqlens / cp_size / layout / align / bucket) differs between ranks")
-    if len(set(col["kernel_size"])) > 1:
-        diffs.append(f"kernel_size per rank is {list(col['kernel_size'])}")
-    if len(set(col["C"])) > 1:
-        diffs.append(f"the channel count x_local.shape[1] per rank is {list(col['C'])}")
-    if len(set(col["dtype"])) > 1:
-        diffs.append("x_local.dtype per rank is "
-                     f"{[str(_FLOAT_DTYPES[d]).replace('torch.', '') for d in col['dtype']]}")
-    if list(col["cp_rank"]) != list(range(world)):
-        diffs.append(f"plan.cp_rank per rank is {list(col['cp_rank'])}, expected {list(range(world))}")
-    if len(set(col["layout"])) > 1:
-        diffs.append(f"plan.layout per rank is {[('zigzag', 'contiguous')[v] for v in col['layout']]}")
-    if len(set(col["backend"])) > 1:
-        diffs.append(f"the exchange backend per rank is {[('torch', 'nccl')[v] for v in col['backend']]}")
-    if diffs:
-        raise ValueError("packcuda.conv_prefix: the ranks of the group disagree on the plan or the call: "
-                         + "; ".join(diffs) + ". Every rank must pass its own rank's plan of the same cu_seqlens / "
-                         "cp_size / layout / align / bucket, the same kernel_size and an x_local of the same "
-                         "channel count and dtype")
+_HINT = ("Every rank must pass its own rank's plan of the same cu_seqlens / cp_size / layout / align / bucket, the "
+         "same kernel_size and an x_local of the same channel count and dtype")
 
 
 def conv_prefix(
@@ -422,6 +240,8 @@ def conv_prefix(
     are fine (a prefix may gather rows from several earlier pieces and ranks). Every rank of the group must call
     this, with the same kernel size, even when it has nothing to send or receive. Differentiable: the backward
     sends each prefix row's gradient back to its owner and sums it into ``x_local``'s gradient in a fixed order.
+
+    The move is the row exchange's (``packcuda.exchange``).
 
     Agreement between ranks: the first call of an exchange (per plan, kernel size, group, device and backend,
     and again for each new channel count / dtype) runs one all_gather of a few int64 per rank — a fingerprint
@@ -454,138 +274,77 @@ def conv_prefix(
     """
     op = "conv_prefix"
     K = _check_schedule_args(op, plan, kernel_size, static_ok=True)
-    from .shard import StaticShardPlan
-
     if isinstance(plan, StaticShardPlan):
         # fixed sizes (every rank sends every peer one row per prefix slot): no host read, capturable
         if plan.cp_size == 1:
-            return plan._conv_prefix(op, x_local, K, None)
-        _check_group(op, group)
-        _check_group_matches(plan, group)
-        return plan._conv_prefix(op, x_local, K, group, exchange=True)
+            return _static_prefix(op, x_local, plan, K, None)
+        check_group(op, group)
+        check_group_matches(op, plan.cp_size, plan.cp_rank, group)
+        return _static_prefix(op, x_local, plan, K, group)
     _check_x_local(op, x_local, plan)
-    if check is None:
-        check = os.environ.get("PACKCUDA_CONV_CHECK", "0") not in ("", "0")
-    elif not isinstance(check, bool):
-        raise TypeError(f"packcuda.{op}: check must be None or a bool, got {check!r}")
-    if not isinstance(backend, str) or backend not in ("auto", "nccl", "torch"):
-        raise ValueError(f"packcuda.{op}: backend must be 'auto', 'nccl' or 'torch', got {backend!r}")
-    _check_group(op, group)
-    # Everything that depends only on (plan, K, group, device, backend) is resolved once and cached on the plan:
-    # group size/rank checks, backend choice, the agreement check, communicator, schedule and its device tensors.
-    # The per-call host work is then a dict lookup, the checks above and one op call.
-    cache = plan.__dict__.setdefault("_conv_prefix_calls", {})
-    key = (K, group, x_local.device, backend)
-    call = cache.get(key)
-    agreed = (x_local.shape[1], x_local.dtype)
-    if call is None:
-        resolved = _resolve_backend(x_local, plan, group, backend)
-        _verify_call(plan, K, x_local, group, resolved)
-        call = cache[key] = _PreparedCall(conv_prefix_schedule(plan, K), group, resolved, x_local.device)
-        call.agreed.add(agreed)
-    elif check or agreed not in call.agreed:
-        _verify_call(plan, K, x_local, group, call.backend)
-        call.agreed.add(agreed)
-    if torch.is_grad_enabled() and x_local.requires_grad:
-        return _ConvPrefix.apply(x_local, call)
-    return call.forward(x_local)
+    check = check_flag(op, check, "PACKCUDA_CONV_CHECK")
+    backend = check_backend(op, backend)
+    sched = conv_prefix_schedule(plan, K)
+    out = move(x_local, sched, group, op=op, key=sched.fingerprint, fields=lambda: _agreement_fields(plan, K),
+               backend=backend, check=check, hint=_HINT, row_what="the channel count x_local.shape[1]",
+               name="x_local", join_hint=" with its own rank's plan and the same kernel_size")
+    return out.view(sched.n_pieces, K - 1, x_local.shape[1])
 
 
-@fake_kernel("conv_exchange_run")
-def _exchange_run_fake(src, handle, out_lead):
-    return src.new_empty((*out_lead, src.shape[-1]))
+# ---------------------------------------------------------------------------------------------------
+# static plans: the fixed-size move with the conv prefix's device tables
+# ---------------------------------------------------------------------------------------------------
+@fake_kernel("conv_static_prefix_tables")
+def _conv_static_prefix_tables_fake(pieces, piece_offset, piece_seq, cu_seqlens_padded, cp_size, cp_rank, layout,
+                                    capacity, kernel_size):
+    sq = piece_offset.shape[0] * (kernel_size - 1)
+    e = lambda *n: torch.empty(n, dtype=torch.int64, device=piece_offset.device)  # noqa: E731
+    return e(cp_size * sq), e(sq), e(capacity // cp_size, kernel_size - 1)
 
 
-class _PreparedCall:
-    """The resolved exchange of one (plan, kernel size, group, device, backend). On the NCCL path both
-    directions are prepared once on the C++ side (schedule tensors, counts, communicator, output shape; peers
-    whose rows are consecutive are sent straight from the source, without a pack kernel), so a call is one op
-    with one tensor and a handle."""
-
-    def __init__(self, sched, group, backend, device):
-        self.sched, self.group, self.backend = sched, group, backend
-        self.agreed = set()  # (C, dtype) pairs every rank of the group was checked to agree on
-        self.send_index, self.unpack, self.bwd_send_index, self.bwd_unpack = sched.on(device)
-        self.send_counts, self.recv_counts = sched.send_counts, sched.recv_counts
-        self.comm = _nccl_comm(group, device) if backend == "nccl" else 0
-        S, K1 = sched.n_pieces, sched.kernel_size - 1
-        self.shape_tail = (S, K1)
-        self.handles = None
-        self.out_leads = ([S, K1], [sched.n_local])  # forward, backward
-        if backend == "nccl":
-            prep = ops.conv_exchange_prepare.default
-            fwd = prep(self.send_index, self.send_counts, self.recv_counts, sched.send_first, self.unpack, self.comm,
-                       sched.rank, sched.n_local, self.out_leads[0])
-            bwd = prep(self.bwd_send_index, self.recv_counts, self.send_counts, sched.bwd_send_first,
-                       self.bwd_unpack, self.comm, sched.rank, S * K1, self.out_leads[1])
-            self.handles = (fwd, bwd)
-            weakref.finalize(self, _release_exchanges, fwd, bwd)
-
-    def forward(self, x_local):
-        if self.handles is not None:
-            return ops.conv_exchange_run.default(x_local, self.handles[0], self.out_leads[0])
-        out = _exchange_torch(x_local.contiguous(), self.send_index, self.send_counts, self.recv_counts,
-                              self.unpack, self.group, self.sched.rank)
-        return out.view(*self.shape_tail, x_local.shape[1])
-
-    def backward(self, grad):
-        # every rank runs the mirror exchange, even when it has nothing to send or receive
-        if self.handles is not None:
-            return ops.conv_exchange_run.default(grad, self.handles[1], self.out_leads[1])
-        g = grad.reshape(self.shape_tail[0] * self.shape_tail[1], grad.shape[-1]).contiguous()
-        return _exchange_torch(g, self.bwd_send_index, self.recv_counts, self.send_counts, self.bwd_unpack,
-                               self.group, self.sched.rank)
+def _static_schedule(plan, K: int) -> StaticRowSchedule:
+    """The conv prefix's fixed-size move of a static plan for kernel size K >= 2 (tables made on first use: one
+    launch, no sync)."""
+    cache = plan.__dict__.setdefault("_conv_static_schedules", {})
+    if K not in cache:
+        send, unpack, bwd = ops.conv_static_prefix_tables(plan.pieces, plan.piece_offset, plan.piece_seq,
+                                                          plan.cu_seqlens_padded, plan.cp_size, plan.cp_rank,
+                                                          _LAYOUT_CODES[plan.layout], plan.capacity, K)
+        cache[K] = StaticRowSchedule(plan.cp_size, plan.cp_rank, plan.total_local, unpack.shape[0], send, unpack, bwd)
+    return cache[K]
 
 
-def _release_exchanges(*handles):
-    for h in handles:
-        try:
-            ops.conv_exchange_release.default(h)
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
+def _static_prefix(op: str, x_local, plan, kernel_size, group) -> torch.Tensor:
+    """The prefix rows of a static plan: exchanged over group, or (group None) the rows this rank holds."""
+    K = check_int(op, "kernel_size", kernel_size, lo=1, hi=8)
+    _check_x_local(op, x_local, plan, same_device=True)
+    S, C = plan.piece_offset.shape[0], x_local.shape[1]
+    if K == 1:
+        return x_local.new_zeros((S, 0, C))
+    return static_move(x_local, _static_schedule(plan, K), group, group is None).view(S, K - 1, C)
 
 
-_NCCL_BUILT: Optional[bool] = None
+def _local_conv_prefix(self, x_local: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """The conv prefix rows of every piece that this rank holds itself; zeros for the rows other ranks hold.
+
+    Rows at padded offsets ``[o-(K-1), o)`` of each piece's sequence, zero rows before the sequence start. With
+    ``cp_size == 1`` this is the whole prefix (what ``packcuda.conv_prefix`` returns): ``causal_conv1d(x_local,
+    w, cu_seqlens=plan.pieces, prefix=plan.local_conv_prefix(x_local, K))`` equals the unsharded conv on every
+    real slot. For ``cp_size > 1`` it is the local part of the exchange (``packcuda.conv_prefix`` with a group
+    does the whole exchange). Differentiable (deterministic backward); capturable.
+
+    Args:
+        x_local: ``[T_local, C]`` on the plan's device.
+        kernel_size: K, an integer in [1, 8].
+
+    Returns:
+        ``[S, K-1, C]``, ``x_local``'s dtype and device. No sync.
+    """
+    return _static_prefix("StaticShardPlan.local_conv_prefix", x_local, self, kernel_size, None)
 
 
-def _nccl_built() -> bool:
-    global _NCCL_BUILT
-    if _NCCL_BUILT is None:
-        _NCCL_BUILT = bool(ops.conv_nccl_available())
-    return _NCCL_BUILT
-
-
-def _check_group(op: str, group) -> None:
-    """torch.distributed is initialized and group is a ProcessGroup (or None: the default group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"packcuda.{op}: group: torch.distributed is not initialized (call init_process_group)")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"packcuda.{op}: group must be a torch.distributed ProcessGroup or None, got "
-                        f"{type(group).__name__}")
-
-
-def _check_group_matches(plan, group) -> None:
-    """This process is rank plan.cp_rank of a group of plan.cp_size ranks (host values, no collective)."""
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world != plan.cp_size or rank != plan.cp_rank:
-        raise ValueError(f"packcuda.conv_prefix: plan is for rank {plan.cp_rank} of {plan.cp_size} but this process "
-                         f"is rank {rank} of {world} in the group")
-
-
-def _resolve_backend(x_local, plan, group, backend) -> str:
-    """The group matches the plan; the exchange backend ("torch" or "nccl") this call uses."""
-    _check_group_matches(plan, group)
-    nccl_ok = x_local.is_cuda and _group_backend(group) == "nccl" and _nccl_built()
-    if backend == "auto":
-        return "nccl" if nccl_ok else "torch"
-    if backend == "nccl" and not nccl_ok:
-        raise ValueError("packcuda.conv_prefix: backend='nccl' needs a CUDA x_local, an NCCL group and a build "
-                         "with NCCL")
-    return backend
+# The conv prefix of a static plan is conv's (shard knows nothing of conv): the method is attached here.
+StaticShardPlan.local_conv_prefix = _local_conv_prefix
 
 
 __all__ += ["conv_prefix", "conv_prefix_schedule", "ConvPrefixSchedule"]

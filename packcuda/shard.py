@@ -27,6 +27,7 @@ import torch
 from . import _lib
 from ._meta import (IntsLike, check_int, fake_kernel, host_tensor, is_device_tensor, output_device, resolve_device,
                     tensor_device)
+from .exchange import Field, check_agreement
 from .pack import _fill_arg, _gather
 
 _lib.load()
@@ -126,6 +127,35 @@ class ShardPlan:
                 f"align={self.align}, bucket={self.bucket}, sequences={sequences}, "
                 f"total={self.total}, total_padded={self.total_padded}, total_local={self.total_local}, "
                 f"pad_size={self.pad_size}, device={self.device})")
+
+    @property
+    def fingerprint(self) -> int:
+        """A signed 64-bit hash of what makes the plans of the ranks of one CP group one plan (cu_seqlens,
+        cp_size, layout, align, bucket; not the rank): the collectives that take a plan compare it between the
+        ranks before they move data."""
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            fp = self.__dict__["_fingerprint"] = _hash64(
+                (list(self.cu_seqlens_host), self.cp_size, self.layout, self.align, self.bucket))
+        return fp
+
+    def _agree(self, op: str, x_local: torch.Tensor, group) -> None:
+        """The agreement check of a collective over this plan (once per group, row shape and dtype): every rank
+        passed its own rank's plan of the same batch and rows of one shape and dtype, or every rank raises the
+        same ValueError."""
+        key = (group, x_local.shape[1:], x_local.dtype)
+        agreed = self.__dict__.setdefault("_agreed", set())
+        if key in agreed:
+            return
+        check_agreement(op, group, [
+            Field(f"the plan ({self._identity})", self.fingerprint, show=False),
+            Field("plan.cp_rank", self.cp_rank, per_rank=True),
+            Field("x_local.shape[1:]", tuple(x_local.shape[1:])), Field("x_local.dtype", x_local.dtype)],
+            hint=f"Every rank must pass its own rank's plan of the same batch ({self._identity}) and an x_local "
+                 "of the same row shape and dtype", join_hint=" with its own rank's plan of the same batch")
+        agreed.add(key)
+
+    _identity = "cu_seqlens / cp_size / layout / align / bucket"
 
     # host copies (Python lists), made on first use from the plan's host buffer
     @property
@@ -326,6 +356,7 @@ class ShardPlan:
         if ws != self.cp_size or rk != self.cp_rank:
             raise ValueError(f"{op}: the process group has size {ws} and rank {rk}, but the plan is for "
                              f"cp_size={self.cp_size}, cp_rank={self.cp_rank}")
+        self._agree("ShardPlan.gather", x_local, group)
         return _Gather.apply(x_local, self, group)
 
 
@@ -352,6 +383,13 @@ class _Gather(torch.autograd.Function):
         dist.all_reduce(gbuf, op=dist.ReduceOp.SUM, group=group)
         lo = plan.cp_rank * plan.total_local
         return gbuf[lo:lo + plan.total_local].clone(), None, None
+
+
+def _hash64(value) -> int:
+    """A signed 64-bit hash of a value's repr (stable across processes, unlike hash())."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -447,14 +485,6 @@ def _shard_static_unshard_index_fake(cu_seqlens, cu_seqlens_padded, cp_size, lay
     return torch.empty(capacity, dtype=torch.int64, device=cu_seqlens.device)
 
 
-@fake_kernel("shard_static_exchange_index")
-def _shard_static_exchange_index_fake(pieces, piece_offset, piece_seq, cu_seqlens_padded, cp_size, cp_rank, layout,
-                                      capacity, kernel_size):
-    sq = piece_offset.shape[0] * (kernel_size - 1)
-    e = lambda *n: torch.empty(n, dtype=torch.int64, device=piece_offset.device)  # noqa: E731
-    return e(cp_size * sq), e(sq), e(capacity // cp_size, kernel_size - 1)
-
-
 # a static plan's status entries and flags, named by the op library (csrc/shard/shard_math.h: StaticStatusEntry,
 # StaticStatus; flag k is bit 1 << k)
 _STATUS_NAMES = tuple(_FIELDS["status"].split())
@@ -502,7 +532,14 @@ class StaticShardPlan(ShardPlan):
         self.total_local = self.max_seqlen_local = capacity // cp_size
         self._unshard_index: Optional[torch.Tensor] = None
         self._pad_mask_t: Optional[torch.Tensor] = None
-        self._prefix_indices: dict = {}
+
+    _identity = "capacity / max_seqs / cp_size / layout / align"
+
+    @property
+    def fingerprint(self) -> int:
+        """A signed 64-bit hash of the plan's static shape (capacity, max_seqs, cp_size, layout, align; the batch
+        itself is a device value and is not part of it)."""
+        return _hash64(("static", self.capacity, self.max_seqs, self.cp_size, self.layout, self.align))
 
     def __repr__(self) -> str:
         return (f"StaticShardPlan(layout={self.layout!r}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "
@@ -560,83 +597,6 @@ class StaticShardPlan(ShardPlan):
             raise ValueError("packcuda.StaticShardPlan.check: the batch does not fit the static plan (its outputs "
                              "are all padding): " + "; ".join(why))
         return self
-
-    def local_conv_prefix(self, x_local: torch.Tensor, kernel_size: int) -> torch.Tensor:
-        """The conv prefix rows of every piece that this rank holds itself; zeros for the rows other ranks hold.
-
-        Rows at padded offsets ``[o-(K-1), o)`` of each piece's sequence, zero rows before the sequence start. With
-        ``cp_size == 1`` this is the whole prefix (what ``packcuda.conv_prefix`` returns): ``causal_conv1d(x_local,
-        w, cu_seqlens=plan.pieces, prefix=plan.local_conv_prefix(x_local, K))`` equals the unsharded conv on every
-        real slot. For ``cp_size > 1`` it is the local part of the exchange (``packcuda.conv_prefix`` with a group
-        does the whole exchange). Differentiable (deterministic backward); capturable.
-
-        Args:
-            x_local: ``[T_local, C]`` on the plan's device.
-            kernel_size: K, an integer in [1, 8].
-
-        Returns:
-            ``[S, K-1, C]``, ``x_local``'s dtype and device. No sync.
-        """
-        return self._conv_prefix("StaticShardPlan.local_conv_prefix", x_local, kernel_size, None)
-
-    def _conv_prefix(self, op: str, x_local, kernel_size, group, exchange: bool = False) -> torch.Tensor:
-        from .conv import _check_x_local
-
-        K = check_int(op, "kernel_size", kernel_size, lo=1, hi=8)
-        _check_x_local(op, x_local, self, same_device=True)
-        S = self.piece_offset.shape[0]
-        if K == 1:
-            return x_local.new_zeros((S, 0, x_local.shape[1]))
-        return _StaticPrefix.apply(x_local.contiguous(), self, K, group, exchange).view(S, K - 1, x_local.shape[1])
-
-    def _exchange_tables(self, K: int):
-        """(send [cp*SQ], unpack [SQ], bwd [T_local, K-1]) of the conv prefix exchange (SQ = S*(K-1)), made on
-        first use (one launch, no sync)."""
-        cache = self._prefix_indices
-        if K not in cache:
-            cache[K] = ops.shard_static_exchange_index(self.pieces, self.piece_offset, self.piece_seq,
-                                                       self.cu_seqlens_padded, self.cp_size, self.cp_rank,
-                                                       _LAYOUTS[self.layout], self.capacity, K)
-        return cache[K]
-
-
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """Equal-split all-to-all of the peer-major rows of x (cp blocks) over the CP group."""
-    import torch.distributed as dist
-
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
-class _StaticPrefix(torch.autograd.Function):
-    """Conv prefix rows [S*(K-1), C] of a static plan. Local: the rows this rank holds. Exchange: every rank
-    sends each peer one row per prefix slot of the peer (a zero row where it does not hold it), one equal-split
-    all-to-all, then this rank's slots are gathered from the received buffer. Backward: the mirror all-to-all
-    and a fixed-order sum per local row (ops.conv_gather_sum over the bwd table)."""
-
-    @staticmethod
-    def forward(ctx, x, plan, K, group, exchange):
-        send, unpack, bwd = plan._exchange_tables(K)
-        sq = unpack.shape[0]
-        ctx.plan, ctx.K, ctx.group, ctx.exchange = plan, K, group, exchange
-        if exchange:
-            return ops.gather_rows(_all_to_all(ops.gather_rows(x, send, 0.0), group), unpack, 0.0)
-        r = plan.cp_rank
-        return ops.gather_rows(x, send[r * sq:(r + 1) * sq], 0.0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        plan, K = ctx.plan, ctx.K
-        send, unpack, bwd = plan._exchange_tables(K)
-        sq = unpack.shape[0]
-        g = grad.contiguous()
-        if ctx.exchange:
-            g_send = _all_to_all(ops.scatter_rows(g, unpack, plan.cp_size * sq), ctx.group)
-            return ops.conv_gather_sum(g_send, g_send[:0], bwd), None, None, None, None
-        lo = plan.cp_rank * sq
-        own = torch.where((bwd >= lo) & (bwd < lo + sq), bwd - lo, -1)
-        return ops.conv_gather_sum(g, g[:0], own), None, None, None, None
 
 
 def static_shard_plan(

@@ -22,7 +22,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULES = ("catalogue_pack", "catalogue_shard", "catalogue_rope", "catalogue_mrope", "catalogue_conv",
-           "catalogue_balance", "catalogue_integrations", "catalogue_devices")
+           "catalogue_exchange", "catalogue_balance", "catalogue_integrations", "catalogue_vision", "catalogue_devices")
 
 
 @dataclasses.dataclass
@@ -32,6 +32,7 @@ class Case:
     target: what it covers — ``"packcuda.<fn>"`` for a public function, ``"ops.<op>"`` for a raw
         ``torch.ops.packcuda`` op, ``"<Class>.<method>"`` for a public method, ``"transformers.<fn>"`` for
         ``packcuda.integrations.transformers``, ``"megatron.<fn>"`` for ``packcuda.integrations.megatron``,
+        ``"exchange.<fn>"`` for ``packcuda.exchange``,
         ``"reference.<fn>"`` for a reference of tests/reference.py that refuses bad input.
     name: a short id, unique per target.
     make: returns ``(fn, args, kwargs)``; the inputs are built fresh each run.
@@ -150,7 +151,8 @@ def all_cases():
 # what must be covered
 # ---------------------------------------------------------------------------------------------------
 # ops that take no argument at all: nothing can be passed wrongly
-NO_ARGUMENT_OPS = {"version", "conv_nccl_available", "conv_nccl_unique_id", "shard_plan_fields", "rope_max_rotary_dim"}
+NO_ARGUMENT_OPS = {"version", "exchange_nccl_available", "exchange_nccl_unique_id", "shard_plan_fields",
+                   "rope_max_rotary_dim"}
 
 
 def raw_ops() -> list[str]:
@@ -192,4 +194,14 @@ def public_targets() -> list[str]:
         elif callable(obj):
             out.append(f"transformers.{n}")
     out += [f"megatron.{n}" for n in mg.__all__ if callable(getattr(mg, n))]
+    for n in packcuda.exchange.__all__:  # the row exchange's API for the other modules and for users
+        obj = getattr(packcuda.exchange, n)
+        if inspect.isclass(obj):
+            if issubclass(obj, tuple):  # a record (Field)
+                continue
+            for m, v in vars(obj).items():
+                if not m.startswith("_") and (callable(v) or isinstance(v, (staticmethod, classmethod))):
+                    out.append(f"{n}.{m}")
+        elif callable(obj):
+            out.append(f"exchange.{n}")
     return sorted(out)

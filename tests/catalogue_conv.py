@@ -1,4 +1,5 @@
-"""Bad-input cases: varlen causal conv1d and the conv-prefix exchange (conv.py and the conv raw ops)."""
+"""Bad-input cases: varlen causal conv1d and the conv-prefix exchange (conv.py and the conv raw ops; the row
+exchange's own ops are in catalogue_exchange.py)."""
 import torch
 
 import packcuda
@@ -28,26 +29,22 @@ def _cu(*v):
     return torch.tensor(v, dtype=I64)
 
 
-def _prep(send_index=None, send_counts=(0, 0), recv_counts=(0, 0), send_first=(-1, -1), unpack=None, comm=1, rank=0,
-          n_src=8, out_lead=(2, 2)):
-    si = torch.zeros(0, dtype=I64) if send_index is None else send_index
-    up = torch.zeros(4, 1, dtype=I64) if unpack is None else unpack
-    return call(ops.conv_exchange_prepare, si, list(send_counts), list(recv_counts), list(send_first), up, comm, rank,
-                n_src, list(out_lead))
+def _static_plan():
+    return packcuda.static_shard_plan(torch.tensor([0, 3, 5, 9, 9]), 3, 2, 0, capacity=32, max_seqs=4)
 
 
-def _prep_cuda(**kw):
-    kw.setdefault("send_index", torch.zeros(0, dtype=I64, device="cuda"))
-    kw.setdefault("unpack", torch.zeros(4, 1, dtype=I64, device="cuda"))
-    return _prep(**kw)
+def _static_tables(**change):
+    p = _static_plan()
+    args = dict(pieces=p.pieces, piece_offset=p.piece_offset, piece_seq=p.piece_seq,
+                cu_seqlens_padded=p.cu_seqlens_padded, cp_size=2, cp_rank=0, layout=0, capacity=32, kernel_size=4)
+    args.update(change)
+    return call(ops.conv_static_prefix_tables, *args.values())
 
 
 CC = "packcuda.causal_conv1d"
-FWD, BWD, GS = "ops.causal_conv1d_fwd", "ops.causal_conv1d_bwd", "ops.conv_gather_sum"
+FWD, BWD = "ops.causal_conv1d_fwd", "ops.causal_conv1d_bwd"
 SCH, PSCH, ON = "ops.conv_prefix_schedule", "packcuda.conv_prefix_schedule", "ConvPrefixSchedule.on"
 CP = "packcuda.conv_prefix"
-INIT, PREP, RUN, REL = ("ops.conv_nccl_comm_init", "ops.conv_exchange_prepare", "ops.conv_exchange_run",
-                        "ops.conv_exchange_release")
 
 CASES = [
     # ---------------------------------------------------------------------------------- causal_conv1d (facade)
@@ -138,21 +135,6 @@ CASES = [
                                               None), arg="cu_seqlens"),
     Case(BWD, "activation_code", lambda: call(ops.causal_conv1d_bwd, _x(), _x(), _w(), None, None, None, "gelu"),
          arg="activation"),
-    Case(GS, "index_out_of_range", lambda: call(ops.conv_gather_sum, _x(), _x(), torch.tensor([[25]])), arg="index"),
-    Case(GS, "index_below_minus_one", lambda: call(ops.conv_gather_sum, _x(), _x(), torch.tensor([[-2]])),
-         arg="index"),
-    Case(GS, "index_int32", lambda: call(ops.conv_gather_sum, _x(), _x(), torch.tensor([[1]], dtype=torch.int32)),
-         arg="index"),
-    Case(GS, "index_1d", lambda: call(ops.conv_gather_sum, _x(), _x(), torch.tensor([1])), arg="index"),
-    Case(GS, "index_none", lambda: call(ops.conv_gather_sum, _x(), _x(), None), arg="index"),
-    Case(GS, "b_dtype", lambda: call(ops.conv_gather_sum, _x(), _x().double(), torch.tensor([[1]])), arg="b"),
-    Case(GS, "b_columns", lambda: call(ops.conv_gather_sum, _x(), _x(C=5), torch.tensor([[1]])), arg="columns"),
-    Case(GS, "a_int", lambda: call(ops.conv_gather_sum, _x().long(), _x().long(), torch.tensor([[1]])), arg="a"),
-    Case(GS, "a_1d", lambda: call(ops.conv_gather_sum, _x()[0], _x(), torch.tensor([[1]])), arg="a"),
-    Case(GS, "too_many_sources_per_row", risky=True, arg="index",
-         make=lambda: call(ops.conv_gather_sum, _x(), _x(), torch.zeros(1, 1, dtype=I64).expand(1, 2**31))),
-    Case(GS, "index_on_cuda_a_on_cpu", cuda=True, arg="index",
-         make=lambda: call(ops.conv_gather_sum, _x(), _x(), torch.tensor([[1]], device="cuda"))),
     # ---------------------------------------------------------------------------------- schedule (raw op)
     Case(SCH, "cp_size_huge", risky=True, arg="cp_size",
          make=lambda: call(ops.conv_prefix_schedule, _cu(0, 5, 9), 2**40, 0, 1, 1, None, 4)),
@@ -240,53 +222,37 @@ CASES = [
                                              backend="mpi"), arg="backend"),
     Case(CP, "no_process_group", risky=True, arg="group",
          make=lambda: call(packcuda.conv_prefix, _x(_plan().total_local), _plan(), 3)),
-    # ---------------------------------------------------------------------------------- raw NCCL entry points
-    Case(INIT, "unique_id_size", lambda: call(ops.conv_nccl_comm_init, torch.zeros(5, dtype=torch.uint8), 2, 0, 0),
-         arg="unique_id"),
-    Case(INIT, "unique_id_dtype", lambda: call(ops.conv_nccl_comm_init, torch.zeros(128), 2, 0, 0), arg="unique_id"),
-    Case(INIT, "unique_id_none", lambda: call(ops.conv_nccl_comm_init, None, 2, 0, 0), arg="unique_id"),
-    Case(INIT, "rank_out_of_range", lambda: call(ops.conv_nccl_comm_init, torch.zeros(128, dtype=torch.uint8), 2, 5,
-                                                 0), arg="rank"),
-    Case(INIT, "rank_negative", lambda: call(ops.conv_nccl_comm_init, torch.zeros(128, dtype=torch.uint8), 2, -1, 0),
-         arg="rank"),
-    Case(INIT, "nranks_zero", lambda: call(ops.conv_nccl_comm_init, torch.zeros(128, dtype=torch.uint8), 0, 0, 0),
-         arg="nranks"),
-    Case(INIT, "nranks_beyond_int", lambda: call(ops.conv_nccl_comm_init, torch.zeros(128, dtype=torch.uint8),
-                                                 2**40, 0, 0), arg="nranks"),
-    Case(INIT, "device_index_negative", lambda: call(ops.conv_nccl_comm_init, torch.zeros(128, dtype=torch.uint8),
-                                                     2, 0, -3), arg="device_index"),
-    Case(INIT, "unique_id_on_cuda", cuda=True, arg="unique_id",
-         make=lambda: call(ops.conv_nccl_comm_init, torch.zeros(128, dtype=torch.uint8, device="cuda"), 2, 0, 0)),
-    Case(PREP, "list_lengths", lambda: _prep(send_first=(-1,)), arg="send_first"),
-    Case(PREP, "no_ranks", lambda: _prep(send_counts=(), recv_counts=(), send_first=()), arg="send_counts"),
-    Case(PREP, "send_count_negative", lambda: _prep(send_counts=(0, -1)), arg="send_counts"),
-    Case(PREP, "recv_count_negative", lambda: _prep(recv_counts=(-4, 0)), arg="recv_counts"),
-    Case(PREP, "count_sum_overflow", lambda: _prep(recv_counts=(2**62, 2**62)), arg="recv_counts"),
-    Case(PREP, "rank_out_of_range", lambda: _prep(rank=2), arg="rank"),
-    Case(PREP, "n_src_negative", lambda: _prep(n_src=-1), arg="n_src"),
-    Case(PREP, "send_first_past_end", lambda: _prep(send_index=torch.zeros(3, dtype=I64), send_counts=(0, 3),
-                                                    send_first=(0, 6)), arg="send_first"),
-    Case(PREP, "send_first_overflow", lambda: _prep(send_index=torch.zeros(3, dtype=I64), send_counts=(0, 3),
-                                                    send_first=(0, 2**63 - 2)), arg="send_first"),
-    Case(PREP, "out_lead_negative", lambda: _prep(out_lead=(-2, -2)), arg="out_lead"),
-    Case(PREP, "out_lead_overflow", lambda: _prep(out_lead=(2**40, 2**40)), arg="out_lead"),
-    Case(PREP, "out_lead_rows", lambda: _prep(out_lead=(2, 3)), arg="out_lead"),
-    Case(PREP, "send_index_count", lambda: _prep(send_index=torch.zeros(2, dtype=I64)), arg="send_index"),
-    Case(PREP, "send_index_int32", lambda: _prep(send_index=torch.zeros(0, dtype=torch.int32)), arg="send_index"),
-    Case(PREP, "send_index_2d", lambda: _prep(send_index=torch.zeros(0, 1, dtype=I64)), arg="send_index"),
-    Case(PREP, "unpack_index_1d", lambda: _prep(unpack=torch.zeros(4, dtype=I64)), arg="unpack_index"),
-    Case(PREP, "unpack_index_float", lambda: _prep(unpack=torch.zeros(4, 1)), arg="unpack_index"),
-    Case(PREP, "send_index_none", lambda: call(ops.conv_exchange_prepare, None, [0, 0], [0, 0], [-1, -1],
-                                               torch.zeros(4, 1, dtype=I64), 1, 0, 8, [2, 2]), arg="send_index"),
-    Case(PREP, "send_index_on_cpu", lambda: _prep(), arg="send_index"),
-    Case(PREP, "comm_not_a_communicator", cuda=True, arg="comm", make=lambda: _prep_cuda(comm=12345)),
-    Case(PREP, "unpack_index_on_cpu", cuda=True, arg="unpack_index",
-         make=lambda: _prep_cuda(unpack=torch.zeros(4, 1, dtype=I64))),
-    Case(RUN, "unknown_handle", lambda: call(ops.conv_exchange_run, _x(), 987654, [8]), arg="handle"),
-    Case(RUN, "negative_handle", lambda: call(ops.conv_exchange_run, _x(), -1, [8]), arg="handle"),
-    Case(RUN, "unknown_handle_cuda", cuda=True, arg="handle",
-         make=lambda: call(ops.conv_exchange_run, _x().cuda(), 987654, [8])),
-    Case(REL, "unknown_handle", lambda: call(ops.conv_exchange_release, 123456), arg="handle"),
-    Case(REL, "zero_handle", lambda: call(ops.conv_exchange_release, 0), arg="handle"),
-    Case(REL, "negative_handle", lambda: call(ops.conv_exchange_release, -5), arg="handle"),
+    # ---------------------------------------------------------------------------------- static plans' tables
+    Case("ops.conv_static_prefix_tables", "kernel_size_one", lambda: _static_tables(kernel_size=1),
+         arg="kernel_size"),
+    Case("ops.conv_static_prefix_tables", "kernel_size_nine", lambda: _static_tables(kernel_size=9),
+         arg="kernel_size"),
+    Case("ops.conv_static_prefix_tables", "cp_rank_out_of_range", lambda: _static_tables(cp_rank=2),
+         arg="cp_rank"),
+    Case("ops.conv_static_prefix_tables", "cp_size_zero", lambda: _static_tables(cp_size=0), arg="cp_size"),
+    Case("ops.conv_static_prefix_tables", "layout_code", lambda: _static_tables(layout=-1), arg="layout"),
+    Case("ops.conv_static_prefix_tables", "capacity_not_multiple", lambda: _static_tables(capacity=31),
+         arg="capacity"),
+    Case("ops.conv_static_prefix_tables", "capacity_huge", lambda: _static_tables(capacity=2**63 - 1),
+         arg="capacity"),
+    Case("ops.conv_static_prefix_tables", "pieces_wrong_length",
+         lambda: _static_tables(pieces=torch.zeros(10, dtype=torch.int32)), arg="pieces"),
+    Case("ops.conv_static_prefix_tables", "pieces_int64",
+         lambda: _static_tables(pieces=torch.zeros(11, dtype=torch.int64)), arg="pieces"),
+    Case("ops.conv_static_prefix_tables", "piece_offset_int32",
+         lambda: _static_tables(piece_offset=torch.zeros(10, dtype=torch.int32)), arg="piece_offset"),
+    Case("ops.conv_static_prefix_tables", "piece_offset_wrong_length",
+         lambda: _static_tables(piece_offset=torch.zeros(9, dtype=torch.int64)), arg="piece_offset"),
+    Case("ops.conv_static_prefix_tables", "piece_seq_wrong_length",
+         lambda: _static_tables(piece_seq=torch.zeros(11, dtype=torch.int32)), arg="piece_seq"),
+    Case("ops.conv_static_prefix_tables", "piece_seq_2d",
+         lambda: _static_tables(piece_seq=torch.zeros(1, 10, dtype=torch.int32)), arg="piece_seq"),
+    Case("ops.conv_static_prefix_tables", "padded_too_short",
+         lambda: _static_tables(cu_seqlens_padded=torch.tensor([0, 32], dtype=torch.int32)), arg="cu_seqlens_padded"),
+    Case("ops.conv_static_prefix_tables", "padded_int64",
+         lambda: _static_tables(cu_seqlens_padded=_cu(0, 4, 8, 12, 32, 32)), arg="cu_seqlens_padded"),
+    Case("ops.conv_static_prefix_tables", "layout_mismatch_piece_count", lambda: _static_tables(layout=1),
+         arg="pieces"),
+    Case("ops.conv_static_prefix_tables", "padded_other_device", cuda=True, arg="pieces",
+         make=lambda: _static_tables(cu_seqlens_padded=torch.zeros(6, dtype=torch.int32, device="cuda"))),
 ]

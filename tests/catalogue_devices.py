@@ -92,15 +92,18 @@ BASELINES = {
     "balance_across_ranks": Baseline(lambda: dict(seqlens=_t(3, 4, 5, 6), world_size=2), host_only=["seqlens"]),
     "causal_conv1d_fwd": Baseline(lambda: _conv(activation="silu"), host=["cu_seqlens"]),
     "causal_conv1d_bwd": Baseline(lambda: dict(grad_y=_x(5, 4), **_conv(activation="silu")), host=["cu_seqlens"]),
-    "conv_gather_sum": Baseline(lambda: dict(a=_x(3, 4), b=_x(2, 4), index=_t(0, 1, 4, -1).view(2, 2))),
+    "exchange_gather_sum": Baseline(lambda: dict(a=_x(3, 4), b=_x(2, 4), index=_t(0, 1, 4, -1).view(2, 2))),
+    "exchange_schedule": Baseline(lambda: dict(cp_size=2, cp_rank=0, n_src=2, n_out=2, src_rank=_t(0, 1),
+                                               src_row=_t(1, 0), dst_rank=_t(0, 0), dst_slot=_t(0, 1)),
+                                  host_only=["src_rank", "src_row", "dst_rank", "dst_slot"]),
     "conv_prefix_schedule": Baseline(lambda: dict(cu_seqlens=_t(0, 5), cp_size=2, cp_rank=0, layout=1, align=1,
                                                   bucket=None, kernel_size=4), host_only=["cu_seqlens"]),
-    "conv_nccl_comm_init": Baseline(lambda: dict(unique_id=torch.zeros(128, dtype=torch.uint8), nranks=1, rank=0,
-                                                 device_index=0), host_only=["unique_id"], runs=False),
-    "conv_exchange_prepare": Baseline(lambda: dict(send_index=_t(0), send_counts=[1], recv_counts=[1],
-                                                   send_first=[-1], unpack_index=_t(0, 1).view(1, 2), comm=0,
-                                                   rank=0, n_src=1, out_lead=[1]), runs=False),
-    "conv_exchange_run": Baseline(lambda: dict(src=_x(1, 4), handle=1, out_lead=[1]), runs=False),
+    "exchange_nccl_comm_init": Baseline(lambda: dict(unique_id=torch.zeros(128, dtype=torch.uint8), nranks=1, rank=0,
+                                                     device_index=0), host_only=["unique_id"], runs=False),
+    "exchange_prepare": Baseline(lambda: dict(send_index=_t(0), send_counts=[1], recv_counts=[1],
+                                              send_first=[-1], unpack_index=_t(0, 1).view(1, 2), comm=0,
+                                              rank=0, n_src=1, out_lead=[1]), runs=False),
+    "exchange_run": Baseline(lambda: dict(src=_x(1, 4), handle=1, out_lead=[1]), runs=False),
     "shard_plan": Baseline(lambda: dict(cu_seqlens=_t(0, 5), cp_size=2, cp_rank=0, layout=1, align=1, bucket=None,
                                         device=torch.device("cpu")), host_only=["cu_seqlens"]),
     "shard_unshard_index": Baseline(lambda: dict(cu_seqlens=_t(0, 5), cu_seqlens_padded=_t(0, 6), cp_size=2,
@@ -110,7 +113,7 @@ BASELINES = {
     "shard_static_unshard_index": Baseline(lambda: dict(cu_seqlens=_t(0, 3, 5, dtype=I32),
                                                         cu_seqlens_padded=_t(0, 3, 5, 8, dtype=I32), cp_size=2,
                                                         layout=1, capacity=8)),
-    "shard_static_exchange_index": Baseline(_static_exchange),
+    "conv_static_prefix_tables": Baseline(_static_exchange),
     "apply_rope": Baseline(lambda: _rope(rotary_dim=8, mrope_section=[]), host=["positions", "inv_freq"]),
     "apply_rope_": Baseline(lambda: _rope(rotary_dim=8, mrope_section=[]), host=["positions", "inv_freq"]),
     "apply_qk_norm_rope": Baseline(lambda: _qk(rotary_dim=8, mrope_section=[]), host=["positions", "inv_freq"]),
@@ -253,6 +256,28 @@ def _qk_kw():
     return dict(**_rope_kw(), q_weight=torch.ones(8), k_weight=torch.ones(8))
 
 
+def _swap_schedule():
+    """cp = 1: output row 0 <- source row 1, output row 1 <- source row 0."""
+    return packcuda.exchange.RowSchedule.from_moves(1, 0, 2, 2, [0, 0], [1, 0], [0, 0], [0, 1])
+
+
+def _static_conv_schedule():
+    from packcuda.conv import _static_schedule
+
+    return _static_schedule(_static(), 3)
+
+
+def _vision_args():
+    ids = torch.tensor([1] + [IMG] * 4 + [2])
+    return ids, [0, 6], packcuda.shard_plan([0, 6], 1, 0), dict(image_grid_thw=[[1, 4, 4]], image_token_id=IMG,
+                                                                video_token_id=VID)
+
+
+def _vision_plan():
+    ids, cu, plan, kw = _vision_args()
+    return packcuda.vision_plan(ids, cu, plan, **kw)
+
+
 # target -> make() returning (fn, args, kwargs) of a valid CPU call
 PUBLIC = {
     "packcuda.gather_rows": lambda: call(packcuda.gather_rows, _x(4, 3), _t(0, 2)),
@@ -290,6 +315,19 @@ PUBLIC = {
                                                      image_grid_thw=_t(1, 4, 4).view(1, 3)),
     "transformers.shard_position_ids": lambda: call(_hf().shard_position_ids, torch.arange(8).expand(4, 1, 8),
                                                     _plan(2)),
+    "RowSchedule.from_moves": lambda: call(packcuda.exchange.RowSchedule.from_moves, 1, 0, 2, 2, _t(0, 0), _t(1, 0),
+                                           _t(0, 0), _t(0, 1)),
+    "exchange.exchange_rows": lambda: call(packcuda.exchange.exchange_rows, _x(2, 3), _swap_schedule()),
+    "exchange.exchange_rows_static": lambda: call(packcuda.exchange.exchange_rows_static, _x(8, 4),
+                                                  _static_conv_schedule(), local=True),
+    "packcuda.vision_plan": lambda: call(packcuda.vision_plan, *_vision_args()[:3], **_vision_args()[3]),
+    "VisionPlan.local_pixel_values": lambda: call(_vision_plan().local_pixel_values, _x(16, 6)),
+    "VisionPlan.route": lambda: call(_vision_plan().route, _x(_vision_plan().n_encoded, 8)),
+    "VisionPlan.merge": lambda: call(_vision_plan().merge, _x(_vision_plan().total_local, 8),
+                                     _x(_vision_plan().n_slots, 8)),
+    "transformers.qwen_vl_vision_plan": lambda: call(_hf().qwen_vl_vision_plan, _VL, _vl_ids(), _t(0, 8),
+                                                     packcuda.shard_plan([0, 8], 1, 0),
+                                                     image_grid_thw=_t(1, 4, 4).view(1, 3)),
     "megatron.thd_batch_on_this_cp_rank": lambda: call(
         _mg().thd_batch_on_this_cp_rank, {"tokens": _t(*range(8)).view(1, 8), "labels": _t(*range(8)).view(1, 8),
                                           "position_ids": torch.arange(8).view(1, 8)},
@@ -298,7 +336,8 @@ PUBLIC = {
 
 # public callables without a tensor argument (nothing to put on another device)
 NO_TENSOR_ARGUMENT = {
-    "ConvPrefixSchedule.on", "LinearAttentionPatch.set_plan", "LinearAttentionPatch.unpatch",
+    "ConvPrefixSchedule.on", "RowSchedule.on", "VisionPatch.set_plan", "VisionPatch.unpatch",
+    "exchange.check_agreement", "transformers.patch_qwen_vl_vision", "LinearAttentionPatch.set_plan", "LinearAttentionPatch.unpatch",
     "MRopeSpec.from_hf_config", "RopePatch.unpatch", "StaticShardPlan.check", "megatron.packed_seq_params",
     "packcuda.conv_prefix_schedule", "packcuda.default_inv_freq", "packcuda.rope_kwargs_from_config",
     "transformers.is_patched", "transformers.patch_qwen3_5_linear_attention", "transformers.patch_qwen_vl_rope",

@@ -312,14 +312,6 @@ def _static_unshard(**change):
     return call(ops.shard_static_unshard_index, *args.values())
 
 
-def _static_exchange(**change):
-    p = _static_plan()
-    args = dict(pieces=p.pieces, piece_offset=p.piece_offset, piece_seq=p.piece_seq,
-                cu_seqlens_padded=p.cu_seqlens_padded, cp_size=2, cp_rank=0, layout=0, capacity=32, kernel_size=4)
-    args.update(change)
-    return call(ops.shard_static_exchange_index, *args.values())
-
-
 def _static_conv_prefix(make_args):
     """conv_prefix of a static plan in a single-process gloo group (the case runs in a child process)."""
     import torch.distributed as dist
@@ -432,39 +424,6 @@ STATIC_CASES = [
          lambda: _static_unshard(cu_seqlens_padded=torch.zeros(6)), arg="cu_seqlens_padded"),
     Case("ops.shard_static_unshard_index", "padded_other_device", cuda=True, arg="cu_seqlens_padded",
          make=lambda: _static_unshard(cu_seqlens_padded=torch.zeros(6, dtype=torch.int32, device="cuda"))),
-    # ---- ops.shard_static_exchange_index -------------------------------------------------------------------------
-    Case("ops.shard_static_exchange_index", "kernel_size_one", lambda: _static_exchange(kernel_size=1),
-         arg="kernel_size"),
-    Case("ops.shard_static_exchange_index", "kernel_size_nine", lambda: _static_exchange(kernel_size=9),
-         arg="kernel_size"),
-    Case("ops.shard_static_exchange_index", "cp_rank_out_of_range", lambda: _static_exchange(cp_rank=2),
-         arg="cp_rank"),
-    Case("ops.shard_static_exchange_index", "cp_size_zero", lambda: _static_exchange(cp_size=0), arg="cp_size"),
-    Case("ops.shard_static_exchange_index", "layout_code", lambda: _static_exchange(layout=-1), arg="layout"),
-    Case("ops.shard_static_exchange_index", "capacity_not_multiple", lambda: _static_exchange(capacity=31),
-         arg="capacity"),
-    Case("ops.shard_static_exchange_index", "capacity_huge", lambda: _static_exchange(capacity=I64_MAX),
-         arg="capacity"),
-    Case("ops.shard_static_exchange_index", "pieces_wrong_length",
-         lambda: _static_exchange(pieces=torch.zeros(10, dtype=torch.int32)), arg="pieces"),
-    Case("ops.shard_static_exchange_index", "pieces_int64",
-         lambda: _static_exchange(pieces=torch.zeros(11, dtype=torch.int64)), arg="pieces"),
-    Case("ops.shard_static_exchange_index", "piece_offset_int32",
-         lambda: _static_exchange(piece_offset=torch.zeros(10, dtype=torch.int32)), arg="piece_offset"),
-    Case("ops.shard_static_exchange_index", "piece_offset_wrong_length",
-         lambda: _static_exchange(piece_offset=torch.zeros(9, dtype=torch.int64)), arg="piece_offset"),
-    Case("ops.shard_static_exchange_index", "piece_seq_wrong_length",
-         lambda: _static_exchange(piece_seq=torch.zeros(11, dtype=torch.int32)), arg="piece_seq"),
-    Case("ops.shard_static_exchange_index", "piece_seq_2d",
-         lambda: _static_exchange(piece_seq=torch.zeros(1, 10, dtype=torch.int32)), arg="piece_seq"),
-    Case("ops.shard_static_exchange_index", "padded_too_short",
-         lambda: _static_exchange(cu_seqlens_padded=_t([0, 32], torch.int32)), arg="cu_seqlens_padded"),
-    Case("ops.shard_static_exchange_index", "padded_int64",
-         lambda: _static_exchange(cu_seqlens_padded=_t([0, 4, 8, 12, 32, 32])), arg="cu_seqlens_padded"),
-    Case("ops.shard_static_exchange_index", "layout_mismatch_piece_count", lambda: _static_exchange(layout=1),
-         arg="pieces"),
-    Case("ops.shard_static_exchange_index", "padded_other_device", cuda=True, arg="pieces",
-         make=lambda: _static_exchange(cu_seqlens_padded=torch.zeros(6, dtype=torch.int32, device="cuda"))),
     # ---- packcuda.conv_prefix with a static plan -------------------------------------------------------------------
     Case("packcuda.conv_prefix", "static_no_process_group", arg="group",
          make=lambda: call(packcuda.conv_prefix, torch.zeros(16, 2), _static_plan(), 4)),

@@ -389,3 +389,41 @@ def scatter_rows_dim(src, index, num_rows, dim=0):
         if r >= 0:
             out[r] = moved[i]
     return out.movedim(0, dim)
+
+
+# ------------------------------------------------------------------------------------------ vision under CP
+def vision_replicated(ids, local_index, image_token_id, video_token_id):
+    """What a rank keeps when it encodes every image and video itself (transformers concatenates the tower's image
+    rows, then its video rows, and scatters them over the placeholder tokens in stream order; the rank keeps its
+    slots), token by token: (the local slots holding vision tokens, the row of each in the concatenation
+    [image rows; video rows]). ids: the packed stream [T]; local_index: the original row of every local slot
+    (-1 for pads)."""
+    ids = ids.tolist()
+    n_img = sum(1 for tok in ids if tok == image_token_id)
+    k_of, seen = {}, {image_token_id: 0, video_token_id: n_img}
+    for t, tok in enumerate(ids):
+        if tok in seen:
+            k_of[t] = seen[tok]
+            seen[tok] += 1
+    slots, rows = [], []
+    for s, t in enumerate(local_index.tolist()):
+        if t >= 0 and t in k_of:
+            slots.append(s)
+            rows.append(k_of[t])
+    return slots, torch.tensor(rows, dtype=torch.int64)
+
+
+def vision_balance_optimum(costs, cp):
+    """The smallest possible largest per-rank sum of `costs` over cp ranks (every assignment, the first unit
+    on rank 0 without loss of generality)."""
+    import itertools
+
+    if not costs:
+        return 0.0
+    best = float("inf")
+    for rest in itertools.product(range(cp), repeat=len(costs) - 1):
+        load = [0.0] * cp
+        for c, r in zip(costs, (0,) + rest):
+            load[r] += c
+        best = min(best, max(load))
+    return best

@@ -251,7 +251,7 @@ def test_opcheck(device):
                                                            p.detach(), "silu"))
     a, bb = torch.randn(5, 4).to(device), torch.randn(3, 4).to(device)
     idx = torch.tensor([[0, 7], [-1, -1], [5, 2]], device=device)
-    opcheck(torch.ops.packcuda.conv_gather_sum.default, (a, bb, idx))
+    opcheck(torch.ops.packcuda.exchange_gather_sum.default, (a, bb, idx))
 
 
 def test_compile_fullgraph(device):
@@ -279,7 +279,7 @@ def test_gather_sum_matches_reference(device):
         a = torch.randn(6, 5, generator=g).to(dtype)
         b = torch.randn(4, 5, generator=g).to(dtype)
         idx = torch.tensor([[0, 9, -1], [-1, -1, -1], [6, 6, 2], [3, -1, 1]])
-        got = torch.ops.packcuda.conv_gather_sum(a.to(device), b.to(device), idx.to(device)).cpu()
+        got = torch.ops.packcuda.exchange_gather_sum(a.to(device), b.to(device), idx.to(device)).cpu()
         both = torch.cat([a, b]).float()
         want = torch.stack([sum((both[i] for i in row if i >= 0), torch.zeros(5)) for row in idx.tolist()])
         assert torch.allclose(got.float(), want.to(dtype).float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
@@ -310,7 +310,7 @@ def test_bad_causal_conv1d():
     with pytest.raises(ValueError, match="x must be 2-D"):
         packcuda.causal_conv1d(x[None], w)
     with pytest.raises(ValueError, match=r"index\[0\]=10 is out of range"):
-        torch.ops.packcuda.conv_gather_sum(x, x[:0], torch.tensor([[10]]))
+        torch.ops.packcuda.exchange_gather_sum(x, x[:0], torch.tensor([[10]]))
 
 
 @requires_cuda
@@ -616,11 +616,11 @@ def _simulate_schedules(cp, layout, K, lens, bucket=None, C=2, seed=0):
             recv.append(xs[p][scheds[p].send_index[off:off + scheds[p].send_counts[q]]])
             boff = sum(scheds[p].recv_counts[:q])
             brecv.append(Gs[p][scheds[p].bwd_send_index[boff:boff + scheds[p].recv_counts[q]]])
-        got = torch.ops.packcuda.conv_gather_sum(xs[q], torch.cat(recv), scheds[q].unpack[:, None])
+        got = torch.ops.packcuda.exchange_gather_sum(xs[q], torch.cat(recv), scheds[q].unpack[:, None])
         want = torch.stack([X[r] if r >= 0 else torch.zeros(C, dtype=X.dtype) for r in src_rows[q]]) \
             if src_rows[q] else got[:0]
         assert torch.equal(got, want), ("forward", cp, layout, K, lens, bucket, q)
-        dx = torch.ops.packcuda.conv_gather_sum(Gs[q], torch.cat(brecv), scheds[q].bwd_unpack)
+        dx = torch.ops.packcuda.exchange_gather_sum(Gs[q], torch.cat(brecv), scheds[q].bwd_unpack)
         assert torch.allclose(dx, dX[rows[q]], atol=1e-12), ("backward", cp, layout, K, lens, bucket, q)
 
 
@@ -708,61 +708,61 @@ def test_bad_prepared_exchange():
     ops = torch.ops.packcuda
     idx, unpack = torch.zeros(0, dtype=torch.int64), torch.zeros(4, 1, dtype=torch.int64)
     with pytest.raises(ValueError, match="send_index must be a CUDA tensor"):
-        ops.conv_exchange_prepare(idx, [0, 0], [0, 0], [-1, -1], unpack, 1, 0, 8, [2, 2])
-    with pytest.raises(ValueError, match="conv_exchange_release: unknown handle 123456"):
-        ops.conv_exchange_release(123456)  # a handle never issued
+        ops.exchange_prepare(idx, [0, 0], [0, 0], [-1, -1], unpack, 1, 0, 8, [2, 2])
+    with pytest.raises(ValueError, match="exchange_release: unknown handle 123456"):
+        ops.exchange_release(123456)  # a handle never issued
     if HAS_CUDA:
         idx, unpack = idx.cuda(), unpack.cuda()
         with pytest.raises(ValueError, match="send_counts, recv_counts and send_first must have cp entries"):
-            ops.conv_exchange_prepare(idx, [0, 0], [0, 0], [-1], unpack, 1, 0, 8, [2, 2])
+            ops.exchange_prepare(idx, [0, 0], [0, 0], [-1], unpack, 1, 0, 8, [2, 2])
         with pytest.raises(ValueError, match="out_lead 2 dims hold 6 rows but unpack_index has 4"):
-            ops.conv_exchange_prepare(idx, [0, 0], [0, 0], [-1, -1], unpack, 1, 0, 8, [2, 3])
+            ops.exchange_prepare(idx, [0, 0], [0, 0], [-1, -1], unpack, 1, 0, 8, [2, 3])
         with pytest.raises(ValueError, match="runs past the 8 source rows"):
-            ops.conv_exchange_prepare(torch.zeros(3, dtype=torch.int64, device="cuda"), [0, 3], [0, 0], [0, 6],
+            ops.exchange_prepare(torch.zeros(3, dtype=torch.int64, device="cuda"), [0, 3], [0, 0], [0, 6],
                                       unpack, 1, 0, 8, [2, 2])
         with pytest.raises(ValueError, match="unknown or released handle"):
-            ops.conv_exchange_run(torch.zeros(8, 2, device="cuda"), 987654, [8])
+            ops.exchange_run(torch.zeros(8, 2, device="cuda"), 987654, [8])
 
 
 def test_prepared_exchange_fake_kernel():
-    """The fake kernel of conv_exchange_run (what torch.compile traces): [*out_lead, C] from the arguments."""
+    """The fake kernel of exchange_run (what torch.compile traces): [*out_lead, C] from the arguments."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         x = torch.empty(10, 16, device="cuda", dtype=torch.bfloat16)
-        out = torch.ops.packcuda.conv_exchange_run(x, -7, [3, 2])  # -7: never a real handle
+        out = torch.ops.packcuda.exchange_run(x, -7, [3, 2])  # -7: never a real handle
         assert out.shape == (3, 2, 16) and out.dtype == x.dtype and out.device == x.device
 
 
 @requires_cuda
-@pytest.mark.skipif(not (HAS_CUDA and bool(torch.ops.packcuda.conv_nccl_available())), reason="built without NCCL")
+@pytest.mark.skipif(not (HAS_CUDA and bool(torch.ops.packcuda.exchange_nccl_available())), reason="built without NCCL")
 def test_prepared_exchange_one_rank():
     """One GPU, a one-rank communicator: the prepared exchange's unpack of local rows and zero rows, the output
     shape, the row-count check and release."""
     ops = torch.ops.packcuda
-    comm = ops.conv_nccl_comm_init(ops.conv_nccl_unique_id(), 1, 0, torch.cuda.current_device())
+    comm = ops.exchange_nccl_comm_init(ops.exchange_nccl_unique_id(), 1, 0, torch.cuda.current_device())
     x = torch.randn(8, 5, device="cuda", dtype=torch.bfloat16)
     rows = torch.tensor([3, -1, 0, 7, 7, -1], device="cuda")
-    from packcuda.conv import _release_exchanges
+    from packcuda.exchange import _release as _release_exchanges
 
-    h = ops.conv_exchange_prepare(torch.zeros(0, dtype=torch.int64, device="cuda"), [0], [0], [-1], rows[:, None],
+    h = ops.exchange_prepare(torch.zeros(0, dtype=torch.int64, device="cuda"), [0], [0], [-1], rows[:, None],
                                   comm, 0, 8, [2, 3])
     try:
-        out = ops.conv_exchange_run(x, h, [2, 3])
+        out = ops.exchange_run(x, h, [2, 3])
         want = torch.where(rows[:, None] >= 0, x[rows.clamp(min=0)], torch.zeros_like(x[:1]))
         assert out.shape == (2, 3, 5) and torch.equal(out.view(6, 5), want)
-        assert torch.equal(ops.conv_exchange_run(x.view(2, 4, 5), h, [2, 3]), out)  # any [..., C] holding 8 rows
+        assert torch.equal(ops.exchange_run(x.view(2, 4, 5), h, [2, 3]), out)  # any [..., C] holding 8 rows
         with pytest.raises(ValueError, match="src has 7 rows but the exchange was prepared for 8"):
-            ops.conv_exchange_run(x[:7], h, [2, 3])
+            ops.exchange_run(x[:7], h, [2, 3])
         with pytest.raises(ValueError, match=r"out_lead \[3, 2\] is not the prepared exchange's \[2, 3\]"):
-            ops.conv_exchange_run(x, h, [3, 2])
+            ops.exchange_run(x, h, [3, 2])
         # schema, fake kernel (the output shape from out_lead) and the compiled-graph path
-        torch.library.opcheck(ops.conv_exchange_run.default, (x, h, [2, 3]))
-        torch.library.opcheck(ops.conv_exchange_run.default, (x.float().view(4, 2, 5), h, [2, 3]))
+        torch.library.opcheck(ops.exchange_run.default, (x, h, [2, 3]))
+        torch.library.opcheck(ops.exchange_run.default, (x.float().view(4, 2, 5), h, [2, 3]))
     finally:
         _release_exchanges(h)
     with pytest.raises(ValueError, match="unknown or released handle"):
-        ops.conv_exchange_run(x, h, [2, 3])
+        ops.exchange_run(x, h, [2, 3])
 
 
 # ------------------------------------------------------------------------------------ two GPUs, NCCL

@@ -614,5 +614,5 @@ def test_opcheck(device):
             opcheck(ops.static_shard_plan.default, (cu, n, 3, 2, 1, layout, align, 32, 5))
         s = _build([3, 0, 9], 5, 2, 1, ("zigzag", "contiguous")[layout], align, 32, device)
         opcheck(ops.shard_static_unshard_index.default, (s.cu_seqlens, s.cu_seqlens_padded, 2, layout, 32))
-        opcheck(ops.shard_static_exchange_index.default,
+        opcheck(ops.conv_static_prefix_tables.default,
                 (s.pieces, s.piece_offset, s.piece_seq, s.cu_seqlens_padded, 2, 1, layout, 32, 3))

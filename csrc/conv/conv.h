@@ -1,4 +1,5 @@
-// packcuda core: varlen causal depthwise conv1d and the conv-prefix exchange, on raw pointers (no torch).
+// packcuda core: varlen causal depthwise conv1d and the moves of the conv-prefix exchange, on raw pointers (no
+// torch).
 // CPU functions run on the calling thread; CUDA functions enqueue on `stream` and never synchronize.
 //
 // Layouts: x, y, dy, dx [T, C] row-major; weight, dweight [C, K]; bias, dbias [C]; prefix, dprefix
@@ -11,10 +12,9 @@
 
 #include "../common/dtype.h"
 #include "../common/stream.h"
-
-// ncclComm_t without including nccl.h (the same typedef nccl.h makes).
-struct ncclComm;
-typedef struct ncclComm* ncclComm_t;
+#include "../exchange/exchange.h"
+#include "../exchange/exchange_static.h"
+#include "conv_static_math.h"
 
 namespace packcuda::conv {
 
@@ -55,66 +55,26 @@ void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dw
 void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias,
                             void* dprefix, void* work, int64_t tiles, cudaStream_t stream);
 
-// Two-source row gather-sum (the unpack step of the exchange): out[r] = sum_m src(index[r, m]) with index in
-// [0, na) -> a, [na, na + nb) -> b, -1 -> nothing; fixed order, fp32 accumulation. Rows of C elements.
-void gather_sum_cpu(void* out, int64_t n_out, const void* a, int64_t na, const void* b, const int64_t* index,
-                    int M, int64_t C, DType dtype);
-void gather_sum_cuda(void* out, int64_t n_out, const void* a, int64_t na, const void* b, const int64_t* index,
-                     int M, int64_t C, DType dtype, cudaStream_t stream);
-
-
 // ------------------------------------------------------------------------------------------------------
-// Conv-prefix exchange schedule (host, O(cp * pieces * K)). For one CP rank of a shard plan (see
-// shard/shard.h), the K-1 padded rows that precede each local piece in its own segment — which rank holds
-// each row and at which local slot (shard::locate) — and the mirror image: which of this rank's rows every
-// other rank needs. Both sides derive the same lists from the same plan, so no handshake is needed. Rows
-// before a segment's start (and every row of an empty piece) stay zero.
-struct Schedule {
-  int64_t cp = 1, rank = 0, K = 1, n_pieces = 0, n_local = 0;
-  // Forward. send_index: local rows to send, grouped by peer in rank order (send_counts[p] rows for peer p).
-  // The receive buffer holds recv_counts[p] rows from each peer, grouped in rank order. unpack[j] for prefix
-  // slot j = piece * (K-1) + row: a local row r (value r), receive-buffer row i (value n_local + i), or -1.
-  std::vector<int64_t> send_index, send_counts, recv_counts, unpack;
-  // Backward (gradient rows travel the other way). bwd_send_index: prefix slots to send, grouped by peer
-  // (recv_counts[p] rows each); the backward receive buffer has send_counts[p] rows per peer. The gradient
-  // of local row r is sum_m src(bwd_unpack[r * bwd_m + m]) in this fixed order, where a value j <
-  // n_pieces*(K-1) is prefix slot j and n_pieces*(K-1) + i is backward receive-buffer row i; -1 = nothing.
-  std::vector<int64_t> bwd_send_index, bwd_unpack;
-  int64_t bwd_m = 1;
-  // Per peer: the first row when the rows sent to it are consecutive rows of the source (forward: of
-  // send_index, backward: of bwd_send_index), else -1: the send_first of exchange_rows_nccl, which sends such
-  // rows straight from the source, without a pack kernel.
-  std::vector<int64_t> send_first, bwd_send_first;
+// Conv-prefix moves (host, O(cp * pieces * K)): which rows go where for the conv prefix of one CP rank of a
+// shard plan (see shard/shard.h), in the words of the row exchange (exchange/exchange.h). Output slot
+// piece * (K-1) + j is prefix row j of local piece `piece`: the padded row K-1-j rows before the piece's start in
+// its own segment, held by the rank and local slot shard::locate names. The moves returned are those that
+// involve this rank: the rows its own pieces read, and the rows of its buffer that other ranks' pieces read
+// (every rank derives the same moves from the same plan, so no handshake is needed). Rows before a segment's
+// start, and every row of an empty piece, have no move (zero rows).
+struct PrefixMoves {
+  std::vector<exchange::Move> moves;
+  int64_t n_pieces = 0;  // pieces of this rank (output slots: n_pieces * (K-1))
+  int64_t n_local = 0;   // rows of this rank's buffer (the exchange's source)
 };
-
 // cu: original cu_seqlens [nseq + 1] (host); the plan parameters as in shard::build_layout (valid).
-Schedule build_schedule(const int64_t* cu, int64_t nseq, int64_t cp, int64_t rank, int layout, int64_t align,
-                        int64_t bucket, int K);
+PrefixMoves prefix_moves(const int64_t* cu, int64_t nseq, int64_t cp, int64_t rank, int layout, int64_t align,
+                         int64_t bucket, int K);
 
-// ------------------------------------------------------------------------------------------------------
-// Raw-NCCL exchange (compiled when nccl.h is found; PACKCUDA_WITH_NCCL is then defined for consumers).
-// One grouped exchange on `stream`: pack kernel (src rows send_index -> send_buf); ncclGroupStart; ncclSend /
-// ncclRecv per peer (send_counts[p] / recv_counts[p] rows, host arrays of cp entries; zero counts are
-// skipped); ncclGroupEnd; unpack kernel out = gather_sum(a = src, b = recv_buf, unpack_index [n_out, M]).
-// Forward: src = x_local, send_index / counts / unpack of a Schedule. Backward: src = prefix gradient
-// [n_pieces*(K-1), C], bwd_send_index, the counts swapped, bwd_unpack. No host sync; capturable in a CUDA
-// graph once the communicator's peer connections exist (run one exchange before capture).
-bool nccl_available();
-void nccl_unique_id(uint8_t* out128);                                     // ncclGetUniqueId
-void* nccl_comm_init(const uint8_t* id128, int nranks, int rank);         // ncclCommInitRank on the current device
-void exchange_rows_nccl(const void* src, int64_t n_src, const int64_t* send_index, const int64_t* send_counts,
-                        const int64_t* recv_counts, void* send_buf, void* recv_buf, const int64_t* unpack_index,
-                        int M, void* out, int64_t n_out, int64_t C, DType dtype, int64_t cp, int64_t rank,
-                        ncclComm_t comm, cudaStream_t stream);
-// The same with direct sends: when send_first (host, cp entries) is given and send_first[p] >= 0 for every peer
-// p that is sent rows, peer p's rows are the consecutive src rows [send_first[p], send_first[p] +
-// send_counts[p]) and go out straight from src: no pack kernel, and send_buf is not used (may be null).
-// Otherwise (or with send_first = nullptr) every send is packed as above.
-void exchange_rows_nccl(const void* src, int64_t n_src, const int64_t* send_index, const int64_t* send_counts,
-                        const int64_t* recv_counts, const int64_t* send_first, void* send_buf, void* recv_buf,
-                        const int64_t* unpack_index, int M, void* out, int64_t n_out, int64_t C, DType dtype,
-                        int64_t cp, int64_t rank, ncclComm_t comm, cudaStream_t stream);
-// True when exchange_rows_nccl with this send_first sends every row straight from src.
-bool sends_direct(const int64_t* send_counts, const int64_t* send_first, int64_t cp, int64_t rank);
+// The conv-prefix tables of a static plan (StaticPrefix in conv_static_math.h) into t (n_send = cp * SQ,
+// n_unpack = SQ, n_bwd = total_local * k1). One pass (one launch on CUDA).
+void static_prefix_tables_cpu(const StaticPrefix& p, const exchange::StaticTables& t);
+void static_prefix_tables_cuda(const StaticPrefix& p, const exchange::StaticTables& t, cudaStream_t stream);
 
 }  // namespace packcuda::conv

@@ -1,4 +1,4 @@
-// Math of the varlen causal depthwise conv1d and of the conv-prefix exchange, shared by the CPU and CUDA
+// Math of the varlen causal depthwise conv1d, shared by the CPU and CUDA
 // kernels. Every function here is written once and called per (channel, token tile) by both backends.
 //
 // Convention (x, y: [T, C] row-major; weight [C, K]; prefix [S, K-1, C]):
@@ -14,12 +14,6 @@
 #include "../common/hd.h"
 #include "../common/vec.h"
 #include "conv.h"
-
-#if defined(__CUDACC__)
-#define PC_UNROLL _Pragma("unroll")
-#else
-#define PC_UNROLL
-#endif
 
 
 namespace packcuda::conv {
@@ -130,51 +124,6 @@ PC_HD Tiles make_tiles(int64_t T, int64_t want_count) {
 
 // Tokens per batch of independent loads issued before the dependent arithmetic (memory-level parallelism).
 constexpr int kBatch = 8;
-
-// Vec<S, V> (common/vec.h): V consecutive channels of one token row, loaded / stored as one access (16 bytes on
-// the CUDA vector path: the row pointer must then be aligned to sizeof(Vec)). V = 1 is a plain element.
-#if defined(__CUDACC__)
-template <typename S, int V> union VecWord {  // a Vec and its machine word (device accesses go through w)
-  typename Word<sizeof(Vec<S, V>)>::type w;
-  Vec<S, V> v;
-};
-#endif
-template <int V, typename S> PC_HD Vec<S, V> load_vec(const S* p) {
-  Vec<S, V> r;
-  if constexpr (V == 1) {
-    r.v[0] = p[0];
-  } else {
-#if defined(__CUDA_ARCH__)
-    VecWord<S, V> u;
-    u.w = *reinterpret_cast<const decltype(u.w)*>(p);
-    r = u.v;
-#else
-    r = *reinterpret_cast<const Vec<S, V>*>(p);
-#endif
-  }
-  return r;
-}
-// store_vec writes global memory only (the outputs).
-template <int V, typename S> PC_HD void store_vec(S* p, const Vec<S, V>& r) {
-  if constexpr (V == 1) {
-    p[0] = r.v[0];
-  } else {
-#if defined(__CUDA_ARCH__)
-    VecWord<S, V> u;
-    u.v = r;
-    __stwb(reinterpret_cast<decltype(u.w)*>(p), u.w);  // global memory: one vector store
-#else
-    *reinterpret_cast<Vec<S, V>*>(p) = r;
-#endif
-  }
-}
-template <int V, typename S> PC_HD Vec<S, V> zero_vec() {
-  using A = typename Acc<S>::type;
-  Vec<S, V> r;
-PC_UNROLL
-  for (int v = 0; v < V; ++v) r.v[v] = from_acc<S>(A(0));
-  return r;
-}
 
 // Taps and bias of channels c .. c+V-1 in the compute type: w[v][m] is tap m - off (off = KM - K); slots below
 // off are zero and never multiplied.
@@ -544,32 +493,6 @@ template <typename S>
 PC_HD void conv_reduce_channel(const typename Acc<S>::type* part, int64_t ntiles, const ConvShape& sh,
                                S* dweight, S* dbias, int64_t c) {
   for (int k = 0; k <= sh.K; ++k) conv_reduce_elem<S>(part, ntiles, sh, dweight, dbias, c * (sh.K + 1) + k);
-}
-
-// ---------------------------------------------------------------------------------------- exchange
-// Two-source gather-sum of rows of C elements: out[r, c] = sum over m < M of src(index[r, m])[c], where an
-// index i in [0, na) reads a[i], [na, na + nb) reads b[i - na], and -1 contributes nothing (a row with no
-// source is zero). Sums run in the fixed order m = 0..M-1 (deterministic), accumulating in fp32.
-// V consecutive channels c .. c+V-1 of row r per call (V = 1: one element); each channel gets the same scalar
-// sum, V only shares the index reads and widens the loads/stores (c and C multiples of V on the vector path).
-template <typename S, int V = 1>
-PC_HD void gather_sum_elem(S* out, const S* a, int64_t na, const S* b, const int64_t* index, int M, int64_t C,
-                           int64_t r, int64_t c) {
-  using A = typename Acc<S>::type;
-  A acc[V];
-PC_UNROLL
-  for (int v = 0; v < V; ++v) acc[v] = A(0);
-  for (int m = 0; m < M; ++m) {
-    const int64_t i = index[r * M + m];
-    if (i < 0) continue;
-    const Vec<S, V> x = load_vec<V>(i < na ? a + i * C + c : b + (i - na) * C + c);
-PC_UNROLL
-    for (int v = 0; v < V; ++v) acc[v] += val(x.v[v]);
-  }
-  Vec<S, V> y;
-PC_UNROLL
-  for (int v = 0; v < V; ++v) y.v[v] = from_acc<S>(acc[v]);
-  store_vec<V>(out + r * C + c, y);
 }
 
 }  // namespace packcuda::conv

@@ -498,7 +498,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
-  m.impl("rope_max_rotary_dim", TORCH_BOX(&packcuda::th::rope_max_rotary_dim));
+  PC_IMPL(m, "rope_max_rotary_dim", &packcuda::th::rope_max_rotary_dim);
 }
 
 #define PC_ROPE_APPLY_IMPLS(m)                                     \

@@ -89,9 +89,4 @@ void static_unshard_index_cuda(int64_t* out, int64_t capacity, const int32_t* cu
                                const int32_t* cu_padded, int64_t cp, int layout, int64_t total_local,
                                cudaStream_t stream);
 
-// The conv prefix exchange tables of a static plan (StaticExchange in shard_math.h). One pass (one launch on
-// CUDA) over send, unpack and bwd.
-void static_exchange_cpu(const StaticExchange& e);
-void static_exchange_cuda(const StaticExchange& e, cudaStream_t stream);
-
 }  // namespace packcuda::shard

@@ -425,23 +425,14 @@ Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, i
   return out;
 }
 
-// The conv prefix exchange of a static plan on rank cp_rank, for kernel size K (k1 = K-1, SQ = S*k1):
-//   send    int64 [cp_size * SQ]       local row filling prefix slot q of peer p at p*SQ + q (-1: zero row)
-//   unpack  int64 [SQ]                 row of the received [cp_size * SQ] buffer that is this rank's slot q
-//   bwd     int64 [T_local, k1]        rows of the gradient buffer sent back ([cp_size * SQ]) that each local
-//                                      row sums (-1: none), in a fixed order
-// from the plan's own pieces / piece_offset / piece_seq and the global cu_seqlens_padded; one launch, no sync.
-std::tuple<Tensor, Tensor, Tensor> shard_static_exchange_index(Tensor pieces, Tensor piece_offset, Tensor piece_seq,
-                                                               Tensor cu_seqlens_padded, int64_t cp_size,
-                                                               int64_t cp_rank, int64_t layout, int64_t capacity,
-                                                               int64_t kernel_size) {
-  const char* op = "shard_static_exchange_index";
+}  // namespace
+
+int64_t checked_static_layout(const char* op, const Tensor& cu_seqlens_padded, int64_t cp_size, int64_t cp_rank,
+                              int64_t layout, int64_t capacity) {
   check_layout_args(op, cp_size, layout);
   PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
   PC_ARG(capacity >= 1 && capacity <= kMax, op, "capacity must be in [1, ", kMax, "], got ", capacity);
   PC_ARG(capacity % cp_size == 0, op, "capacity must be a multiple of cp_size=", cp_size, ", got ", capacity);
-  PC_ARG(kernel_size >= 2 && kernel_size <= 8, op, "kernel_size must be in [2, 8] (K = 1 has no prefix), got ",
-         kernel_size);
   check_dim(op, "cu_seqlens_padded", cu_seqlens_padded, 1);
   const int64_t max_seqs = cu_seqlens_padded.numel() - 2;
   PC_ARG(max_seqs >= 1 && max_seqs <= kMaxStaticSeqs, op,
@@ -449,6 +440,12 @@ std::tuple<Tensor, Tensor, Tensor> shard_static_exchange_index(Tensor pieces, Te
          cu_seqlens_padded.numel(), " entries");
   check_static_table(op, "cu_seqlens_padded", cu_seqlens_padded, {ST::Int}, max_seqs + 2, "max_seqs + 2",
                      cu_seqlens_padded, "cu_seqlens_padded");
+  return max_seqs;
+}
+
+int64_t checked_static_pieces(const char* op, const Tensor& pieces, const Tensor& piece_offset,
+                              const Tensor& piece_seq, const Tensor& cu_seqlens_padded, int64_t layout,
+                              int64_t max_seqs) {
   const int64_t np = shard::static_pieces(static_cast<int>(layout), max_seqs);
   check_static_table(op, "pieces", pieces, {ST::Int}, np + 1, "the plan's piece count + 1", cu_seqlens_padded,
                      "cu_seqlens_padded");
@@ -456,34 +453,9 @@ std::tuple<Tensor, Tensor, Tensor> shard_static_exchange_index(Tensor pieces, Te
                      "cu_seqlens_padded");
   check_static_table(op, "piece_seq", piece_seq, {ST::Int}, np, "the plan's piece count", cu_seqlens_padded,
                      "cu_seqlens_padded");
-  const int64_t k1 = kernel_size - 1, total_local = capacity / cp_size;
-  // cp_size * S * k1 rows: the worst case, checked (cp_size and S are each below 2**31)
-  const int64_t n_send = checked::mul(op, "cp_size * pieces * (kernel_size - 1)", cp_size, np * k1);
-  const Tensor pc = dense(pieces), po = dense(piece_offset), ps = dense(piece_seq), cp = dense(cu_seqlens_padded);
-  const Device dev = cp.device();
-  Tensor send = new_tensor({n_send}, ST::Long, dev);
-  Tensor unpack = new_tensor({np * k1}, ST::Long, dev);
-  Tensor bwd = new_tensor({total_local, k1}, ST::Long, dev);
-  shard::StaticExchange e;
-  e.pieces = pc.const_data_ptr<int32_t>();
-  e.piece_offset = po.const_data_ptr<int64_t>();
-  e.piece_seq = ps.const_data_ptr<int32_t>();
-  e.cu_padded = cp.const_data_ptr<int32_t>();
-  e.max_seqs = max_seqs;
-  e.cp = cp_size;
-  e.rank = cp_rank;
-  e.total_local = total_local;
-  e.k1 = k1;
-  e.npieces = np;
-  e.layout = static_cast<int>(layout);
-  e.send = send.mutable_data_ptr<int64_t>();
-  e.unpack = unpack.mutable_data_ptr<int64_t>();
-  e.bwd = bwd.mutable_data_ptr<int64_t>();
-  run_kernel(cp, [&] { shard::static_exchange_cpu(e); }, [&](auto stream) { shard::static_exchange_cuda(e, stream); });
-  return {send, unpack, bwd};
+  return np;
 }
 
-}  // namespace
 }  // namespace packcuda::th
 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
@@ -501,9 +473,6 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def(
       "shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, int layout, "
       "int capacity) -> Tensor");
-  m.def(
-      "shard_static_exchange_index(Tensor pieces, Tensor piece_offset, Tensor piece_seq, Tensor cu_seqlens_padded, "
-      "int cp_size, int cp_rank, int layout, int capacity, int kernel_size) -> (Tensor, Tensor, Tensor)");
 }
 
 // The host-plan ops take host metadata (their CUDA registration only answers a device tensor with a clear error);
@@ -512,8 +481,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   PC_IMPL(m, "shard_plan", &packcuda::th::shard_plan);                                 \
   PC_IMPL(m, "shard_unshard_index", &packcuda::th::shard_unshard_index);               \
   PC_IMPL(m, "static_shard_plan", &packcuda::th::static_shard_plan);                   \
-  PC_IMPL(m, "shard_static_unshard_index", &packcuda::th::shard_static_unshard_index); \
-  PC_IMPL(m, "shard_static_exchange_index", &packcuda::th::shard_static_exchange_index);
+  PC_IMPL(m, "shard_static_unshard_index", &packcuda::th::shard_static_unshard_index);
 
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
   PC_IMPL(m, "shard_plan_fields", &packcuda::th::shard_plan_fields);

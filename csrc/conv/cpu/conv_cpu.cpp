@@ -1,4 +1,4 @@
-// CPU kernels of the causal conv1d and the exchange's gather-sum: loops over (token tile, channel) calling
+// CPU kernels of the causal conv1d: loops over (token tile, channel) calling
 // the shared per-tile math of conv_math.h.
 #include <stdexcept>
 #include <type_traits>
@@ -73,17 +73,6 @@ void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dw
     const int64_t n = a.T > 0 ? tl.count : 0;
     for (int64_t c = 0; c < a.C; ++c)
       conv_reduce_channel<S>(part, n, sh, static_cast<S*>(dweight), static_cast<S*>(dbias), c);
-  });
-}
-
-void gather_sum_cpu(void* out, int64_t n_out, const void* a, int64_t na, const void* b, const int64_t* index,
-                    int M, int64_t C, DType dtype) {
-  dispatch_dtype(dtype, [&](auto tag) {
-    using S = decltype(tag);
-    for (int64_t r = 0; r < n_out; ++r)
-      for (int64_t c = 0; c < C; ++c)
-        gather_sum_elem<S>(static_cast<S*>(out), static_cast<const S*>(a), na, static_cast<const S*>(b), index,
-                           M, C, r, c);
   });
 }
 

@@ -1,4 +1,4 @@
-// CUDA kernels of the causal conv1d and the exchange's gather-sum.
+// CUDA kernels of the causal conv1d.
 //
 // The conv kernels work on block tiles: a block owns a slab of channels (512 bytes of every row: 256 bf16/fp16,
 // 128 fp32, 64 fp64 channels) over a span of tokens, and walks the span in sub-tiles of TT tokens. Each sub-tile's
@@ -13,8 +13,11 @@
 // take the general tile walk. The backward keeps each thread's
 // dweight/dbias sums in registers over the whole span, reduces them across the block's token groups in a fixed
 // order, and writes one partial per (span, channel); conv_reduce_kernel sums the spans in order (deterministic,
-// no atomics). Odd C or unaligned rows take the same kernels with element-wise staging and P = 1.
+// no atomics). Odd C or unaligned rows take the same kernels with element-wise staging and P = 1. The forward stages in
+// two buffers where a block cannot have the shared memory of three (fwd_staging_fits: on compute capability 8.6,
+// 8.9 and 12.x at K >= 4).
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -46,14 +49,16 @@ template <typename S, int P_> struct Slab {
 };
 
 // The shapes in use (the fastest of the variants, docs/design.md "Block tiles and sub-tile buffering"): forward
-// sub-tiles of 64 tokens with 8 bytes of a row per thread in three buffers (two sub-tiles load while one computes),
-// backward sub-tiles of 32 tokens with 4 bytes per thread in two buffers (its window and gradient arrays are twice
-// the forward's registers, and its sub-tiles stage x and dy).
+// sub-tiles of 64 tokens with 8 bytes of a row per thread in three buffers (two sub-tiles load while one computes;
+// two buffers where a block cannot have the shared memory of three, see fwd_staging_fits), backward sub-tiles of 32
+// tokens with 4 bytes per thread in two buffers (its window and gradient arrays are twice the forward's registers,
+// and its sub-tiles stage x and dy).
 template <typename S, bool kVec> struct FwdCfg {
   static constexpr int P = !kVec ? 1 : (sizeof(S) == 8 ? 1 : 8 / static_cast<int>(sizeof(S)));
   static constexpr int TT = 64;
   static constexpr int NB = 4;   // rows per batch of shared-memory loads
   static constexpr int NST = 3;  // sub-tile buffers (NST - 1 sub-tiles load while one computes)
+  static constexpr int kSmallNST = 2;
 };
 template <typename S, bool kVec> struct BwdCfg {
   static constexpr int P = !kVec ? 1 : (sizeof(S) == 2 ? 2 : 1);
@@ -316,18 +321,6 @@ __global__ void conv_reduce_kernel(const typename Acc<S>::type* part, int64_t nt
   if (e < sh.C * (sh.K + 1)) conv_reduce_elem<S>(part, ntiles, sh, dweight, dbias, e);
 }
 
-template <typename S, int V>
-__global__ void gather_sum_kernel(S* out, int64_t n_out, const S* a, int64_t na, const S* b,
-                                  const int64_t* index, int M, int64_t C) {
-  const int64_t cv = C / V;  // V-wide chunks per row
-  const int64_t n = n_out * cv;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e / cv;
-    gather_sum_elem<S, V>(out, a, na, b, index, M, C, r, (e - r * cv) * V);
-  }
-}
-
-
 // The vector path needs whole 16-byte chunks in every row and 16-byte aligned tensors.
 template <typename S> bool vector_ok(int64_t C, std::initializer_list<const void*> ptrs) {
   if (C % Slab<S, 1>::kChunk != 0) return false;
@@ -354,10 +347,28 @@ template <int KM, typename F> void dispatch_vec_math(const ConvArgs& a, F&& f) {
   with_act(std::true_type{});
 }
 
+// Whether the forward's staging of `smem` bytes a block runs on the current device: within the shared memory a
+// block may opt in to there (99 KB on compute capability 8.6, 8.9 and 12.x: less than three buffers take at
+// KM >= 4), unless PACKCUDA_CONV_SMALL_SMEM (read once; any value but "" and "0") gives every device the small
+// staging, for tests.
+bool fwd_staging_fits(int smem) {
+  static const bool small = [] {
+    const char* v = std::getenv("PACKCUDA_CONV_SMALL_SMEM");
+    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+  }();
+  return !small && smem <= cuda::smem_per_block_optin();
+}
+
 template <typename S, int KM, bool kVec, int ACT, bool kExact, int P, int TT, int NB = FwdCfg<S, kVec>::NB,
           int NST = FwdCfg<S, kVec>::NST>
 void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
   constexpr int smem = Stage<KM, TT, NST>::kFwdBytes;
+  // Where these buffers do not fit, kSmallNST of them: the same sub-tiles, runs and per-output math (bitwise the
+  // same y), one sub-tile loading while one computes.
+  if constexpr (NST != FwdCfg<S, kVec>::kSmallNST) {
+    if (!fwd_staging_fits(smem))
+      return launch_fwd<S, KM, kVec, ACT, kExact, P, TT, NB, FwdCfg<S, kVec>::kSmallNST>(a, y, stream);
+  }
   auto kernel = conv_fwd_kernel<S, KM, kVec, ACT, kExact, P, TT, NB, NST>;
   static const int occ = blocks_per_sm(kernel, smem);
   PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -453,23 +464,6 @@ void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* d
         static_cast<const A*>(work), sp.count, sh, static_cast<S*>(dweight), static_cast<S*>(dbias));
     PC_CUDA_LAUNCH_CHECK();
   });
-}
-
-void gather_sum_cuda(void* out, int64_t n_out, const void* a, int64_t na, const void* b, const int64_t* index,
-                     int M, int64_t C, DType dtype, cudaStream_t stream) {
-  if (n_out == 0 || C == 0) return;
-  dispatch_dtype(dtype, [&](auto tag) {
-    using S = decltype(tag);
-    constexpr int V = Slab<S, 1>::kChunk;
-    const bool vec = vector_ok<S>(C, {out, a, b});
-    if (vec)
-      gather_sum_kernel<S, V><<<cuda::grid_for(n_out * (C / V), 256), 256, 0, stream>>>(
-          static_cast<S*>(out), n_out, static_cast<const S*>(a), na, static_cast<const S*>(b), index, M, C);
-    else
-      gather_sum_kernel<S, 1><<<cuda::grid_for(n_out * C, 256), 256, 0, stream>>>(
-          static_cast<S*>(out), n_out, static_cast<const S*>(a), na, static_cast<const S*>(b), index, M, C);
-  });
-  PC_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace packcuda::conv

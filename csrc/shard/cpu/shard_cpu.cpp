@@ -107,11 +107,4 @@ void static_unshard_index_cpu(int64_t* out, int64_t capacity, const int32_t* cu,
     out[t] = static_unshard_slot(layout, cu, max_seqs, cu_padded, cp, total_local, t);
 }
 
-void static_exchange_cpu(const StaticExchange& e) {
-  const int64_t sq = e.npieces * e.k1;
-  for (int64_t i = 0; i < e.cp * sq; ++i) e.send[i] = static_exchange_item(e, 0, i);
-  for (int64_t i = 0; i < sq; ++i) e.unpack[i] = static_exchange_item(e, 1, i);
-  for (int64_t i = 0; i < e.total_local * e.k1; ++i) e.bwd[i] = static_exchange_item(e, 2, i);
-}
-
 }  // namespace packcuda::shard

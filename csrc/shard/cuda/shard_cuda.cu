@@ -100,15 +100,6 @@ __global__ void static_unshard_index_kernel(int64_t* __restrict__ out, int64_t c
     out[t] = static_unshard_slot(layout, cu, max_seqs, cu_padded, cp, total_local, t);
 }
 
-// The three exchange tables in one launch over their concatenation.
-__global__ void static_exchange_kernel(const StaticExchange e, int64_t n_send, int64_t n_unpack, int64_t n_all) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n_all; i += int64_t(gridDim.x) * blockDim.x) {
-    if (i < n_send) e.send[i] = static_exchange_item(e, 0, i);
-    else if (i < n_send + n_unpack) e.unpack[i - n_send] = static_exchange_item(e, 1, i - n_send);
-    else e.bwd[i - n_send - n_unpack] = static_exchange_item(e, 2, i - n_send - n_unpack);
-  }
-}
-
 }  // namespace
 
 void plan_tables_cuda(const PlanTables& p, cudaStream_t stream) {
@@ -138,13 +129,6 @@ void static_unshard_index_cuda(int64_t* out, int64_t capacity, const int32_t* cu
   if (capacity == 0) return;
   static_unshard_index_kernel<<<cuda::grid_for(capacity, kThreads), kThreads, 0, stream>>>(
       out, capacity, cu, max_seqs, cu_padded, cp, layout, total_local);
-  PC_CUDA_LAUNCH_CHECK();
-}
-
-void static_exchange_cuda(const StaticExchange& e, cudaStream_t stream) {
-  const int64_t n_unpack = e.npieces * e.k1, n_send = e.cp * n_unpack, n_all = n_send + n_unpack + e.total_local * e.k1;
-  if (n_all == 0) return;
-  static_exchange_kernel<<<cuda::grid_for(n_all, kThreads), kThreads, 0, stream>>>(e, n_send, n_unpack, n_all);
   PC_CUDA_LAUNCH_CHECK();
 }
 

@@ -1,6 +1,7 @@
 """Packed training of transformers' Qwen-VL models with packcuda mRoPE positions and rotary application.
 
-Three pieces, usable separately, one module each (``positions``, ``rope_patch``, ``linear_attention``):
+Four pieces, usable separately, one module each (``positions``, ``rope_patch``, ``linear_attention``,
+``vision``):
 
 1. :func:`packed_position_ids` — the ``position_ids`` input of a **packed row** (many samples in one row of
    batch size 1) for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5: the 4-row form ``[4, 1, T]`` (text positions
@@ -18,6 +19,10 @@ Three pieces, usable separately, one module each (``positions``, ``rope_patch``,
 3. :func:`patch_qwen3_5_linear_attention` — Qwen3.5's GatedDeltaNet layers on packed rows (the conv and the
    gated delta rule stop at every sample boundary) and on context-parallel shards (conv halo rows through
    :func:`packcuda.conv_prefix`, the recurrence through flash-linear-attention's CP context).
+
+4. :func:`patch_qwen_vl_vision` — vision towers under context parallelism: each rank encodes only its share of
+   the batch's images and video frames (:func:`packcuda.vision_plan`) and receives the embeddings of the vision
+   tokens it holds from the ranks that encoded them.
 
 The two lines a trainer changes::
 
@@ -39,6 +44,7 @@ from .linear_attention import LinearAttentionPatch, patch_qwen3_5_linear_attenti
 from .positions import (mm_token_type_ids, packed_position_ids, shard_position_ids, truncates_video_seconds,  # noqa: F401
                         video_seconds_default)
 from .rope_patch import RopePatch, is_patched, patch_qwen_vl_rope, unpatch_qwen_vl_rope
+from .vision import VisionPatch, patch_qwen_vl_vision, qwen_vl_vision_plan
 
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
@@ -55,4 +61,7 @@ __all__ = [
     "is_patched",
     "LinearAttentionPatch",
     "patch_qwen3_5_linear_attention",
+    "VisionPatch",
+    "patch_qwen_vl_vision",
+    "qwen_vl_vision_plan",
 ]
