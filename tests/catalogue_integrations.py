@@ -199,6 +199,11 @@ CASES = [
     Case(LA, "group_without_plan", arg="plan", make=lambda: _la(group=object())),
     Case(LA, "plan_list", arg="plan", exc=TypeError, make=lambda: _la(plan=[0, 8], group=object())),
     Case(LA, "group_str", arg="group", exc=TypeError, make=lambda: _la(plan=_plan(), group="world")),
+    Case(LA, "plan_static_zigzag", arg="plan",  # the move and FLA's CP context need the plan's host boundaries
+         make=lambda: _la(plan=packcuda.static_shard_plan(torch.tensor([0, 6]), 1, 1, 0, capacity=8, max_seqs=1),
+                          group=object())),
+    Case(LA, "zigzag_path_native", arg="zigzag_path", make=lambda: _la(zigzag_path="native")),
+    Case(LA, "zigzag_path_none", arg="zigzag_path", exc=TypeError, make=lambda: _la(zigzag_path=None)),
     Case("LinearAttentionPatch.set_plan", "not_a_handle", op="LinearAttentionPatch.set_plan", arg="self", exc=TypeError,
          make=lambda: call(hf().LinearAttentionPatch.set_plan, object(), _plan())),
     Case("LinearAttentionPatch.set_plan", "handle_removed", op="LinearAttentionPatch.set_plan", arg="plan", make=_set_plan_on_removed),

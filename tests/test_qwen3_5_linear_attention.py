@@ -1,15 +1,21 @@
 """patch_qwen3_5_linear_attention: transformers' Qwen3.5 GatedDeltaNet layers on packed rows and CP shards.
 
 The oracle is transformers itself: the unpatched model run on every sample alone (where its layers are right),
-and the unpatched GatedDeltaNet run on every sequence alone for the CP checks."""
+the unpatched GatedDeltaNet run on every sequence alone for the CP checks, and the unsharded packed run for the
+whole model under a zigzag plan. Every run of transformers' own layers pins their PyTorch functions
+(:func:`_torch_path`): where flash-linear-attention is installed, transformers routes them to its GPU kernels,
+also for CPU tensors."""
+import contextlib
 import importlib.util
+import inspect
+from itertools import accumulate
 
 import pytest
 import torch
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, spawn_ranks
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("packcuda.integrations.transformers")
@@ -19,8 +25,6 @@ VERSION_OK = Version(hf.SUPPORTED_TRANSFORMERS[0]) <= Version(transformers.__ver
     hf.SUPPORTED_TRANSFORMERS[1])
 HAS_FLA = importlib.util.find_spec("fla") is not None
 pytestmark = pytest.mark.skipif(not VERSION_OK, reason="transformers outside the versions the patch supports")
-cpu_only = pytest.mark.skipif(HAS_FLA, reason="flash-linear-attention is installed: transformers' unpatched layers "
-                                              "and the patch route the recurrence to its GPU kernels")
 
 LENS = [5, 9, 1, 7, 2]  # a 1-token sample, samples shorter than K-1
 # transformers' PyTorch gated delta rule computes in fp32 even in an fp64 model, so packed and per-sample runs
@@ -39,6 +43,24 @@ def _config(K=2, layer_types=("full_attention", "linear_attention")):
                          "mrope_interleaved": True},
         linear_conv_kernel_dim=K, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4,
         linear_num_value_heads=8)
+
+
+@contextlib.contextmanager
+def _torch_path():
+    """transformers' Qwen3.5 modeling module with its gated delta rules and convs pinned to their PyTorch code
+    (the module's names route to flash-linear-attention's / causal-conv1d's kernels where installed)."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as mod
+
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+             "causal_conv1d_update")
+    saved = {n: getattr(mod, n) for n in names}
+    try:
+        for n, f in saved.items():
+            setattr(mod, n, inspect.unwrap(f))
+        yield mod
+    finally:
+        for n, f in saved.items():
+            setattr(mod, n, f)
 
 
 def _model(K=2, seed=0, dtype=torch.float64, **kw):
@@ -76,7 +98,8 @@ def _fla_loss_grads(model, pieces):
 
 
 def _per_sample(model, ids, lens):
-    return _loss_grads(model, [(s, {}) for s in ids.split(lens)])
+    with _torch_path():
+        return _loss_grads(model, [(s, {}) for s in ids.split(lens)])
 
 
 def _close(got, want, tol, what):
@@ -100,7 +123,6 @@ def _boundary_kwargs(source, lens):
     return {"position_ids": pos[None], "cu_seq_lens_q": torch.tensor(cu, dtype=torch.int32)}
 
 
-@cpu_only
 @pytest.mark.parametrize("rotary", ["transformers", "packcuda"])
 @pytest.mark.parametrize("K", [2, 4])
 @pytest.mark.parametrize("source", ["position_ids", "position_ids_4rows", "cu_seq_lens_q_host", "cu_seq_lens_q"])
@@ -112,12 +134,14 @@ def test_packed_row_equals_samples_alone(K, source, rotary):
     want_logits, want_grads = _per_sample(model, ids, LENS)
     kw = _boundary_kwargs(source, LENS)
     plain = {"position_ids": kw["position_ids"]}
-    leak_logits, _ = _loss_grads(model, [(ids, plain)])  # unpatched: the conv and the recurrence cross samples
+    with _torch_path():  # unpatched: the conv and the recurrence cross samples
+        leak_logits, _ = _loss_grads(model, [(ids, plain)])
     assert (leak_logits - want_logits).abs().max() > 1e-3
     rope = hf.patch_qwen_vl_rope(model) if rotary == "packcuda" else None
     try:
         with hf.patch_qwen3_5_linear_attention(model) as h:
-            assert h.active and h.recurrence == "transformers per sample"
+            # CPU tensors take transformers' PyTorch rule per sample, also where FLA (GPU kernels) is installed
+            assert h.active and h.recurrence == ("fla varlen" if HAS_FLA else "transformers per sample")
             got_logits, got_grads = _loss_grads(model, [(ids, kw)])
         assert not h.active
     finally:
@@ -127,11 +151,11 @@ def test_packed_row_equals_samples_alone(K, source, rotary):
     assert got_grads.keys() == want_grads.keys()
     _close(got_grads, want_grads, TOL_GRADS, "grad")
     # unpatched again: transformers' own layers, bit for bit
-    again, _ = _loss_grads(model, [(ids, plain)])
+    with _torch_path():
+        again, _ = _loss_grads(model, [(ids, plain)])
     assert torch.equal(again, leak_logits)
 
 
-@cpu_only
 def test_batch_rows_are_samples_and_padding_mask():
     """Without boundaries every row of a [B, S] batch is one sample; a 2-D attention mask zeroes pad rows as
     transformers does: equal to the unpatched model on right-padded rows."""
@@ -139,13 +163,13 @@ def test_batch_rows_are_samples_and_padding_mask():
     ids = _ids([16]).reshape(2, 8)
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 5:] = 0
-    want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    with _torch_path():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     with hf.patch_qwen3_5_linear_attention(model):
         got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-10, atol=1e-10)
 
 
-@cpu_only
 def test_gradient_checkpointing_and_cache_path():
     """Under gradient checkpointing the recomputed layers find the same boundaries; with a cache (generation)
     the original forward runs."""
@@ -159,11 +183,11 @@ def test_gradient_checkpointing_and_cache_path():
         got_logits, got_grads = _loss_grads(model, [(ids, _boundary_kwargs("position_ids", LENS))])
         off()
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), _torch_path():
             a = model(input_ids=ids[None, :6], use_cache=True).logits
     _close({"logits": got_logits}, {"logits": want_logits}, TOL_LOGITS, "checkpointed")
     _close(got_grads, want_grads, TOL_GRADS, "checkpointed grad")
-    with torch.no_grad():
+    with torch.no_grad(), _torch_path():
         b = model(input_ids=ids[None, :6], use_cache=True).logits
     assert torch.equal(a, b)
 
@@ -217,34 +241,73 @@ def test_refusals_before_patching(monkeypatch):
     untouched()
 
 
-def test_cp_refused_without_a_cp_recurrence(tmp_path, monkeypatch):
-    """Without flash-linear-attention's CP context the CP patch is refused before anything is patched."""
+def test_cp_plans_accepted_and_refused(tmp_path, monkeypatch):
+    """Without flash-linear-attention's CP context the CP patch is refused before anything is patched. With a CP
+    recurrence a zigzag plan is accepted: its GatedDeltaNet layers take the relayout path, or the native one for
+    a plan of one padded sequence where FLA's CP context has the same zigzag (or always relayout, when asked);
+    set_plan switches the path with the plan; a static zigzag plan is refused."""
     import torch.distributed as dist
 
-    monkeypatch.setattr(hf.linear_attention, "_fla_cp", lambda: None)
+    la = hf.linear_attention
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         model = _model(2)
-        plan = packcuda.shard_plan([0, 6], 1, 0, layout="contiguous")
-        with pytest.raises(ValueError, match="no context-parallel backend"):
-            hf.patch_qwen3_5_linear_attention(model, plan=plan, group=dist.group.WORLD)
-        assert all("forward" not in vars(m) for m in model.modules())
+        world = dist.group.WORLD
+        zz = packcuda.shard_plan([0, 5, 6], 1, 0)
+        one = packcuda.shard_plan([0, 6], 1, 0)
+        with monkeypatch.context() as m:
+            m.setattr(la, "_fla_cp", lambda: None)
+            for plan in (packcuda.shard_plan([0, 6], 1, 0, layout="contiguous"), zz):
+                with pytest.raises(ValueError, match="no context-parallel backend"):
+                    hf.patch_qwen3_5_linear_attention(model, plan=plan, group=world)
+                assert all("forward" not in vars(m) for m in model.modules())
         with pytest.raises(ValueError, match="plan is for cp_size 2"):
-            hf.patch_qwen3_5_linear_attention(model, plan=packcuda.shard_plan([0, 6], 2, 0),
-                                              group=dist.group.WORLD)
+            hf.patch_qwen3_5_linear_attention(model, plan=packcuda.shard_plan([0, 6], 2, 0), group=world)
+        static = packcuda.static_shard_plan(torch.tensor([0, 6]), 1, 1, 0, capacity=8, max_seqs=1)
+        with pytest.raises(ValueError, match="StaticShardPlan with layout 'zigzag'"):
+            hf.patch_qwen3_5_linear_attention(model, plan=static, group=world)
+        assert all("forward" not in vars(m) for m in model.modules())
+        monkeypatch.setattr(la, "_cp_recurrence", lambda plan: _ref_cp_recurrence)
+        monkeypatch.setattr(la, "_fla_native_zigzag", lambda: True)
+        with hf.patch_qwen3_5_linear_attention(model, plan=zz, group=world) as h:
+            assert h.layout_path == "relayout" and "(relayout)" in repr(h)
+            h.set_plan(one)
+            assert h.layout_path == "native"
+            h.set_plan(packcuda.shard_plan([0, 6], 1, 0, layout="contiguous"))
+            assert h.layout_path is None
+            with pytest.raises(ValueError, match="StaticShardPlan"):
+                h.set_plan(static)
+        with hf.patch_qwen3_5_linear_attention(model, plan=one, group=world, zigzag_path="relayout") as h:
+            assert h.layout_path == "relayout"
+        monkeypatch.setattr(la, "_fla_native_zigzag", lambda: False)
+        with hf.patch_qwen3_5_linear_attention(model, plan=one, group=world) as h:
+            assert h.layout_path == "relayout"
+        with hf.patch_qwen3_5_linear_attention(model) as h:
+            assert h.layout_path is None
     finally:
         dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------------------- CP
 def _ref_cp_recurrence(q, k, v, g, beta, *, plan, group, state):
-    """A CP recurrence for tests: all-gather the inputs, run transformers' PyTorch rule on every sequence of the
-    whole stream, keep this rank's slots (pads get zeros)."""
+    """A CP recurrence for tests (any layout): all-gather the inputs, run transformers' PyTorch rule on every
+    sequence of the whole stream, keep this rank's slots (pads get zeros)."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as mod
 
     full = [plan.gather(t[0], group)[None] for t in (q, k, v, g, beta)]
-    out = hf.linear_attention._per_sample_rule(mod.torch_chunk_gated_delta_rule, *full, plan.cu_seqlens_host)
+    rule = inspect.unwrap(mod.torch_chunk_gated_delta_rule)
+    out = hf.linear_attention._per_sample_rule(rule, *full, plan.cu_seqlens_host)
     return plan.shard(out[0])[None]
+
+
+def _which_recurrence() -> str:
+    """Which recurrence the CPU CP tests run, as their parameter id (flash-linear-attention's CP kernels are GPU
+    kernels: on the CPU the gather-based reference runs either way)."""
+    return "gather-reference-recurrence-" + ("fla-cp-needs-cuda" if hf.linear_attention._fla_cp() else "no-fla-cp")
+
+
+def _cp_groups(dist, world):
+    return {cp: (dist.new_group(list(range(cp))) if cp < world else dist.group.WORLD) for cp in range(2, world + 1)}
 
 
 def _cp_cases():
@@ -259,12 +322,10 @@ def _cp_cases():
 def _cp_worker(rank, world, init, results):
     import torch.distributed as dist
 
-    import transformers.models.qwen3_5.modeling_qwen3_5 as mod
-
     torch.set_num_threads(1)  # four processes share the machine's cores
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        groups = {cp: (dist.new_group(list(range(cp))) if cp < world else dist.group.WORLD) for cp in (2, 3, 4)}
+        groups = _cp_groups(dist, world)
         hf.linear_attention._cp_recurrence = lambda plan: _ref_cp_recurrence
         models = {}
         n = 0
@@ -273,9 +334,7 @@ def _cp_worker(rank, world, init, results):
                 continue
             group = groups[cp]
             what = f"cp={cp} {layout} K={K} lens={lens} bucket={bucket} rank={rank}"
-            cu = [0]
-            for L in lens:
-                cu.append(cu[-1] + L)
+            cu = [0, *accumulate(lens)]
             plan = packcuda.shard_plan(cu, cp, rank, layout=layout, bucket=bucket)
             model = models.setdefault(K, _model(K, layer_types=("linear_attention",)))
             layer = model.model.layers[0].linear_attn
@@ -293,8 +352,9 @@ def _cp_worker(rank, world, init, results):
             Xr = Xp.clone().requires_grad_()
             mixed = layer.in_proj_qkv(Xr)
             w = layer.conv1d.weight.squeeze(1)
-            yr = torch.cat([mod.causal_conv1d_fn(mixed[a:b].T[None], w, None, activation=layer.activation)[0].T
-                            for a, b in zip(plan.cu_seqlens_padded_host[:-1], plan.cu_seqlens_padded_host[1:])])
+            with _torch_path() as mod:
+                yr = torch.cat([mod.causal_conv1d_fn(mixed[a:b].T[None], w, None, activation=layer.activation)[0].T
+                                for a, b in zip(cup[:-1], cup[1:])])
             Gc = torch.randn(yr.shape, generator=g, dtype=torch.float64)
             dXr, dwr = torch.autograd.grad(yr, (Xr, layer.conv1d.weight), Gc)
             # the patched conv on this rank's slots
@@ -307,12 +367,14 @@ def _cp_worker(rank, world, init, results):
             assert torch.allclose(dwl, dwr, atol=1e-10, rtol=1e-10), f"conv grad weight differs: {what}"
             # the whole patched layer on this rank's slots vs the unpatched layer on every sequence alone
             Xg = X.clone().requires_grad_()
-            want = torch.cat([layer(Xg[a:b][None])[0] for a, b in zip(cu[:-1], cu[1:]) if b > a])
+            with _torch_path():
+                want = torch.cat([layer(Xg[a:b][None])[0] for a, b in zip(cu[:-1], cu[1:]) if b > a])
             want_dx, *want_grads = torch.autograd.grad(want, [Xg, *params], G)
             with hf.patch_qwen3_5_linear_attention(model, plan=plan, group=group) as h:
                 assert "CP" in repr(h) and h.plan is plan and h.group is group
                 h.set_plan(packcuda.shard_plan(cu, cp, rank, layout=layout, bucket=bucket))  # the next batch's
                 assert h.plan is not plan
+                assert h.layout_path == (None if layout == "contiguous" else "relayout")
                 x_local = plan.shard(X).requires_grad_()
                 got = layer(x_local[None])[0]
                 assert torch.allclose(got[real], want[plan.index[real]], atol=1e-6, rtol=1e-6), f"layer: {what}"
@@ -330,20 +392,137 @@ def _cp_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
-@cpu_only
-def test_cp_conv_and_layer_gloo(tmp_path):
+@pytest.mark.parametrize("recurrence", [_which_recurrence()])
+def test_cp_conv_and_layer_gloo(tmp_path, recurrence):
     """cp 2-4 over gloo, contiguous and zigzag, K 2 and 4, samples shorter than K-1, a bucket segment: the
     patched layer's conv (conv_prefix + causal_conv1d on plan.pieces) equals the unsharded layer's conv on this
-    rank's slots (values, input and weight gradients); the whole patched layer, with a gather-based reference
-    recurrence in place of flash-linear-attention's CP context, equals the unpatched layer run on every
-    sequence alone (outputs and parameter gradients)."""
-    import torch.multiprocessing as mp
-
+    rank's slots (values, input and weight gradients); the whole patched layer (zigzag: moved to the contiguous
+    plan and back), with a gather-based reference recurrence in place of flash-linear-attention's CP context,
+    equals the unpatched layer run on every sequence alone (outputs and parameter gradients)."""
     world = 4
-    results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_cp_worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    results = spawn_ranks(_cp_worker, world, tmp_path)
     per_rank = {r: sum(1 for c in _cp_cases() if r < c[0]) for r in range(world)}
-    assert dict(results) == per_rank
+    assert results == per_rank
+
+
+# ------------------------------------------------------------------------------- hybrid model, zigzag plan
+_CP_ATTENTION = "packcuda_test_cp_reference"
+
+
+def _cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Softmax attention of a CP rank's zigzag slots for tests (an AttentionInterface function): all-gather q,
+    k, v to the whole stream, causal attention on every sequence alone, keep this rank's slots (pads get
+    zeros). The plan and group come from the module's ``packcuda_cp`` attribute."""
+    plan, group = module.packcuda_cp
+    q, k, v = (plan.gather(t[0].transpose(0, 1), group) for t in (query, key, value))  # [T, H, D]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    cu = plan.cu_seqlens_host
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True,
+        scale=scaling).transpose(0, 1) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    return plan.shard(torch.cat(outs))[None], None
+
+
+def _model_cases():
+    """(cp, K, lengths, bucket, zigzag_path, native): several sequences (one over several ranks, one shorter
+    than K-1), a bucket segment, one sequence (native path where FLA's zigzag is offered, or relayout)."""
+    return [(cp, K, lens, bucket, path, native)
+            for cp in (2, 3, 4)
+            for K, lens, bucket, path, native in (
+                (4, [3, 1, 2, 17, 5], None, "auto", True),
+                (2, [11, 6, 1], 16 * cp, "auto", False),
+                (4, [23], None, "auto", True),
+                (4, [23], None, "relayout", True))]
+
+
+def _loss(logits, labels, n):
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / n
+
+
+def _model_worker(rank, world, init, results):
+    import torch.distributed as dist
+
+    la = hf.linear_attention
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        groups = _cp_groups(dist, world)
+        transformers.AttentionInterface.register(_CP_ATTENTION, _cp_attention)
+        la._cp_recurrence = lambda plan: _ref_cp_recurrence
+        moved = []
+        relayout = packcuda.relayout
+
+        def recording_relayout(x, src, dst, group, **kw):
+            moved.append(tuple(x.shape))
+            return relayout(x, src, dst, group, **kw)
+
+        packcuda.relayout = recording_relayout
+        n = 0
+        for ci, (cp, K, lens, bucket, path, native) in enumerate(_model_cases()):
+            if rank >= cp:
+                continue
+            group = groups[cp]
+            what = f"cp={cp} K={K} lens={lens} bucket={bucket} path={path} native={native} rank={rank}"
+            la._fla_native_zigzag = lambda: native
+            model = _model(K, seed=ci, layer_types=("linear_attention", "full_attention", "linear_attention"))
+            cu = [0, *accumulate(lens)]
+            ids = _ids(lens, seed=ci)
+            labels = ref.next_token_labels(ids, cu)
+            count = int((labels != -100).sum())
+            # the unsharded packed run (sdpa on the packed row, the patch without a plan)
+            pos = ref.position_ids(cu)[None]
+            model.zero_grad(set_to_none=True)
+            with hf.patch_qwen3_5_linear_attention(model):
+                want_loss = _loss(model(input_ids=ids[None], position_ids=pos, use_cache=False).logits[0], labels,
+                                  count)
+                want_loss.backward()
+            want = {k: p.grad.clone() for k, p in model.named_parameters()}
+            # this rank's zigzag slots: attention across ranks through the gather-based reference
+            plan = packcuda.shard_plan(cu, cp, rank, bucket=bucket)
+            model.zero_grad(set_to_none=True)
+            model.config._attn_implementation = _CP_ATTENTION
+            for m in model.modules():
+                if type(m).__name__ == "Qwen3_5Attention":
+                    m.packcuda_cp = (plan, group)
+            del moved[:]
+            with hf.patch_qwen3_5_linear_attention(model, plan=plan, group=group, zigzag_path=path) as h:
+                expect = "native" if native and path == "auto" and len(lens) == 1 and bucket is None else "relayout"
+                assert h.layout_path == expect, (h.layout_path, what)
+                logits = model(input_ids=plan.shard(ids)[None], position_ids=plan.position_ids[None],
+                               use_cache=False).logits[0]
+                local = _loss(logits, plan.labels(ids), count)
+                local.backward()
+            # relayout path: each GatedDeltaNet layer moves [total_local, hidden_size] in and out, nothing else
+            hidden = model.config.hidden_size
+            assert moved == ([] if expect == "native" else
+                             [(plan.total_local, hidden)] * 4), (moved, what)
+            got_loss = local.detach().clone()
+            dist.all_reduce(got_loss, group=group)
+            assert torch.allclose(got_loss, want_loss.detach(), atol=1e-9, rtol=1e-9), \
+                f"loss {got_loss.item()} != {want_loss.item()}: {what}"
+            got = {k: p.grad.clone() for k, p in model.named_parameters()}
+            for gr in got.values():
+                dist.all_reduce(gr, group=group)
+            _close(got, want, TOL_GRADS, f"({what}) grad")
+            n += 1
+        results[rank] = n
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recurrence", [_which_recurrence()])
+def test_cp_zigzag_hybrid_model_gloo(tmp_path, recurrence):
+    """transformers' tiny Qwen3.5 with both layer kinds, fp64, cp 2-4 over gloo with zigzag plans: the loss
+    and every parameter gradient equal the unsharded packed run. Attention runs on the zigzag slots (positions
+    from the plan) through a gather-based reference across ranks; each GatedDeltaNet layer moves its
+    hidden_size-wide input to the contiguous plan and its output back (relayout path), or stays on the zigzag
+    slots (native path: one padded sequence, FLA's zigzag offered); the recurrence is a gather-based
+    reference (flash-linear-attention's CP kernels need CUDA; the parameter id says whether FLA's CP context
+    is installed)."""
+    world = 4
+    results = spawn_ranks(_model_worker, world, tmp_path)
+    assert results == {r: sum(1 for c in _model_cases() if r < c[0]) for r in range(world)}
 
 
 # --------------------------------------------------------------------------------------------------------- GPU
@@ -358,18 +537,8 @@ def test_gpu_bf16_packed_equals_samples_alone_fla(rotary):
     lens = [300, 17, 1, 3, 700, 64]
     oracle = _model(4)
     ids = _ids(lens)
-    import inspect
-
-    import transformers.models.qwen3_5.modeling_qwen3_5 as mod
-
-    # the oracle: transformers' PyTorch functions, not the kernels transformers routes them to when installed
-    saved = mod.torch_chunk_gated_delta_rule, mod.causal_conv1d_fn
-    mod.torch_chunk_gated_delta_rule = inspect.unwrap(mod.torch_chunk_gated_delta_rule)
-    mod.causal_conv1d_fn = inspect.unwrap(mod.causal_conv1d_fn)
-    try:
-        want_logits, want_grads = _per_sample(oracle, ids, lens)
-    finally:
-        mod.torch_chunk_gated_delta_rule, mod.causal_conv1d_fn = saved
+    # the oracle: transformers' PyTorch functions (_per_sample pins them), not the kernels it routes them to
+    want_logits, want_grads = _per_sample(oracle, ids, lens)
     model = _model(4, dtype=torch.bfloat16).cuda()
     dids = ids.cuda()
     base_logits, base_grads = _fla_loss_grads(model, [(s, {}) for s in dids.split(lens)])
@@ -412,3 +581,51 @@ def test_gpu_conv_with_host_boundaries_does_not_sync():
         y = hf.linear_attention._gdn_conv(layer, x, cu)
         y.backward(torch.ones_like(y))
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of packcuda")
+@pytest.mark.skipif(not HAS_FLA, reason="needs flash-linear-attention")
+@pytest.mark.parametrize("lens, path", [([300, 17, 1, 3, 700, 64], "auto"), ([1000], "auto"), ([1000], "relayout")])
+def test_gpu_zigzag_cp1_equals_packed_run(tmp_path, monkeypatch, lens, path):
+    """The zigzag path on CUDA at cp = 1 (an NCCL group of one): the patched fp32 model fed a zigzag plan's slots
+    (each GatedDeltaNet layer moved to the contiguous plan and back, or on FLA's own zigzag for one sequence)
+    gives the loss and parameter gradients of the unsharded packed run (flash-linear-attention's varlen rule).
+    At cp = 1 a zigzag plan's slots are the padded stream and attention is plain sdpa on the plan's positions."""
+    import torch.distributed as dist
+
+    if hf.linear_attention._fla_cp() is None:
+        pytest.skip("needs flash-linear-attention with fla.ops.cp")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = _model(4, dtype=torch.float32).cuda()
+    cu = [0, *accumulate(lens)]
+    ids = _ids(lens)
+    labels = ref.next_token_labels(ids, cu).cuda()
+    count = int((labels != -100).sum())
+    pos = ref.position_ids(cu).cuda()[None]
+    ids = ids.cuda()
+    with hf.patch_qwen3_5_linear_attention(model):
+        want_loss = _loss(model(input_ids=ids[None], position_ids=pos, use_cache=False).logits[0], labels, count)
+        try:
+            want_loss.backward()
+        except RuntimeError as e:  # see _fla_loss_grads
+            if "Triton" not in str(e):
+                raise
+            pytest.skip("flash-linear-attention refuses its gated-delta backward with the Triton installed here")
+    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        plan = packcuda.shard_plan(cu, 1, 0, device="cuda")
+        with hf.patch_qwen3_5_linear_attention(model, plan=plan, group=dist.group.WORLD, zigzag_path=path) as h:
+            native = hf.linear_attention._fla_native_zigzag() and len(lens) == 1 and path == "auto"
+            assert h.layout_path == ("native" if native else "relayout")
+            logits = model(input_ids=plan.shard(ids)[None], position_ids=plan.position_ids[None],
+                           use_cache=False).logits[0]
+            got_loss = _loss(logits, plan.labels(ids), count)
+            got_loss.backward()
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-4, atol=1e-5)
+    _close({k: p.grad for k, p in model.named_parameters()}, want, 1e-3, "grad")

@@ -1,6 +1,9 @@
 """Qwen3.5's GatedDeltaNet (linear-attention) layers on packed rows (the conv and the gated delta rule stop at
 every sample boundary) and on context-parallel shards (conv halo rows through :func:`packcuda.conv_prefix`, the
-recurrence through flash-linear-attention's CP context)."""
+recurrence through flash-linear-attention's CP context). Under a zigzag plan (the layout the attention layers
+want) each GatedDeltaNet layer moves its hidden states to the contiguous layout of the same batch with
+:func:`packcuda.relayout` and back, or runs on the zigzag slots where flash-linear-attention's CP context has
+the same zigzag."""
 from __future__ import annotations
 
 import functools
@@ -53,15 +56,30 @@ def _fla_cp():
     return rule, build_cp_context
 
 
+def _fla_native_zigzag() -> bool:
+    """Whether the installed flash-linear-attention's CP context takes ``layout='zigzag'``. Its zigzag is one of
+    the whole stream (rank r holds parts r and 2*cp-1-r of the stream); a packcuda zigzag plan splits every
+    padded sequence so, which is the same layout only where the padded stream is one sequence."""
+    cp = _fla_cp()
+    if cp is None:
+        return False
+    try:
+        return "layout" in inspect.signature(cp[1]).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _fla_cp_recurrence(q, k, v, g, beta, *, plan, group, state):
-    """The gated delta rule of this rank's contiguous shard through flash-linear-attention's CP context (its
-    state is handed from rank to rank). ``state`` caches the context per plan (one build per batch)."""
+    """The gated delta rule of this rank's shard through flash-linear-attention's CP context (its state is
+    handed from rank to rank): a contiguous plan, or a zigzag plan of one padded sequence (FLA's own zigzag).
+    ``state`` caches the context per plan (one build per batch)."""
     rule, build = _fla_cp()
     ctx = state.get("fla_ctx")
     if ctx is None or ctx[0] is not plan:
         cu_cpu = torch.tensor(plan.cu_seqlens_padded_host, dtype=torch.int64)
         cu_dev = packcuda._meta.to_device_async(cu_cpu, q.device)
-        ctx = (plan, build(cu_dev, group=group, cu_seqlens_cpu=cu_cpu))
+        layout = {"layout": "zigzag"} if plan.layout == "zigzag" else {}
+        ctx = (plan, build(cu_dev, group=group, cu_seqlens_cpu=cu_cpu, **layout))
         state["fla_ctx"] = ctx
     out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=True, cu_seqlens=ctx[1].cu_seqlens, cp_context=ctx[1])
@@ -70,14 +88,27 @@ def _fla_cp_recurrence(q, k, v, g, beta, *, plan, group, state):
 
 def _cp_recurrence(plan):
     """The recurrence of a CP shard: a callable ``(q, k, v, g, beta, *, plan, group, state) -> out`` ``[1, T, Hv,
-    Dv]``, or a reason why none is available (a str)."""
+    Dv]`` for the plan it is handed (contiguous, or zigzag on the native path), or a reason why none is
+    available (a str)."""
     if _fla_cp() is None:
         return ("no context-parallel backend for the gated delta rule is installed (flash-linear-attention with "
                 "fla.ops.cp and chunk_gated_delta_rule(cp_context=...))")
-    if plan.layout != "contiguous":
-        return (f"flash-linear-attention's CP context splits the stream contiguously; a {plan.layout!r} plan is "
-                "not supported (build the plan with layout='contiguous')")
     return _fla_cp_recurrence
+
+
+_ZIGZAG_PATHS = ("auto", "relayout")
+
+
+def _layout_path(plan, zigzag_path: str):
+    """How the GatedDeltaNet layers run under ``plan``: None (no plan, or a contiguous one: on its slots),
+    ``"native"`` (a zigzag plan whose padded stream is one sequence, with a flash-linear-attention whose CP
+    context has the same zigzag: on the zigzag slots, no move) or ``"relayout"`` (any other zigzag plan: moved
+    to the contiguous plan of the same batch and back)."""
+    if plan is None or plan.layout != "zigzag":
+        return None
+    if zigzag_path == "auto" and len(plan.cu_seqlens_padded_host) == 2 and _fla_native_zigzag():
+        return "native"
+    return "relayout"
 
 
 def _gdn_checks(mod) -> None:
@@ -111,14 +142,34 @@ class _GdnState:
     """What the patched layers of one model share: the plan and group (CP), the recurrence, and the sample
     boundaries derived from the position ids of the current forward (computed once, reused by every layer)."""
 
-    def __init__(self, mod, plan, group, cp_recurrence):
+    def __init__(self, mod, plan, group, cp_recurrence, zigzag_path):
         self.mod = mod
-        self.plan = plan
         self.group = group
         self.cp_recurrence = cp_recurrence
+        self.zigzag_path = zigzag_path
         self.cache: dict = {}
+        self.set_plan(plan)
         self.repeat_heads = "query.repeat_interleave(" in _src(getattr(mod, _GDN_CLASS).forward)
+        # transformers' PyTorch rule itself: the name in the module routes to flash-linear-attention's kernels
+        # where it is installed, also for CPU tensors
+        self.torch_rule = inspect.unwrap(mod.torch_chunk_gated_delta_rule)
         self._pos = None  # (weakref of the position ids, their version, number of rows, cu_seqlens)
+
+    def set_plan(self, plan) -> None:
+        self.plan = plan
+        self.layout_path = _layout_path(plan, self.zigzag_path)
+        self.cache.clear()
+
+    def contiguous(self):
+        """The contiguous plan of the current zigzag plan's batch (same cu_seqlens, align and bucket, so both
+        index one padded stream): built once per plan, cached."""
+        c = self.cache.get("contiguous")
+        if c is None or c[0] is not self.plan:
+            p = self.plan
+            c = (p, packcuda.shard_plan(p.cu_seqlens_host, p.cp_size, p.cp_rank, layout="contiguous",
+                                        align=p.align, bucket=p.bucket, device=p.device))
+            self.cache["contiguous"] = c
+        return c[1]
 
     def boundaries(self, position_ids, B: int, S: int):
         """cu_seqlens of the flattened ``[B * S]`` rows: every row starts a sample, and so does every position
@@ -179,7 +230,8 @@ def _gdn_conv(layer, x: torch.Tensor, cu_seqlens, *, plan=None, group=None) -> t
 
 
 def _per_sample_rule(fn, q, k, v, g, beta, cu) -> torch.Tensor:
-    """``fn`` (transformers' PyTorch gated delta rule) on every sample alone, concatenated: correct, slow."""
+    """``fn`` (transformers' PyTorch gated delta rule, unwrapped) on every sample alone, concatenated: correct,
+    slow."""
     cu = host_list(cu, "cu_seqlens", op="patch_qwen3_5_linear_attention")
     outs = []
     for a, b in zip(cu[:-1], cu[1:]):
@@ -194,7 +246,9 @@ def _per_sample_rule(fn, q, k, v, g, beta, cu) -> torch.Tensor:
 
 def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
     """Replacement of ``Qwen3_5GatedDeltaNet.forward`` for packed rows (and CP shards): the conv and the gated
-    delta rule stop at the sample boundaries. With a cache (generation) the original forward runs."""
+    delta rule stop at the sample boundaries. With a cache (generation) the original forward runs. Under a
+    zigzag plan on the relayout path the layer's input (``hidden_size`` columns, before the projections) moves
+    to the contiguous plan's slots and its output (after ``out_proj``) back."""
     state: _GdnState = self._packcuda_gdn
     cu = kwargs.pop(_CU_KWARG, None)
     cache = cache if cache is not None else kwargs.pop("cache_params", kwargs.pop("past_key_values", None))
@@ -203,25 +257,38 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
             raise ValueError("packcuda.patch_qwen3_5_linear_attention: a model patched for context parallelism "
                              "does not run with a cache (generation); unpatch it first")
         return self._packcuda_original_forward(hidden_states, cache, attention_mask=attention_mask, **kwargs)
-    mod = state.mod
-    hidden_states = mod.apply_mask_to_padding_states(hidden_states, attention_mask)
+    hidden_states = state.mod.apply_mask_to_padding_states(hidden_states, attention_mask)
     B, S, _ = hidden_states.shape
-    T = B * S
-    if state.plan is not None:
-        if B != 1 or S != state.plan.total_local:
-            raise ValueError(f"packcuda.patch_qwen3_5_linear_attention: hidden_states must be this rank's [1, "
-                             f"{state.plan.total_local}] slots of the plan, got [{B}, {S}]")
-    else:
+    plan = state.plan
+    if plan is None:
         given = kwargs.get("cu_seq_lens_q")
         if given is not None:
             cu = given
         elif cu is None:
-            cu = list(range(0, T + 1, S)) if S else [0]
+            cu = list(range(0, B * S + 1, S)) if S else [0]
+        return _gdn_layer(self, state, hidden_states, cu, None)
+    if B != 1 or S != plan.total_local:
+        raise ValueError(f"packcuda.patch_qwen3_5_linear_attention: hidden_states must be this rank's [1, "
+                         f"{plan.total_local}] slots of the plan, got [{B}, {S}]")
+    if state.layout_path != "relayout":
+        return _gdn_layer(self, state, hidden_states, None, plan)
+    contiguous = state.contiguous()
+    x = packcuda.relayout(hidden_states[0], plan, contiguous, state.group)
+    out = _gdn_layer(self, state, x[None], None, contiguous)
+    return packcuda.relayout(out[0], contiguous, plan, state.group)[None]
+
+
+def _gdn_layer(self, state: _GdnState, hidden_states, cu, plan) -> torch.Tensor:
+    """The GatedDeltaNet layer from its input projections to its output projection, on the samples ``cu`` of
+    ``hidden_states`` ``[B, S, hidden]`` (``plan`` None) or on ``plan``'s slots ``[1, plan.total_local,
+    hidden]``."""
+    B, S, _ = hidden_states.shape
+    T = B * S
     mixed = self.in_proj_qkv(hidden_states).reshape(T, -1)
     z = self.in_proj_z(hidden_states).reshape(T, -1, self.head_v_dim)
     b = self.in_proj_b(hidden_states).reshape(1, T, -1)
     a = self.in_proj_a(hidden_states).reshape(1, T, -1)
-    mixed = _gdn_conv(self, mixed, cu, plan=state.plan, group=state.group)
+    mixed = _gdn_conv(self, mixed, cu, plan=plan, group=state.group)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q = q.reshape(1, T, -1, self.head_k_dim)
     k = k.reshape(1, T, -1, self.head_k_dim)
@@ -233,8 +300,8 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
         # transformers expands them before its rule (5.17); later releases hand the rule the q/k heads as they are
         rep = self.num_v_heads // self.num_k_heads
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    if state.plan is not None:
-        core = state.cp_recurrence(q, k, v, g, beta, plan=state.plan, group=state.group, state=state.cache)
+    if plan is not None:
+        core = state.cp_recurrence(q, k, v, g, beta, plan=plan, group=state.group, state=state.cache)
     else:
         fla = _fla_chunk_rule() if q.is_cuda else None  # FLA's kernels are GPU kernels
         if fla is not None:
@@ -244,7 +311,7 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
             core, _ = fla(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu_dev.to(torch.int64))
         else:
-            core = _per_sample_rule(mod.torch_chunk_gated_delta_rule, q, k, v, g, beta, cu)
+            core = _per_sample_rule(state.torch_rule, q, k, v, g, beta, cu)
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(B, S, -1))
 
@@ -256,7 +323,10 @@ def _cu_tensor(cu) -> torch.Tensor:
 
 class LinearAttentionPatch(_Patch):
     """Handle of :func:`patch_qwen3_5_linear_attention`: ``unpatch()`` (or leaving a ``with`` block) restores
-    the model's GatedDeltaNet layers; ``set_plan(plan)`` switches a CP patch to the next batch's plan."""
+    the model's GatedDeltaNet layers; ``set_plan(plan)`` switches a CP patch to the next batch's plan;
+    ``layout_path`` says how the GatedDeltaNet layers run under the current plan (None: packed rows or a
+    contiguous plan; ``"relayout"``: a zigzag plan, moved to the contiguous layout and back; ``"native"``: a zigzag
+    plan of one padded sequence on flash-linear-attention's own zigzag)."""
 
     def __init__(self, model, state: _GdnState, recurrence: str):
         super().__init__(model)
@@ -272,6 +342,10 @@ class LinearAttentionPatch(_Patch):
     def group(self):
         return self._state.group
 
+    @property
+    def layout_path(self):
+        return self._state.layout_path
+
     def set_plan(self, plan) -> None:
         """Use ``plan`` (a :func:`packcuda.shard_plan` of the next batch, same CP size and rank) from now on."""
         fn = "LinearAttentionPatch.set_plan"
@@ -283,8 +357,7 @@ class LinearAttentionPatch(_Patch):
             raise ValueError(f"packcuda.{fn}: plan cannot be set on a patch made without one (packed rows, no CP); "
                              "patch with plan= and group=")
         _check_cp_plan(fn, plan, self._state.group)
-        self._state.plan = plan
-        self._state.cache.clear()
+        self._state.set_plan(plan)
 
     def unpatch(self) -> None:
         """Restores the original GatedDeltaNet forwards and removes the boundary hooks (idempotent)."""
@@ -301,14 +374,25 @@ class LinearAttentionPatch(_Patch):
             self.active = False
 
     def __repr__(self):
-        cp = "packed rows" if self._state.plan is None else f"CP {self._state.plan.layout} cp={self._state.plan.cp_size}"
+        p = self._state.plan
+        cp = "packed rows" if p is None else f"CP {p.layout} cp={p.cp_size}"
+        if self._state.layout_path is not None:
+            cp += f" ({self._state.layout_path})"
         return (f"LinearAttentionPatch({type(self.model).__name__}; {cp}; recurrence: {self.recurrence}; "
                 f"{'active' if self.active else 'removed'})")
 
 
-def _check_cp_plan(fn: str, plan, group) -> None:
+def _check_plan_kind(fn: str, plan) -> None:
     if not isinstance(plan, packcuda.ShardPlan):
         raise TypeError(f"packcuda.{fn}: plan must be a packcuda.ShardPlan, got {type(plan).__name__}")
+    if plan.layout == "zigzag" and isinstance(plan, packcuda.StaticShardPlan):
+        raise ValueError(f"packcuda.{fn}: plan is a StaticShardPlan with layout 'zigzag'; the GatedDeltaNet "
+                         "layers of a zigzag plan need its host boundaries (for the contiguous plan of the same "
+                         "batch and the recurrence's CP context): pass packcuda.shard_plan(..., layout='zigzag')")
+
+
+def _check_cp_plan(fn: str, plan, group) -> None:
+    _check_plan_kind(fn, plan)
     import torch.distributed as dist
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -317,7 +401,7 @@ def _check_cp_plan(fn: str, plan, group) -> None:
                          f"process is rank {rank} of a group of {size}")
 
 
-def patch_qwen3_5_linear_attention(model, *, plan=None, group=None,
+def patch_qwen3_5_linear_attention(model, *, plan=None, group=None, zigzag_path: str = "auto",
                                    allow_unverified_version: bool = False) -> LinearAttentionPatch:
     """Make the GatedDeltaNet (linear-attention) layers of a transformers Qwen3.5 model respect packed samples,
     and optionally run them on a context-parallel shard.
@@ -334,9 +418,22 @@ def patch_qwen3_5_linear_attention(model, *, plan=None, group=None,
     - **Context parallelism** (``plan`` from :func:`packcuda.shard_plan` of the global packed stream, ``group``
       its CP process group): each rank feeds its own ``[1, plan.total_local]`` slots; the conv reads the K−1
       rows before each local piece with :func:`packcuda.conv_prefix` and runs on ``plan.pieces``; the gated
-      delta rule runs through flash-linear-attention's CP context (``fla.ops.cp.build_cp_context``,
-      contiguous layout). Without a CP-capable recurrence backend (or with a layout it cannot run) the patch
-      refuses, before patching anything. ``set_plan`` switches the handle to the next batch's plan.
+      delta rule runs through flash-linear-attention's CP context (``fla.ops.cp.build_cp_context``), which
+      splits the stream contiguously. Without a CP-capable recurrence backend the patch refuses, before
+      patching anything. ``set_plan`` switches the handle to the next batch's plan.
+    - **Hybrid models under a zigzag plan** (the layout the attention layers want: balanced causal work; feed
+      the model ``plan.shard(input_ids)`` and ``plan.position_ids``; the attention layers need a
+      context-parallel attention over the zigzag slots, registered with transformers' ``AttentionInterface``):
+      each GatedDeltaNet layer moves its input hidden states to the contiguous plan of the same batch with
+      :func:`packcuda.relayout` before its input projections, and its output back after its output projection
+      (``hidden_size`` columns move, not the wider projected q/k/v/z/b/a), and runs the conv and the
+      recurrence on the contiguous plan (``handle.layout_path == "relayout"``). The contiguous plan (same
+      ``cu_seqlens``, ``align`` and ``bucket``, so the two index one padded stream) is built once per plan and
+      cached. Where the padded stream is one sequence and the installed flash-linear-attention's CP context
+      takes ``layout='zigzag'`` (its zigzag splits the whole stream, which is packcuda's zigzag for one
+      sequence only), the layers run on the zigzag slots with no move (``layout_path == "native"``);
+      ``zigzag_path="relayout"`` always moves. A :class:`packcuda.StaticShardPlan` with layout 'zigzag' is
+      refused (the move and the recurrence's CP context need host boundaries).
 
     Checks first, patches nothing on failure: the transformers version is in :data:`SUPPORTED_TRANSFORMERS`,
     the model is a Qwen3.5 model (``model_type`` ``qwen3_5`` / ``qwen3_5_text``: ``Qwen3_5ForCausalLM``,
@@ -349,6 +446,11 @@ def patch_qwen3_5_linear_attention(model, *, plan=None, group=None,
     if not isinstance(allow_unverified_version, bool):
         raise TypeError(f"packcuda.{fn}: allow_unverified_version must be a bool, got "
                         f"{type(allow_unverified_version).__name__}")
+    if not isinstance(zigzag_path, str):
+        raise TypeError(f"packcuda.{fn}: zigzag_path must be a str, got {type(zigzag_path).__name__}")
+    if zigzag_path not in _ZIGZAG_PATHS:
+        raise ValueError(f"packcuda.{fn}: zigzag_path must be one of {', '.join(map(repr, _ZIGZAG_PATHS))}, got "
+                         f"{zigzag_path!r}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"packcuda.{fn}: model must be a torch.nn.Module (a transformers Qwen3.5 model), got "
                         f"{type(model).__name__}")
@@ -358,8 +460,7 @@ def patch_qwen3_5_linear_attention(model, *, plan=None, group=None,
     if plan is not None:
         import torch.distributed as dist
 
-        if not isinstance(plan, packcuda.ShardPlan):
-            raise TypeError(f"packcuda.{fn}: plan must be a packcuda.ShardPlan, got {type(plan).__name__}")
+        _check_plan_kind(fn, plan)
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"packcuda.{fn}: group must be a torch.distributed.ProcessGroup, got "
                             f"{type(group).__name__}")
@@ -394,7 +495,7 @@ def patch_qwen3_5_linear_attention(model, *, plan=None, group=None,
         recurrence = "fla cp"
     else:  # FLA on CUDA tensors; CPU tensors always take the per-sample PyTorch rule
         recurrence = "fla varlen" if _fla_chunk_rule() is not None else "transformers per sample"
-    state = _GdnState(mod, plan, group, cp_rule)
+    state = _GdnState(mod, plan, group, cp_rule, zigzag_path)
     handle = LinearAttentionPatch(model, state, recurrence)
     with handle._lock:
         for m in gdns:
