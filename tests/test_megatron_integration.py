@@ -95,9 +95,10 @@ def mcore(monkeypatch):
 
 
 def _version():
+    """The release number alone: from a git checkout (a venv inside one) megatron-core appends ``+<sha>``."""
     from megatron.core import package_info
 
-    return package_info.__version__
+    return package_info.__version__.split("+")[0]
 
 
 def _split(mcu, plan, P):
