@@ -16,7 +16,7 @@ from . import _lib
 from ._meta import IntsLike, check_int, fake_kernel, host_tensor
 from .exchange import (Field, RowSchedule, StaticRowSchedule, check_backend, check_flag, check_group,
                        check_group_matches, move, schedule_fake, static_move)
-from .shard import _LAYOUTS, ShardPlan, StaticShardPlan  # _LAYOUTS: the op codes of the layout names
+from .shard import ShardPlan, StaticShardPlan
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -158,7 +158,7 @@ class ConvPrefixSchedule(RowSchedule):
         bucket = plan.bucket
         super().__init__(ops.conv_prefix_schedule(
             torch.tensor(plan.cu_seqlens_host, dtype=torch.int64), int(plan.cp_size), int(plan.cp_rank),
-            _LAYOUTS[plan.layout], int(plan.align), None if bucket is None else int(bucket), kernel_size))
+            plan.layout, int(plan.align), None if bucket is None else int(bucket), kernel_size))
         self.kernel_size = kernel_size
         self.n_pieces, self.n_local = len(plan.piece_offset_host), self.n_src
         self.fingerprint = (plan.fingerprint, kernel_size)
@@ -311,7 +311,7 @@ def _static_schedule(plan, K: int) -> StaticRowSchedule:
     if K not in cache:
         send, unpack, bwd = ops.conv_static_prefix_tables(plan.pieces, plan.piece_offset, plan.piece_seq,
                                                           plan.cu_seqlens_padded, plan.cp_size, plan.cp_rank,
-                                                          _LAYOUTS[plan.layout], plan.capacity, K)
+                                                          plan.layout, plan.capacity, K)
         cache[K] = StaticRowSchedule(plan.cp_size, plan.cp_rank, plan.total_local, unpack.shape[0], send, unpack, bwd)
     return cache[K]
 

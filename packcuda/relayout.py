@@ -18,7 +18,7 @@ from . import _lib
 from ._meta import IntsLike, check_int, fake_kernel
 from .exchange import (Field, RowSchedule, StaticRowSchedule, check_backend, check_flag, check_group,
                        check_group_matches, check_rows, move, schedule_fake, static_move)
-from .shard import _LAYOUTS, MAX_PADDED_TOTAL, ShardPlan, StaticShardPlan, shard_plan
+from .shard import MAX_PADDED_TOTAL, ShardPlan, StaticShardPlan, shard_plan
 
 _lib.load()
 ops = torch.ops.packcuda
@@ -77,7 +77,7 @@ def _schedule(src: ShardPlan, dst: ShardPlan) -> RowSchedule:
         b = (lambda p: None if p.bucket is None else int(p.bucket))
         cache[key] = RowSchedule(ops.relayout_schedule(
             torch.tensor(src.cu_seqlens_host, dtype=torch.int64), int(src.cp_size), int(src.cp_rank),
-            _LAYOUTS[src.layout], int(src.align), b(src), _LAYOUTS[dst.layout], int(dst.align), b(dst)))
+            src.layout, int(src.align), b(src), dst.layout, int(dst.align), b(dst)))
     return cache[key]
 
 
@@ -86,8 +86,7 @@ def _static_schedule(src: StaticShardPlan, dst: StaticShardPlan) -> StaticRowSch
     cache = src.__dict__.setdefault("_relayout_static", {})
     if dst.layout not in cache:
         send, unpack, bwd = ops.relayout_static_tables(src.cu_seqlens_padded, src.cp_size, src.cp_rank,
-                                                       _LAYOUTS[src.layout], _LAYOUTS[dst.layout],
-                                                       src.capacity)
+                                                       src.layout, dst.layout, src.capacity)
         cache[dst.layout] = StaticRowSchedule(src.cp_size, src.cp_rank, src.total_local, dst.total_local, send,
                                               unpack, bwd)
     return cache[dst.layout]

@@ -35,8 +35,6 @@ ops = torch.ops.packcuda
 
 __all__ = ["ShardPlan", "shard_plan"]
 
-_LAYOUTS = {"zigzag": 0, "contiguous": 1}
-
 # Largest padded total of a plan (its boundary tensors are int32, as varlen attention kernels expect); cp_size,
 # align and bucket are bounded by it too (csrc/shard/shard.h: kMaxPaddedTotal).
 MAX_PADDED_TOTAL = 2**31 - 1
@@ -200,8 +198,7 @@ class ShardPlan:
         if self._unshard_index is None:
             self._unshard_index = ops.shard_unshard_index(
                 self._host_section("cu_seqlens"), self._host_section("cu_seqlens_padded"), self.cp_size,
-                _LAYOUTS[self.layout],
-                self.total_local, self.device)
+                self.layout, self.total_local, self.device)
         return self._unshard_index
 
     def _rows(self, what: str, x: torch.Tensor, dim: int, want: int, name: str) -> int:
@@ -400,14 +397,10 @@ def _hash64(value) -> int:
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
-def _layout_code(op: str, layout) -> int:
-    """The op code of a layout name ('zigzag' -> 0, 'contiguous' -> 1)."""
+def _check_layout_type(op: str, layout) -> None:
+    """A layout is a name; which names are layouts is the op's to say (it refuses any other, naming the op)."""
     if not isinstance(layout, str):
         raise TypeError(f"packcuda.{op}: layout must be 'zigzag' or 'contiguous', got {layout!r}")
-    code = _LAYOUTS.get(layout)
-    if code is None:
-        raise ValueError(f"packcuda.{op}: layout must be 'zigzag' or 'contiguous', got {layout!r}")
-    return code
 
 
 def shard_plan(
@@ -441,7 +434,7 @@ def shard_plan(
         A ``ShardPlan``.
     """
     op = "shard_plan"
-    code = _layout_code(op, layout)
+    _check_layout_type(op, layout)
     # integers that are really integers; their ranges are checked by the op (cp_size here already: the
     # default zigzag align is 2 * cp_size)
     cp_size = check_int(op, "cp_size", cp_size, lo=1, hi=MAX_PADDED_TOTAL)
@@ -454,9 +447,9 @@ def shard_plan(
     if is_device_tensor(cu_seqlens):
         cu_seqlens = cu_seqlens.cpu()  # the one documented sync of device metadata
     cu = host_tensor(cu_seqlens, "cu_seqlens", op=op)
-    align = (2 * cp_size if code == 0 else 1) if align is None else check_int(op, "align", align)
+    align = (2 * cp_size if layout == "zigzag" else 1) if align is None else check_int(op, "align", align)
     bucket = None if bucket is None else check_int(op, "bucket", bucket)
-    built = _shard_plan_op(cu, cp_size, cp_rank, code, align, bucket, device)
+    built = _shard_plan_op(cu, cp_size, cp_rank, layout, align, bucket, device)
     return ShardPlan(built, layout=layout, cp_size=cp_size, cp_rank=cp_rank, align=align, bucket=bucket,
                      device=device)
 
@@ -477,7 +470,7 @@ def _static_shard_plan_fake(cu_seqlens, num_seqs, num_seqs_host, cp_size, cp_ran
                             max_seqs):
     dev = cu_seqlens.device
     nseg = max_seqs + 1
-    npieces = 2 * nseg if layout == 0 else nseg
+    npieces = 2 * nseg if layout == "zigzag" else nseg
     e = lambda n, dt: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
     i32, i64 = torch.int32, torch.int64
     t_local = capacity // cp_size
@@ -571,7 +564,7 @@ class StaticShardPlan(ShardPlan):
         (one launch, no sync)."""
         if self._unshard_index is None:
             self._unshard_index = ops.shard_static_unshard_index(
-                self.cu_seqlens, self.cu_seqlens_padded, self.cp_size, _LAYOUTS[self.layout], self.capacity)
+                self.cu_seqlens, self.cu_seqlens_padded, self.cp_size, self.layout, self.capacity)
         return self._unshard_index
 
     @property
@@ -639,7 +632,7 @@ def static_shard_plan(
         A ``StaticShardPlan`` on ``cu_seqlens``' device. No sync.
     """
     op = "static_shard_plan"
-    code = _layout_code(op, layout)
+    _check_layout_type(op, layout)
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"packcuda.{op}: cu_seqlens must be an int32/int64 tensor of max_seqs + 1 entries, got "
                         f"{type(cu_seqlens).__name__}")
@@ -650,7 +643,7 @@ def static_shard_plan(
     cp_rank = check_int(op, "cp_rank", cp_rank)
     capacity = check_int(op, "capacity", capacity)
     max_seqs = check_int(op, "max_seqs", max_seqs)
-    align = (2 * cp_size if code == 0 else 1) if align is None else check_int(op, "align", align)
+    align = (2 * cp_size if layout == "zigzag" else 1) if align is None else check_int(op, "align", align)
     if isinstance(num_seqs, torch.Tensor):
         if num_seqs.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"packcuda.{op}: num_seqs must be a host int or a 0-dim int32/int64 tensor, got "
@@ -658,7 +651,7 @@ def static_shard_plan(
         n_dev, n_host = num_seqs, 0
     else:
         n_dev, n_host = None, check_int(op, "num_seqs", num_seqs)
-    built = ops.static_shard_plan.default(cu_seqlens, n_dev, n_host, cp_size, cp_rank, code, align, capacity,
+    built = ops.static_shard_plan.default(cu_seqlens, n_dev, n_host, cp_size, cp_rank, layout, align, capacity,
                                           max_seqs)
     return StaticShardPlan(built, layout=layout, cp_size=cp_size, cp_rank=cp_rank, align=align, capacity=capacity,
                            max_seqs=max_seqs, num_seqs=num_seqs, device=device)

@@ -295,12 +295,10 @@ class VisionPlan:
 def _host_unshard_index(plan) -> torch.Tensor:
     """The plan's unshard index on the host (the plan's own when it lives there; else the same op on the host
     sections of the plan, without a device read)."""
-    from .shard import _LAYOUTS
-
     if plan.device.type == "cpu":
         return plan.unshard_index
     return ops.shard_unshard_index(plan._host_section("cu_seqlens"), plan._host_section("cu_seqlens_padded"),
-                                   plan.cp_size, _LAYOUTS[plan.layout], plan.total_local, torch.device("cpu"))
+                                   plan.cp_size, plan.layout, plan.total_local, torch.device("cpu"))
 
 
 def _validated_blocks(ids: torch.Tensor, cu: torch.Tensor, igrid, vgrid, image_token_id, video_token_id, merge,

@@ -1,7 +1,9 @@
 """The bad-input catalogue: every public function and every raw op gets cases that must be refused cleanly.
 
 A case builds its inputs, calls one function, and asserts that
-  - the call raises the expected exception type (ValueError or TypeError),
+  - the call raises the expected exception type (ValueError or TypeError; a raw op given a value its schema cannot
+    hold, such as an int for a ``str`` argument, is refused by torch's argument parser with a RuntimeError that
+    names ``packcuda::<op>`` and the argument),
   - the message names the op (``packcuda.<op>``) and the offending argument,
   - every tensor handed in (its whole storage, so a write through a view is seen too) is bitwise unchanged.
 Risky cases (crash reproducers) run in a child process, so a crash fails one case, not the run.

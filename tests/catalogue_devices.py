@@ -67,14 +67,14 @@ def _conv(**extra):
 
 def _static_plan():
     return dict(cu_seqlens=_t(0, 3, 5, dtype=I32), num_seqs=_t(2).reshape(()), num_seqs_host=0, cp_size=2,
-                cp_rank=0, layout=1, align=1, capacity=8, max_seqs=2)
+                cp_rank=0, layout="contiguous", align=1, capacity=8, max_seqs=2)
 
 
 def _static_exchange():
     plan = ops.static_shard_plan(**_static_plan())
     pieces, piece_offset, piece_seq, cu_padded = plan[5], plan[6], plan[7], plan[3]
     return dict(pieces=pieces, piece_offset=piece_offset, piece_seq=piece_seq, cu_seqlens_padded=cu_padded,
-                cp_size=2, cp_rank=0, layout=1, capacity=8, kernel_size=4)
+                cp_size=2, cp_rank=0, layout="contiguous", capacity=8, kernel_size=4)
 
 
 BASELINES = {
@@ -96,29 +96,30 @@ BASELINES = {
     "exchange_schedule": Baseline(lambda: dict(cp_size=2, cp_rank=0, n_src=2, n_out=2, src_rank=_t(0, 1),
                                                src_row=_t(1, 0), dst_rank=_t(0, 0), dst_slot=_t(0, 1)),
                                   host_only=["src_rank", "src_row", "dst_rank", "dst_slot"]),
-    "conv_prefix_schedule": Baseline(lambda: dict(cu_seqlens=_t(0, 5), cp_size=2, cp_rank=0, layout=1, align=1,
-                                                  bucket=None, kernel_size=4), host_only=["cu_seqlens"]),
+    "conv_prefix_schedule": Baseline(lambda: dict(cu_seqlens=_t(0, 5), cp_size=2, cp_rank=0, layout="contiguous",
+                                                  align=1, bucket=None, kernel_size=4), host_only=["cu_seqlens"]),
     "exchange_nccl_comm_init": Baseline(lambda: dict(unique_id=torch.zeros(128, dtype=torch.uint8), nranks=1, rank=0,
                                                      device_index=0), host_only=["unique_id"], runs=False),
     "exchange_prepare": Baseline(lambda: dict(send_index=_t(0), send_counts=[1], recv_counts=[1],
                                               send_first=[-1], unpack_index=_t(0, 1).view(1, 2), comm=0,
                                               rank=0, n_src=1, out_lead=[1]), runs=False),
     "exchange_run": Baseline(lambda: dict(src=_x(1, 4), handle=1, out_lead=[1]), runs=False),
-    "shard_plan": Baseline(lambda: dict(cu_seqlens=_t(0, 5), cp_size=2, cp_rank=0, layout=1, align=1, bucket=None,
-                                        device=torch.device("cpu")), host_only=["cu_seqlens"]),
+    "shard_plan": Baseline(lambda: dict(cu_seqlens=_t(0, 5), cp_size=2, cp_rank=0, layout="contiguous", align=1,
+                                        bucket=None, device=torch.device("cpu")), host_only=["cu_seqlens"]),
     "shard_unshard_index": Baseline(lambda: dict(cu_seqlens=_t(0, 5), cu_seqlens_padded=_t(0, 6), cp_size=2,
-                                                 layout=1, total_local=3, device=torch.device("cpu")),
+                                                 layout="contiguous", total_local=3, device=torch.device("cpu")),
                                     host_only=["cu_seqlens", "cu_seqlens_padded"]),
     "static_shard_plan": Baseline(_static_plan),
     "shard_static_unshard_index": Baseline(lambda: dict(cu_seqlens=_t(0, 3, 5, dtype=I32),
                                                         cu_seqlens_padded=_t(0, 3, 5, 8, dtype=I32), cp_size=2,
-                                                        layout=1, capacity=8)),
+                                                        layout="contiguous", capacity=8)),
     "conv_static_prefix_tables": Baseline(_static_exchange),
-    "relayout_schedule": Baseline(lambda: dict(cu_seqlens=_t(0, 5, 9), cp_size=2, cp_rank=0, src_layout=0, src_align=4,
-                                               src_bucket=None, dst_layout=1, dst_align=4, dst_bucket=None),
+    "relayout_schedule": Baseline(lambda: dict(cu_seqlens=_t(0, 5, 9), cp_size=2, cp_rank=0, src_layout="zigzag",
+                                               src_align=4, src_bucket=None, dst_layout="contiguous", dst_align=4,
+                                               dst_bucket=None),
                                   host_only=["cu_seqlens"]),
     "relayout_static_tables": Baseline(lambda: dict(cu_seqlens_padded=_t(0, 4, 8, 8, dtype=I32), cp_size=2, cp_rank=0,
-                                                    src_layout=0, dst_layout=1, capacity=8)),
+                                                    src_layout="zigzag", dst_layout="contiguous", capacity=8)),
     "apply_rope": Baseline(lambda: _rope(rotary_dim=8, mrope_section=[]), host=["positions", "inv_freq"]),
     "apply_rope_": Baseline(lambda: _rope(rotary_dim=8, mrope_section=[]), host=["positions", "inv_freq"]),
     "apply_qk_norm_rope": Baseline(lambda: _qk(rotary_dim=8, mrope_section=[]), host=["positions", "inv_freq"]),

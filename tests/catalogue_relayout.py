@@ -19,8 +19,8 @@ def _relayout(x=None, **kw):
 
 
 def _schedule(**change):
-    args = dict(cu_seqlens=torch.tensor(CU), cp_size=2, cp_rank=0, src_layout=0, src_align=4, src_bucket=None,
-                dst_layout=1, dst_align=4, dst_bucket=None)
+    args = dict(cu_seqlens=torch.tensor(CU), cp_size=2, cp_rank=0, src_layout="zigzag", src_align=4,
+                src_bucket=None, dst_layout="contiguous", dst_align=4, dst_bucket=None)
     args.update(change)
     return call(ops.relayout_schedule, *args.values())
 
@@ -31,8 +31,8 @@ def _static_plan(layout="zigzag", capacity=32):
 
 
 def _tables(**change):
-    args = dict(cu_seqlens_padded=_static_plan().cu_seqlens_padded, cp_size=2, cp_rank=0, src_layout=0,
-                dst_layout=1, capacity=32)
+    args = dict(cu_seqlens_padded=_static_plan().cu_seqlens_padded, cp_size=2, cp_rank=0,
+                src_layout="zigzag", dst_layout="contiguous", capacity=32)
     args.update(change)
     return call(ops.relayout_static_tables, *args.values())
 
@@ -94,8 +94,12 @@ CASES = [
     Case(SCH, "cp_size_above_bound", lambda: _schedule(cp_size=70000, src_align=140000, dst_align=140000),
          arg="cp_size must be <= 65536"),
     Case(SCH, "cp_rank_out_of_range", lambda: _schedule(cp_rank=2), arg="cp_rank"),
-    Case(SCH, "src_layout_code", lambda: _schedule(src_layout=2), arg="layout"),
-    Case(SCH, "dst_layout_code", lambda: _schedule(dst_layout=-1), arg="layout"),
+    Case(SCH, "src_layout_unknown", lambda: _schedule(src_layout="zz"), arg="src_layout"),
+    Case(SCH, "dst_layout_unknown", lambda: _schedule(dst_layout="ring"), arg="dst_layout"),
+    # a layout is a name: torch's argument parser refuses any other type before the op runs (a RuntimeError naming
+    # packcuda::<op> and the argument)
+    Case(SCH, "src_layout_not_str", lambda: _schedule(src_layout=0), exc=RuntimeError, arg=("'src_layout'", "'str'")),
+    Case(SCH, "dst_layout_not_str", lambda: _schedule(dst_layout=1), exc=RuntimeError, arg=("'dst_layout'", "'str'")),
     Case(SCH, "zigzag_src_align", lambda: _schedule(src_align=3), arg="align"),
     Case(SCH, "dst_bucket_zero", lambda: _schedule(dst_bucket=0), arg="bucket"),
     Case(SCH, "padded_streams_differ", lambda: _schedule(dst_align=1), arg="one padded stream"),
@@ -107,8 +111,10 @@ CASES = [
          arg="cu_seqlens_padded"),
     Case(TAB, "cp_size_zero", lambda: _tables(cp_size=0), arg="cp_size"),
     Case(TAB, "cp_rank_out_of_range", lambda: _tables(cp_rank=2), arg="cp_rank"),
-    Case(TAB, "src_layout_code", lambda: _tables(src_layout=3), arg="layout"),
-    Case(TAB, "dst_layout_code", lambda: _tables(dst_layout=3), arg="layout"),
+    Case(TAB, "src_layout_unknown", lambda: _tables(src_layout="Contiguous"), arg="src_layout"),
+    Case(TAB, "dst_layout_unknown", lambda: _tables(dst_layout="zigzag "), arg="dst_layout"),
+    Case(TAB, "src_layout_not_str", lambda: _tables(src_layout=0), exc=RuntimeError, arg=("'src_layout'", "'str'")),
+    Case(TAB, "dst_layout_not_str", lambda: _tables(dst_layout=None), exc=RuntimeError, arg=("'dst_layout'", "'str'")),
     Case(TAB, "capacity_not_multiple", lambda: _tables(capacity=31), arg="capacity"),
     Case(TAB, "capacity_not_multiple_of_2cp", lambda: _tables(capacity=34, cp_size=2), arg="2*cp_size"),
     Case(TAB, "capacity_huge", lambda: _tables(capacity=2**63 - 1), arg="capacity"),

@@ -21,8 +21,8 @@ def _plan(cp=2, rank=0, **kw):
 
 
 def _unshard_index(**change):
-    plan = ops.shard_plan(_t(CU), 2, 0, 0, 4, None, None)
-    args = dict(cu_seqlens=_t(CU), cu_seqlens_padded=plan[3], cp_size=2, layout=0, total_local=int(plan[9][2]),
+    plan = ops.shard_plan(_t(CU), 2, 0, "zigzag", 4, None, None)
+    args = dict(cu_seqlens=_t(CU), cu_seqlens_padded=plan[3], cp_size=2, layout="zigzag", total_local=int(plan[9][2]),
                 device=None)
     args.update(change)
     return call(ops.shard_unshard_index, *args.values())
@@ -217,55 +217,67 @@ CASES = [
          lambda: call(hf.shard_position_ids, torch.zeros(3, 1, 9, dtype=torch.int64), None), exc=TypeError,
          arg="plan"),
     # ---- ops.shard_plan: the layout arguments ------------------------------------------------------------------
-    Case("ops.shard_plan", "cp_size_zero", lambda: call(ops.shard_plan, _t(CU), 0, 0, 1, 1, None, None),
+    Case("ops.shard_plan", "cp_size_zero", lambda: call(ops.shard_plan, _t(CU), 0, 0, "contiguous", 1, None, None),
          arg="cp_size"),
-    Case("ops.shard_plan", "cp_size_huge", lambda: call(ops.shard_plan, _t(CU), 2**62, 0, 1, 1, None, None),
+    Case("ops.shard_plan", "cp_size_huge", lambda: call(ops.shard_plan, _t(CU), 2**62, 0, "contiguous", 1, None, None),
          arg="cp_size"),
-    Case("ops.shard_plan", "cp_rank_out_of_range", lambda: call(ops.shard_plan, _t(CU), 2, 2, 0, 4, None, None),
+    Case("ops.shard_plan", "cp_rank_out_of_range", lambda: call(ops.shard_plan, _t(CU), 2, 2, "zigzag", 4, None, None),
          arg="cp_rank"),
-    Case("ops.shard_plan", "layout_code", lambda: call(ops.shard_plan, _t(CU), 2, 0, 2, 4, None, None), arg="layout"),
-    Case("ops.shard_plan", "align_huge", lambda: call(ops.shard_plan, _t(CU), 1, 0, 1, 2**62, None, None),
+    Case("ops.shard_plan", "layout_unknown", lambda: call(ops.shard_plan, _t(CU), 2, 0, "zz", 4, None, None),
+         arg="layout must be 'zigzag' or 'contiguous', got 'zz'"),
+    # a layout is a name: torch's argument parser refuses any other type before the op runs (a RuntimeError naming
+    # packcuda::<op> and the argument)
+    Case("ops.shard_plan", "layout_not_str", lambda: call(ops.shard_plan, _t(CU), 2, 0, 0, 4, None, None),
+         exc=RuntimeError, arg=("'layout'", "'str'")),
+    Case("ops.shard_plan", "align_huge", lambda: call(ops.shard_plan, _t(CU), 1, 0, "contiguous", 2**62, None, None),
          arg="align"),
-    Case("ops.shard_plan", "align_zero", lambda: call(ops.shard_plan, _t(CU), 1, 0, 1, 0, None, None), arg="align"),
-    Case("ops.shard_plan", "bucket_int64_max", lambda: call(ops.shard_plan, _t(CU), 1, 0, 1, 1, I64_MAX, None),
+    Case("ops.shard_plan", "align_zero",
+         lambda: call(ops.shard_plan, _t(CU), 1, 0, "contiguous", 0, None, None), arg="align"),
+    Case("ops.shard_plan", "bucket_int64_max",
+         lambda: call(ops.shard_plan, _t(CU), 1, 0, "contiguous", 1, I64_MAX, None),
          arg="bucket"),
-    Case("ops.shard_plan", "bucket_negative", lambda: call(ops.shard_plan, _t(CU), 1, 0, 1, 1, -3, None), arg="bucket"),
+    Case("ops.shard_plan", "bucket_negative",
+         lambda: call(ops.shard_plan, _t(CU), 1, 0, "contiguous", 1, -3, None), arg="bucket"),
     Case("ops.shard_plan", "padded_total_above_int32_aligned",
-         lambda: call(ops.shard_plan, _t([0, BIG - 1, BIG]), 1, 0, 1, 2, None, None), arg="padded stream"),
+         lambda: call(ops.shard_plan, _t([0, BIG - 1, BIG]), 1, 0, "contiguous", 2, None, None), arg="padded stream"),
     Case("ops.shard_plan", "padded_length_overflow",
-         lambda: call(ops.shard_plan, _t([0, I64_MAX]), 1, 0, 1, 2, None, None), arg="padded"),
-    Case("ops.shard_plan", "cu_float", lambda: call(ops.shard_plan, torch.tensor([0.0, 4.0]), 1, 0, 1, 1, None, None),
+         lambda: call(ops.shard_plan, _t([0, I64_MAX]), 1, 0, "contiguous", 2, None, None), arg="padded"),
+    Case("ops.shard_plan", "cu_float",
+         lambda: call(ops.shard_plan, torch.tensor([0.0, 4.0]), 1, 0, "contiguous", 1, None, None),
          arg="cu_seqlens"),
-    Case("ops.shard_plan", "cu_2d", lambda: call(ops.shard_plan, _t([[0, 4]]), 1, 0, 1, 1, None, None),
+    Case("ops.shard_plan", "cu_2d", lambda: call(ops.shard_plan, _t([[0, 4]]), 1, 0, "contiguous", 1, None, None),
          arg="cu_seqlens"),
-    Case("ops.shard_plan", "cu_decreasing", lambda: call(ops.shard_plan, _t([0, 5, 3]), 1, 0, 1, 1, None, None),
+    Case("ops.shard_plan", "cu_decreasing",
+         lambda: call(ops.shard_plan, _t([0, 5, 3]), 1, 0, "contiguous", 1, None, None),
          arg="cu_seqlens"),
-    Case("ops.shard_plan", "cu_empty", lambda: call(ops.shard_plan, _t([]), 1, 0, 1, 1, None, None),
+    Case("ops.shard_plan", "cu_empty", lambda: call(ops.shard_plan, _t([]), 1, 0, "contiguous", 1, None, None),
          arg="cu_seqlens"),
     # ---- ops.shard_plan --------------------------------------------------------------------------------------
     Case("ops.shard_plan", "device_meta",
-         lambda: call(ops.shard_plan, _t(CU), 2, 0, 0, 4, None, torch.device("meta")), arg="device"),
+         lambda: call(ops.shard_plan, _t(CU), 2, 0, "zigzag", 4, None, torch.device("meta")), arg="device"),
     Case("ops.shard_plan", "align_overflow_contiguous",
-         lambda: call(ops.shard_plan, _t([0, 1, 2, 3, 4]), 1, 0, 1, 2**62, None, None), arg="align"),
+         lambda: call(ops.shard_plan, _t([0, 1, 2, 3, 4]), 1, 0, "contiguous", 2**62, None, None), arg="align"),
     Case("ops.shard_plan", "cp_size_int64_max",
-         lambda: call(ops.shard_plan, _t([0, 1, 2, 3, 4]), I64_MAX, 0, 1, 1, None, None), arg="cp_size"),
+         lambda: call(ops.shard_plan, _t([0, 1, 2, 3, 4]), I64_MAX, 0, "contiguous", 1, None, None), arg="cp_size"),
     Case("ops.shard_plan", "padded_total_above_int32",
-         lambda: call(ops.shard_plan, _t([0, 5]), 3, 0, 1, 1, BIG - 1, None), arg="padded stream"),
-    Case("ops.shard_plan", "cu_int16", lambda: call(ops.shard_plan, _t(CU, torch.int16), 2, 0, 0, 4, None, None),
+         lambda: call(ops.shard_plan, _t([0, 5]), 3, 0, "contiguous", 1, BIG - 1, None), arg="padded stream"),
+    Case("ops.shard_plan", "cu_int16", lambda: call(ops.shard_plan, _t(CU, torch.int16), 2, 0, "zigzag", 4, None, None),
          arg="cu_seqlens"),
-    Case("ops.shard_plan", "cu_not_from_zero", lambda: call(ops.shard_plan, _t([2, 5]), 2, 0, 0, 4, None, None),
+    Case("ops.shard_plan", "cu_not_from_zero", lambda: call(ops.shard_plan, _t([2, 5]), 2, 0, "zigzag", 4, None, None),
          arg="cu_seqlens"),
     Case("ops.shard_plan", "cu_device_tensor", cuda=True, arg="cu_seqlens",
-         make=lambda: call(ops.shard_plan, torch.tensor(CU, device="cuda"), 2, 0, 0, 4, None, None)),
+         make=lambda: call(ops.shard_plan, torch.tensor(CU, device="cuda"), 2, 0, "zigzag", 4, None, None)),
     # ---- ops.shard_unshard_index -----------------------------------------------------------------------------
     Case("ops.shard_unshard_index", "concat_overflow", arg="total_local",
          make=lambda: _unshard_index(cu_seqlens=_t([0, 4]), cu_seqlens_padded=_t([0, 2**62]), cp_size=2**30,
-                                     layout=1, total_local=2**31 - 1)),
+                                     layout="contiguous", total_local=2**31 - 1)),
     Case("ops.shard_unshard_index", "cp_size_huge", arg="cp_size",
          make=lambda: _unshard_index(cu_seqlens=_t([0, 4]), cu_seqlens_padded=_t([0, 2**62]), cp_size=2**62,
-                                     layout=1, total_local=2)),
+                                     layout="contiguous", total_local=2)),
     Case("ops.shard_unshard_index", "cp_size_zero", lambda: _unshard_index(cp_size=0), arg="cp_size"),
-    Case("ops.shard_unshard_index", "layout_code", lambda: _unshard_index(layout=5), arg="layout"),
+    Case("ops.shard_unshard_index", "layout_unknown", lambda: _unshard_index(layout="Zigzag"), arg="layout"),
+    Case("ops.shard_unshard_index", "layout_not_str", lambda: _unshard_index(layout=0), exc=RuntimeError,
+         arg=("'layout'", "'str'")),
     Case("ops.shard_unshard_index", "total_local_negative", lambda: _unshard_index(total_local=-2), arg="total_local"),
     Case("ops.shard_unshard_index", "total_local_mismatch", lambda: _unshard_index(total_local=5),
          arg="cu_seqlens_padded"),
@@ -299,7 +311,7 @@ def _static_plan(**kw):
 
 
 def _static_op(**change):
-    args = dict(cu_seqlens=_t(SCU), num_seqs=None, num_seqs_host=3, cp_size=2, cp_rank=0, layout=0, align=4,
+    args = dict(cu_seqlens=_t(SCU), num_seqs=None, num_seqs_host=3, cp_size=2, cp_rank=0, layout="zigzag", align=4,
                 capacity=32, max_seqs=4)
     args.update(change)
     return call(ops.static_shard_plan, *args.values())
@@ -307,7 +319,8 @@ def _static_op(**change):
 
 def _static_unshard(**change):
     p = _static_plan()
-    args = dict(cu_seqlens=p.cu_seqlens, cu_seqlens_padded=p.cu_seqlens_padded, cp_size=2, layout=0, capacity=32)
+    args = dict(cu_seqlens=p.cu_seqlens, cu_seqlens_padded=p.cu_seqlens_padded, cp_size=2, layout="zigzag",
+                capacity=32)
     args.update(change)
     return call(ops.shard_static_unshard_index, *args.values())
 
@@ -395,20 +408,25 @@ STATIC_CASES = [
     Case("ops.static_shard_plan", "cp_size_zero", lambda: _static_op(cp_size=0), arg="cp_size"),
     Case("ops.static_shard_plan", "cp_size_huge", lambda: _static_op(cp_size=2**62), arg="cp_size"),
     Case("ops.static_shard_plan", "cp_rank_negative", lambda: _static_op(cp_rank=-1), arg="cp_rank"),
-    Case("ops.static_shard_plan", "layout_code", lambda: _static_op(layout=3), arg="layout"),
-    Case("ops.static_shard_plan", "align_zero", lambda: _static_op(layout=1, align=0), arg="align"),
-    Case("ops.static_shard_plan", "align_huge", lambda: _static_op(layout=1, align=2**62), arg="align"),
+    Case("ops.static_shard_plan", "layout_unknown", lambda: _static_op(layout="ring"), arg="layout"),
+    Case("ops.static_shard_plan", "layout_not_str", lambda: _static_op(layout=1), exc=RuntimeError,
+         arg=("'layout'", "'str'")),
+    Case("ops.static_shard_plan", "align_zero", lambda: _static_op(layout="contiguous", align=0), arg="align"),
+    Case("ops.static_shard_plan", "align_huge", lambda: _static_op(layout="contiguous", align=2**62), arg="align"),
     Case("ops.static_shard_plan", "zigzag_align", lambda: _static_op(align=6), arg="align"),
     Case("ops.static_shard_plan", "capacity_negative", lambda: _static_op(capacity=-32), arg="capacity"),
     Case("ops.static_shard_plan", "capacity_int64_max", lambda: _static_op(capacity=I64_MAX), arg="capacity"),
     Case("ops.static_shard_plan", "capacity_zigzag_multiple", lambda: _static_op(capacity=36 + 2), arg="capacity"),
-    Case("ops.static_shard_plan", "capacity_contiguous_multiple", lambda: _static_op(layout=1, align=1, capacity=31),
+    Case("ops.static_shard_plan", "capacity_contiguous_multiple",
+         lambda: _static_op(layout="contiguous", align=1, capacity=31),
          arg="capacity"),
     Case("ops.static_shard_plan", "max_seqs_negative", lambda: _static_op(max_seqs=-1), arg="max_seqs"),
     Case("ops.static_shard_plan", "max_seqs_int64_max", lambda: _static_op(max_seqs=I64_MAX), arg="max_seqs"),
     # ---- ops.shard_static_unshard_index ---------------------------------------------------------------------------
     Case("ops.shard_static_unshard_index", "cp_size_zero", lambda: _static_unshard(cp_size=0), arg="cp_size"),
-    Case("ops.shard_static_unshard_index", "layout_code", lambda: _static_unshard(layout=2), arg="layout"),
+    Case("ops.shard_static_unshard_index", "layout_unknown", lambda: _static_unshard(layout=""), arg="layout"),
+    Case("ops.shard_static_unshard_index", "layout_not_str", lambda: _static_unshard(layout=None), exc=RuntimeError,
+         arg=("'layout'", "'str'")),
     Case("ops.shard_static_unshard_index", "capacity_zero", lambda: _static_unshard(capacity=0), arg="capacity"),
     Case("ops.shard_static_unshard_index", "capacity_not_multiple", lambda: _static_unshard(capacity=33),
          arg="capacity"),

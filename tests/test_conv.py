@@ -698,9 +698,9 @@ def test_bad_conv_prefix_arguments(tmp_path):
     finally:
         dist.destroy_process_group()
     with pytest.raises(ValueError, match="zigzag align must be a multiple of 2\\*cp_size=4, got 3"):
-        torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 0, 0, 3, None, 4)
+        torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 0, "zigzag", 3, None, 4)
     with pytest.raises(ValueError, match=r"cp_rank must be in \[0, cp_size=2\), got 2"):
-        torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 2, 0, 4, None, 4)
+        torch.ops.packcuda.conv_prefix_schedule(torch.tensor([0, 5]), 2, 2, "zigzag", 4, None, 4)
 
 
 def test_bad_prepared_exchange():

@@ -104,7 +104,7 @@ def test_bad_pairs_refused():
     with pytest.raises(ValueError, match=r"x_local must be \[src_plan.total_local, ...\]"):
         packcuda.relayout(x[1:], zz, ct)
     with pytest.raises(ValueError, match="do not index one padded stream"):
-        ops.relayout_schedule(torch.tensor([0, 5, 12]), 2, 0, 0, 4, None, 1, 1, None)
+        ops.relayout_schedule(torch.tensor([0, 5, 12]), 2, 0, "zigzag", 4, None, "contiguous", 1, None)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ def test_plan_fields_are_named_by_the_op():
     assert shard._STATUS_FLAGS == {"over_capacity": 1, "too_many_seqs": 2, "bad_cu": 4}
     cu = [0, 5, 5, 13, 16]
     plan = packcuda.shard_plan(cu, 2, 1, bucket=32)
-    info = ops.shard_plan(torch.tensor(cu), 2, 1, 0, 4, 32, None)[9].tolist()
+    info = ops.shard_plan(torch.tensor(cu), 2, 1, "zigzag", 4, 32, None)[9].tolist()
     assert len(info) == shard._N_INFO
     assert [getattr(plan, n) for n in shard._INFO_NAMES] == info[:len(shard._INFO_NAMES)]
     for name in shard._SECTIONS:
@@ -201,10 +201,10 @@ def test_plan_fields_are_named_by_the_op():
 
 def test_opcheck(device):
     cu = torch.tensor(_cu([5, 0, 8, 3]))
-    plan = ops.shard_plan(cu, 2, 1, 0, 4, 16, None)
+    plan = ops.shard_plan(cu, 2, 1, "zigzag", 4, 16, None)
     dev = torch.device(device)
     total_local = int(plan[9][2])
-    torch.library.opcheck(ops.shard_unshard_index, (cu, plan[3], 2, 0, total_local, dev),
+    torch.library.opcheck(ops.shard_unshard_index, (cu, plan[3], 2, "zigzag", total_local, dev),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
@@ -288,18 +288,18 @@ def test_bad_tensors(device):
 @pytest.mark.gpu
 def test_op_rejects_device_metadata():
     with pytest.raises(ValueError, match="must be host metadata"):
-        ops.shard_plan(torch.tensor([0, 5], device="cuda"), 2, 0, 0, 4, None, None)
+        ops.shard_plan(torch.tensor([0, 5], device="cuda"), 2, 0, "zigzag", 4, None, None)
 
 
 def test_bad_op_metadata():
     cu = torch.tensor([0, 5, 13])
-    cu_padded = ops.shard_plan(cu, 2, 0, 0, 4, None, None)[3]
+    cu_padded = ops.shard_plan(cu, 2, 0, "zigzag", 4, None, None)[3]
     with pytest.raises(ValueError, match="does not match the number of tokens"):
-        ops.shard_unshard_index(cu, cu_padded, 2, 0, 5, None)
+        ops.shard_unshard_index(cu, cu_padded, 2, "zigzag", 5, None)
     with pytest.raises(ValueError, match="padded segment 0 has 4 rows, fewer than its 5 tokens"):
-        ops.shard_unshard_index(cu, torch.tensor([0, 4, 16]), 2, 0, 8, None)
+        ops.shard_unshard_index(cu, torch.tensor([0, 4, 16]), 2, "zigzag", 8, None)
     with pytest.raises(ValueError, match="not a multiple of 2\\*cp_size=4"):
-        ops.shard_unshard_index(cu, torch.tensor([0, 6, 16]), 2, 0, 8, None)
+        ops.shard_unshard_index(cu, torch.tensor([0, 6, 16]), 2, "zigzag", 8, None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -370,10 +370,11 @@ def test_no_sync(layout):
 def test_shard_plan_op(device):
     cu = torch.tensor(_cu([5, 0, 8, 3]))
     dev = torch.device(device)
-    for args in [(cu, 2, 1, 0, 4, 16, dev), (cu, 3, 2, 1, 1, 5, dev), (cu.to(torch.int32), 1, 0, 0, 2, None, dev)]:
+    for args in [(cu, 2, 1, "zigzag", 4, 16, dev), (cu, 3, 2, "contiguous", 1, 5, dev),
+                 (cu.to(torch.int32), 1, 0, "zigzag", 2, None, dev)]:
         torch.library.opcheck(ops.shard_plan, args,
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    out = ops.shard_plan(cu, 2, 1, 0, 4, 16, dev)
+    out = ops.shard_plan(cu, 2, 1, "zigzag", 4, 16, dev)
     assert [t.device.type for t in out] == [device] * 8 + ["cpu", "cpu"]
     assert [t.dtype for t in out[:8]] == [torch.int64] * 3 + [torch.int32] * 3 + [torch.int64, torch.int32]
     # every output owns its memory (no output is a view of another)
@@ -436,7 +437,7 @@ def test_shard_dim1_backward_deterministic(device):
 @pytest.mark.gpu
 def test_op_rejects_device_metadata_in_one_call():
     with pytest.raises(ValueError, match="must be host metadata"):
-        ops.shard_plan(torch.tensor([0, 5], device="cuda"), 2, 0, 0, 4, None, torch.device("cuda"))
+        ops.shard_plan(torch.tensor([0, 5], device="cuda"), 2, 0, "zigzag", 4, None, torch.device("cuda"))
 
 
 @requires_cuda
@@ -648,14 +649,14 @@ def test_raw_ops_match_reference(lens, cp, layout, align_mult, bucket_mult, rank
     name = "zigzag" if layout == 0 else "contiguous"
     want = ref.shard_layout(cu, cp, rank, name, align, bucket)
     cu_t = torch.tensor(cu)
-    index, position, label, cu_padded, cu_local, *_, info = ops.shard_plan(cu_t, cp, rank, layout, align, bucket,
+    index, position, label, cu_padded, cu_local, *_, info = ops.shard_plan(cu_t, cp, rank, name, align, bucket,
                                                                             None)
     assert cu_padded.tolist() == want["cu_padded"] and cu_local.tolist() == want["cu_local"]
     tl = int(info[2])
     assert tl == want["total_local"] and int(info[3]) == want["pad_size"]
     assert index.tolist() == want["index"] and position.tolist() == want["position"]
     assert label.tolist() == want["label_index"]
-    un = ops.shard_unshard_index(cu_t, cu_padded, cp, layout, tl, None)
+    un = ops.shard_unshard_index(cu_t, cu_padded, cp, name, tl, None)
     # row of token t in the rank-major concatenation: slot of t in its rank's reference index
     where = {}
     for r in range(cp):

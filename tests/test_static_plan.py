@@ -609,10 +609,10 @@ def test_opcheck(device):
     from torch.library import opcheck
 
     cu = _static_cu([3, 0, 9], 5, torch.int32, device=device)
-    for layout, align in ((0, 4), (1, 1)):
+    for layout, align in (("zigzag", 4), ("contiguous", 1)):
         for n in (None, torch.tensor(3, device=device)):
             opcheck(ops.static_shard_plan.default, (cu, n, 3, 2, 1, layout, align, 32, 5))
-        s = _build([3, 0, 9], 5, 2, 1, ("zigzag", "contiguous")[layout], align, 32, device)
+        s = _build([3, 0, 9], 5, 2, 1, layout, align, 32, device)
         opcheck(ops.shard_static_unshard_index.default, (s.cu_seqlens, s.cu_seqlens_padded, 2, layout, 32))
         opcheck(ops.conv_static_prefix_tables.default,
                 (s.pieces, s.piece_offset, s.piece_seq, s.cu_seqlens_padded, 2, 1, layout, 32, 3))

@@ -168,7 +168,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor dy, Tensor x
 // shard::build_layout, so a bad value gets shard_plan's message), then a bound on cp_size (the schedule keeps
 // lists for every peer). Returns the validated host cu_seqlens.
 std::vector<int64_t> checked_schedule_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size,
-                                             int64_t cp_rank, int64_t layout, int64_t align,
+                                             int64_t cp_rank, Layout layout, int64_t align,
                                              std::optional<int64_t> bucket) {
   check_given(op, "cu_seqlens", cu_seqlens);
   std::vector<int64_t> cu = checked_layout_args(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket);
@@ -179,14 +179,15 @@ std::vector<int64_t> checked_schedule_layout(const char* op, const Tensor& cu_se
 // Host schedule of the conv-prefix exchange for rank cp_rank of a shard plan (parameters as shard_plan): the
 // conv prefix's moves (conv::prefix_moves) through the row exchange (exchange::build_schedule); output slot
 // piece * (K-1) + j is prefix row j of local piece `piece`. The outputs of schedule_tensors.
-std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout,
+std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, std::string layout_str,
                                          int64_t align, std::optional<int64_t> bucket, int64_t kernel_size) {
   const char* op = "conv_prefix_schedule";
+  const Layout layout = parse_layout(op, "layout", layout_str);
   PC_ARG(kernel_size >= 1 && kernel_size <= conv::kMaxK, op, "kernel_size must be in [1, ", conv::kMaxK, "], got ",
          kernel_size);
   const std::vector<int64_t> cu = checked_schedule_layout(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket);
   const int64_t nseq = static_cast<int64_t>(cu.size()) - 1;
-  conv::PrefixMoves pm = conv::prefix_moves(cu.data(), nseq, cp_size, cp_rank, static_cast<int>(layout), align,
+  conv::PrefixMoves pm = conv::prefix_moves(cu.data(), nseq, cp_size, cp_rank, layout_code(layout), align,
                                             bucket.value_or(1), static_cast<int>(kernel_size));
   return schedule_tensors(exchange::build_schedule(op, cp_size, cp_rank, pm.n_local, pm.n_pieces * (kernel_size - 1),
                                                    std::move(pm.moves)));
@@ -201,13 +202,14 @@ std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int
 // from the plan's own pieces / piece_offset / piece_seq and the global cu_seqlens_padded; one launch, no sync.
 std::tuple<Tensor, Tensor, Tensor> conv_static_prefix_tables(Tensor pieces, Tensor piece_offset, Tensor piece_seq,
                                                              Tensor cu_seqlens_padded, int64_t cp_size,
-                                                             int64_t cp_rank, int64_t layout, int64_t capacity,
-                                                             int64_t kernel_size) {
+                                                             int64_t cp_rank, std::string layout_str,
+                                                             int64_t capacity, int64_t kernel_size) {
   const char* op = "conv_static_prefix_tables";
+  const Layout layout = parse_layout(op, "layout", layout_str);
   PC_ARG(kernel_size >= 2 && kernel_size <= conv::kMaxK, op, "kernel_size must be in [2, ", conv::kMaxK,
          "] (K = 1 has no prefix), got ", kernel_size);
   check_given(op, "cu_seqlens_padded", cu_seqlens_padded);
-  const int64_t max_seqs = checked_static_layout(op, cu_seqlens_padded, cp_size, cp_rank, layout, capacity);
+  const int64_t max_seqs = checked_static_layout(op, cu_seqlens_padded, cp_size, cp_rank, capacity);
   const int64_t np = checked_static_pieces(op, pieces, piece_offset, piece_seq, cu_seqlens_padded, layout, max_seqs);
   const int64_t k1 = kernel_size - 1, total_local = capacity / cp_size;
   // cp_size * S * k1 rows: the worst case, checked (cp_size and S are each below 2**31)
@@ -228,7 +230,7 @@ std::tuple<Tensor, Tensor, Tensor> conv_static_prefix_tables(Tensor pieces, Tens
   p.total_local = total_local;
   p.k1 = k1;
   p.npieces = np;
-  p.layout = static_cast<int>(layout);
+  p.layout = layout_code(layout);
   exchange::StaticTables t;
   t.send = send.mutable_data_ptr<int64_t>();
   t.n_send = n_send;
@@ -248,10 +250,10 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
         "str? activation=None) -> Tensor");
   m.def("causal_conv1d_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, "
         "Tensor? prefix, str? activation=None) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("conv_prefix_schedule(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket, "
+  m.def("conv_prefix_schedule(Tensor cu_seqlens, int cp_size, int cp_rank, str layout, int align, int? bucket, "
         "int kernel_size) -> Tensor[]");
   m.def("conv_static_prefix_tables(Tensor pieces, Tensor piece_offset, Tensor piece_seq, Tensor cu_seqlens_padded, "
-        "int cp_size, int cp_rank, int layout, int capacity, int kernel_size) -> (Tensor, Tensor, Tensor)");
+        "int cp_size, int cp_rank, str layout, int capacity, int kernel_size) -> (Tensor, Tensor, Tensor)");
 }
 
 #define PC_CONV_IMPLS(m)                                                    \

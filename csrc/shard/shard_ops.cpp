@@ -16,18 +16,12 @@ namespace packcuda::th {
 namespace {
 
 using torch::stable::Device;
-using shard::kContiguous;
-using shard::kZigzag;
-
-const char* layout_name(int64_t layout) { return layout == kZigzag ? "zigzag" : "contiguous"; }
 
 constexpr int64_t kMax = shard::kMaxPaddedTotal;
 
-void check_layout_args(const char* op, int64_t cp_size, int64_t layout) {
+void check_cp_size(const char* op, int64_t cp_size) {
   PC_ARG(cp_size >= 1, op, "cp_size must be >= 1, got ", cp_size);
   PC_ARG(cp_size <= kMax, op, "cp_size must be <= ", kMax, " (the plan's boundaries are int32), got ", cp_size);
-  PC_ARG(layout == kZigzag || layout == kContiguous, op, "layout must be 0 (zigzag) or 1 (contiguous), got ",
-         layout);
 }
 
 // total_local (rows of one rank's local buffer): in [0, kMaxPaddedTotal].
@@ -37,9 +31,15 @@ void check_total_local(const char* op, int64_t total_local) {
 
 }  // namespace
 
+Layout parse_layout(const char* op, const char* name, const std::string& value) {
+  PC_ARG(value == "zigzag" || value == "contiguous", op, name, " must be 'zigzag' or 'contiguous', got '", value,
+         "'");
+  return value == "zigzag" ? Layout::Zigzag : Layout::Contiguous;
+}
+
 std::vector<int64_t> checked_layout_args(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank,
-                                         int64_t layout, int64_t align, std::optional<int64_t> bucket_opt) {
-  check_layout_args(op, cp_size, layout);
+                                         Layout layout, int64_t align, std::optional<int64_t> bucket_opt) {
+  check_cp_size(op, cp_size);
   PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
   PC_ARG(align >= 1, op, "align must be >= 1, got ", align);
   PC_ARG(align <= kMax, op, "align must be <= ", kMax, " (the plan's boundaries are int32), got ", align);
@@ -47,7 +47,7 @@ std::vector<int64_t> checked_layout_args(const char* op, const Tensor& cu_seqlen
   PC_ARG(!bucket_opt || *bucket_opt <= kMax, op, "bucket must be <= ", kMax, " (the plan's boundaries are int32), got ",
          bucket_opt.value_or(0));
   const int64_t bucket = bucket_opt.value_or(0);
-  if (layout == kZigzag) {
+  if (layout == Layout::Zigzag) {
     // 2 * cp_size <= 2 * kMax: no overflow
     PC_ARG(align % (2 * cp_size) == 0, op, "zigzag align must be a multiple of 2*cp_size=", 2 * cp_size, ", got ",
            align);
@@ -63,7 +63,7 @@ std::vector<int64_t> checked_layout_args(const char* op, const Tensor& cu_seqlen
   // Padded sizes stay within int32 (the plan's boundary tensors are int32, as attention kernels expect): every
   // size of the layout is at most its padded total, computed here with checked arithmetic.
   const int64_t unit = bucket > 0 ? bucket : 1;
-  shard::checked_padded_total(op, cu.data(), nseq, cp_size, static_cast<int>(layout), align, unit);
+  shard::checked_padded_total(op, cu.data(), nseq, cp_size, layout_code(layout), align, unit);
   return cu;
 }
 
@@ -77,11 +77,11 @@ struct CheckedLayout {
 };
 
 CheckedLayout checked_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank,
-                             int64_t layout, int64_t align, std::optional<int64_t> bucket_opt) {
+                             Layout layout, int64_t align, std::optional<int64_t> bucket_opt) {
   CheckedLayout out;
   out.cu = checked_layout_args(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket_opt);
   const int64_t nseq = static_cast<int64_t>(out.cu.size()) - 1;
-  out.h = shard::build_layout(out.cu.data(), nseq, cp_size, cp_rank, static_cast<int>(layout), align,
+  out.h = shard::build_layout(out.cu.data(), nseq, cp_size, cp_rank, layout_code(layout), align,
                               bucket_opt.value_or(1));
   return out;
 }
@@ -152,9 +152,10 @@ std::string shard_plan_fields() {
 // Every output is its own tensor (none aliases another). No device sync.
 using PlanOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
+PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, std::string layout_str, int64_t align,
                        std::optional<int64_t> bucket_opt, std::optional<Device> device) {
   const char* op = "shard_plan";
+  const Layout layout = parse_layout(op, "layout", layout_str);
   const Device target = target_device(op, cu_seqlens, device);
   const CheckedLayout c = checked_layout(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket_opt);
   const shard::HostLayout& h = c.h;
@@ -230,10 +231,11 @@ PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, int6
   return {index, position, label, cu_padded, cu_local, pieces, piece_offset, piece_seq, host_meta, info};
 }
 
-Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t cp_size, int64_t layout,
+Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t cp_size, std::string layout_str,
                            int64_t total_local, std::optional<Device> device) {
   const char* op = "shard_unshard_index";
-  check_layout_args(op, cp_size, layout);
+  const Layout layout = parse_layout(op, "layout", layout_str);
+  check_cp_size(op, cp_size);
   check_total_local(op, total_local);
   // rows of the rank-major concatenation of all local buffers (the plan's padded total)
   const int64_t concat = checked::mul(op, "cp_size * total_local", cp_size, total_local);
@@ -253,7 +255,7 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
     const int64_t p = cp.host[i + 1] - cp.host[i];
     const int64_t len = i < nseq ? cu.host[i + 1] - cu.host[i] : 0;
     PC_ARG(p >= len, op, "padded segment ", i, " has ", p, " rows, fewer than its ", len, " tokens");
-    if (layout == kZigzag)
+    if (layout == Layout::Zigzag)
       PC_ARG(p % (2 * cp_size) == 0, op, "zigzag padded segment ", i, " has ", p,
              " rows, not a multiple of 2*cp_size=", 2 * cp_size);
   }
@@ -262,10 +264,10 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
   if (total == 0) return out;
   run_kernel(out, [&] {
     shard::unshard_index_cpu(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
-                             static_cast<int>(layout), total_local);
+                             layout_code(layout), total_local);
   }, [&](auto stream) {
     shard::unshard_index_cuda(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
-                              static_cast<int>(layout), total_local, stream);
+                              layout_code(layout), total_local, stream);
   });
   return out;
 }
@@ -288,14 +290,14 @@ void check_static_table(const char* op, const char* name, const Tensor& t, std::
 
 // cp_size, cp_rank, layout, align and capacity of a static plan (the rules of shard_plan with bucket = capacity:
 // zigzag: align % (2*cp_size) == 0, capacity % align == 0; contiguous: capacity % cp_size == 0).
-void check_static_args(const char* op, int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align,
+void check_static_args(const char* op, int64_t cp_size, int64_t cp_rank, Layout layout, int64_t align,
                        int64_t capacity) {
-  check_layout_args(op, cp_size, layout);
+  check_cp_size(op, cp_size);
   PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
   PC_ARG(align >= 1 && align <= kMax, op, "align must be in [1, ", kMax, "], got ", align);
   PC_ARG(capacity >= 1 && capacity <= kMax, op, "capacity must be in [1, ", kMax,
          "] (the plan's boundaries are int32), got ", capacity);
-  if (layout == kZigzag) {
+  if (layout == Layout::Zigzag) {
     PC_ARG(align % (2 * cp_size) == 0, op, "zigzag align must be a multiple of 2*cp_size=", 2 * cp_size, ", got ",
            align);
     PC_ARG(capacity % align == 0, op, "zigzag capacity must be a multiple of align=", align, ", got ", capacity);
@@ -330,9 +332,10 @@ shard::IntView int_view(const Tensor& t) {
 using StaticOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 StaticOutputs static_shard_plan(Tensor cu_seqlens, std::optional<Tensor> num_seqs, int64_t num_seqs_host,
-                                int64_t cp_size, int64_t cp_rank, int64_t layout, int64_t align, int64_t capacity,
-                                int64_t max_seqs) {
+                                int64_t cp_size, int64_t cp_rank, std::string layout_str, int64_t align,
+                                int64_t capacity, int64_t max_seqs) {
   const char* op = "static_shard_plan";
+  const Layout layout = parse_layout(op, "layout", layout_str);
   check_static_args(op, cp_size, cp_rank, layout, align, capacity);
   check_max_seqs(op, max_seqs);
   check_static_table(op, "cu_seqlens", cu_seqlens, {ST::Int, ST::Long}, max_seqs + 1, "max_seqs + 1", cu_seqlens,
@@ -349,7 +352,7 @@ StaticOutputs static_shard_plan(Tensor cu_seqlens, std::optional<Tensor> num_seq
   const Tensor cu = dense(cu_seqlens);
   const Device dev = cu.device();
   const int64_t nseg = shard::static_segments(max_seqs);
-  const int64_t np = shard::static_pieces(static_cast<int>(layout), max_seqs);
+  const int64_t np = shard::static_pieces(layout_code(layout), max_seqs);
   shard::StaticBuild b;
   b.cu = int_view(cu);
   if (num_seqs) b.num_seqs = int_view(*num_seqs);  // 0-dim: contiguous
@@ -361,7 +364,7 @@ StaticOutputs static_shard_plan(Tensor cu_seqlens, std::optional<Tensor> num_seq
   b.capacity = capacity;
   b.total_local = capacity / cp_size;
   b.npieces = np;
-  b.layout = static_cast<int>(layout);
+  b.layout = layout_code(layout);
 
   Tensor index = new_tensor({b.total_local}, ST::Long, dev);
   Tensor position = new_tensor({b.total_local}, ST::Long, dev);
@@ -396,10 +399,11 @@ StaticOutputs static_shard_plan(Tensor cu_seqlens, std::optional<Tensor> num_seq
 
 // Row of each original token t < capacity in the rank-major concatenation of all local buffers of a static
 // plan (-1 past the real tokens), from the plan's cu_seqlens [max_seqs+1] and cu_seqlens_padded [max_seqs+2].
-Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t cp_size, int64_t layout,
-                                  int64_t capacity) {
+Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t cp_size,
+                                  std::string layout_str, int64_t capacity) {
   const char* op = "shard_static_unshard_index";
-  check_layout_args(op, cp_size, layout);
+  const Layout layout = parse_layout(op, "layout", layout_str);
+  check_cp_size(op, cp_size);
   PC_ARG(capacity >= 1 && capacity <= kMax, op, "capacity must be in [1, ", kMax, "], got ", capacity);
   PC_ARG(capacity % cp_size == 0, op, "capacity must be a multiple of cp_size=", cp_size, ", got ", capacity);
   check_dim(op, "cu_seqlens", cu_seqlens, 1);
@@ -415,11 +419,11 @@ Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, i
   const int64_t total_local = capacity / cp_size;
   run_kernel(out, [&] {
     shard::static_unshard_index_cpu(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
-                                    max_seqs, cp.const_data_ptr<int32_t>(), cp_size, static_cast<int>(layout),
+                                    max_seqs, cp.const_data_ptr<int32_t>(), cp_size, layout_code(layout),
                                     total_local);
   }, [&](auto stream) {
     shard::static_unshard_index_cuda(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
-                                     max_seqs, cp.const_data_ptr<int32_t>(), cp_size, static_cast<int>(layout),
+                                     max_seqs, cp.const_data_ptr<int32_t>(), cp_size, layout_code(layout),
                                      total_local, stream);
   });
   return out;
@@ -428,8 +432,8 @@ Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, i
 }  // namespace
 
 int64_t checked_static_layout(const char* op, const Tensor& cu_seqlens_padded, int64_t cp_size, int64_t cp_rank,
-                              int64_t layout, int64_t capacity) {
-  check_layout_args(op, cp_size, layout);
+                              int64_t capacity) {
+  check_cp_size(op, cp_size);
   PC_ARG(cp_rank >= 0 && cp_rank < cp_size, op, "cp_rank must be in [0, cp_size=", cp_size, "), got ", cp_rank);
   PC_ARG(capacity >= 1 && capacity <= kMax, op, "capacity must be in [1, ", kMax, "], got ", capacity);
   PC_ARG(capacity % cp_size == 0, op, "capacity must be a multiple of cp_size=", cp_size, ", got ", capacity);
@@ -444,9 +448,9 @@ int64_t checked_static_layout(const char* op, const Tensor& cu_seqlens_padded, i
 }
 
 int64_t checked_static_pieces(const char* op, const Tensor& pieces, const Tensor& piece_offset,
-                              const Tensor& piece_seq, const Tensor& cu_seqlens_padded, int64_t layout,
+                              const Tensor& piece_seq, const Tensor& cu_seqlens_padded, Layout layout,
                               int64_t max_seqs) {
-  const int64_t np = shard::static_pieces(static_cast<int>(layout), max_seqs);
+  const int64_t np = shard::static_pieces(layout_code(layout), max_seqs);
   check_static_table(op, "pieces", pieces, {ST::Int}, np + 1, "the plan's piece count + 1", cu_seqlens_padded,
                      "cu_seqlens_padded");
   check_static_table(op, "piece_offset", piece_offset, {ST::Long}, np, "the plan's piece count", cu_seqlens_padded,
@@ -460,18 +464,18 @@ int64_t checked_static_pieces(const char* op, const Tensor& pieces, const Tensor
 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def(
-      "shard_plan(Tensor cu_seqlens, int cp_size, int cp_rank, int layout, int align, int? bucket=None, "
+      "shard_plan(Tensor cu_seqlens, int cp_size, int cp_rank, str layout, int align, int? bucket=None, "
       "Device? device=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("shard_plan_fields() -> str");
   m.def(
-      "shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, int layout, int total_local, "
+      "shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, str layout, int total_local, "
       "Device? device=None) -> Tensor");
   m.def(
       "static_shard_plan(Tensor cu_seqlens, Tensor? num_seqs, int num_seqs_host, int cp_size, int cp_rank, "
-      "int layout, int align, int capacity, int max_seqs) "
+      "str layout, int align, int capacity, int max_seqs) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, int layout, "
+      "shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int cp_size, str layout, "
       "int capacity) -> Tensor");
 }
 
