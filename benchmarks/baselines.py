@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-
 # ------------------------------------------------------------------------------------------ balance
 # Plain Python multi-way Karmarkar-Karp (largest differencing). A state is a list of exactly k subsets
 # (sum, items in the order they joined), ordered by (sum, item count, first item), the larger first (empty

@@ -23,7 +23,7 @@ import torch
 
 import packcuda
 from benchmarks.baselines import hf_packed_position_ids
-from benchmarks.harness import cli, Timer, record
+from benchmarks.harness import Timer, cli
 
 
 def _config(tiny: bool):

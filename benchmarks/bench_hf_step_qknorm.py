@@ -13,7 +13,6 @@ driving the positions; the vision tower is not run).
 """
 from __future__ import annotations
 
-
 import torch
 
 import packcuda

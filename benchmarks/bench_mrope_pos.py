@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 import packcuda
-from benchmarks.harness import cli, Timer, record
+from benchmarks.harness import Timer, cli
 
 IMG, VID, VSTART, VEND = 151655, 151656, 151652, 151653
 MERGE, TPS = 2, 2

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import packcuda
-from benchmarks.harness import cli, Timer, record
+from benchmarks.harness import Timer, cli
 
 
 def _nonzero_unpad(x, mask):

@@ -27,9 +27,8 @@ import time
 
 import torch
 
-from benchmarks.harness import Timer, copy_floor_ms, graph_copy_floor_ms, graph_ms, record
-
 import packcuda
+from benchmarks.harness import Timer, copy_floor_ms, graph_copy_floor_ms, graph_ms, record
 
 HIDDEN = (4096, 2048)
 TOKENS = 32768

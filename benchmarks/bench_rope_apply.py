@@ -10,11 +10,10 @@ time is reported separately as hf_cos_sin_ms). fwd+bwd = torch.autograd.grad of 
 """
 from __future__ import annotations
 
-
 import torch
 
 import packcuda
-from benchmarks.harness import cli, Timer, record
+from benchmarks.harness import Timer, cli
 from benchmarks.host_time import HOST_NOTE, host_rows
 
 # name, Hq, Hk, D, rotary_dim, mrope_section, interleaved, theta

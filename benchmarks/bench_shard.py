@@ -23,9 +23,8 @@ import random
 
 import torch
 
-from benchmarks.harness import Timer, copy_floor_ms, graph_copy_floor_ms, graph_ms, record
-
 import packcuda
+from benchmarks.harness import Timer, copy_floor_ms, graph_copy_floor_ms, graph_ms, record
 
 
 def _workload(n_seq: int, seed: int = 7):

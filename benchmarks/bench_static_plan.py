@@ -25,9 +25,8 @@ import time
 
 import torch
 
-from benchmarks.harness import Timer, cli
-
 import packcuda
+from benchmarks.harness import Timer, cli
 from packcuda._meta import cu_from_lengths as _cu
 
 H, D, K = 2, 64, 4

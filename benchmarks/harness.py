@@ -27,7 +27,7 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 

@@ -14,8 +14,18 @@ import torch
 
 from . import _lib
 from ._meta import IntsLike, check_int, fake_kernel, host_tensor
-from .exchange import (Field, RowSchedule, StaticRowSchedule, check_backend, check_flag, check_group,
-                       check_group_matches, move, schedule_fake, static_move)
+from .exchange import (
+    Field,
+    RowSchedule,
+    StaticRowSchedule,
+    check_backend,
+    check_flag,
+    check_group,
+    check_group_matches,
+    move,
+    schedule_fake,
+    static_move,
+)
 from .shard import ShardPlan, StaticShardPlan
 
 _lib.load()

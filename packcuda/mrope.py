@@ -10,9 +10,17 @@ import torch
 
 from . import _lib
 from ._families import MROPE_FAMILIES
-from ._meta import (IntsLike, check_float, check_int, fake_kernel, is_device_tensor, op_metadata, plain_ints,
-                    tensor_device)
-from ._meta import config_field as _get
+from ._meta import (
+    IntsLike,
+    check_float,
+    check_int,
+    config_field as _get,
+    fake_kernel,
+    is_device_tensor,
+    op_metadata,
+    plain_ints,
+    tensor_device,
+)
 
 _lib.load()
 ops = torch.ops.packcuda

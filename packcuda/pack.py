@@ -4,13 +4,23 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 from . import _lib
-from ._meta import (INT64_MAX, IntsLike, check_int, cu_from_lengths, fake_kernel, op_metadata, output_device,
-                    plain_ints, resolve_device, to_device_async)
+from ._meta import (
+    INT64_MAX,
+    IntsLike,
+    check_int,
+    cu_from_lengths,
+    fake_kernel,
+    op_metadata,
+    output_device,
+    plain_ints,
+    resolve_device,
+    to_device_async,
+)
 
 _lib.load()
 ops = torch.ops.packcuda

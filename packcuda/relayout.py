@@ -16,8 +16,19 @@ import torch
 
 from . import _lib
 from ._meta import IntsLike, check_int, fake_kernel
-from .exchange import (Field, RowSchedule, StaticRowSchedule, check_backend, check_flag, check_group,
-                       check_group_matches, check_rows, move, schedule_fake, static_move)
+from .exchange import (
+    Field,
+    RowSchedule,
+    StaticRowSchedule,
+    check_backend,
+    check_flag,
+    check_group,
+    check_group_matches,
+    check_rows,
+    move,
+    schedule_fake,
+    static_move,
+)
 from .shard import MAX_PADDED_TOTAL, ShardPlan, StaticShardPlan, shard_plan
 
 _lib.load()

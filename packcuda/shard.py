@@ -25,8 +25,16 @@ from typing import List, Optional, Union
 import torch
 
 from . import _lib
-from ._meta import (IntsLike, check_int, fake_kernel, host_tensor, is_device_tensor, output_device, resolve_device,
-                    tensor_device)
+from ._meta import (
+    IntsLike,
+    check_int,
+    fake_kernel,
+    host_tensor,
+    is_device_tensor,
+    output_device,
+    resolve_device,
+    tensor_device,
+)
 from .exchange import Field, check_agreement
 from .pack import _fill_arg, _gather
 
@@ -586,7 +594,7 @@ class StaticShardPlan(ShardPlan):
         if flags & _STATUS_FLAGS["too_many_seqs"]:
             why.append(f"num_seqs={n} is outside [0, max_seqs={self.max_seqs}]")
         if flags & _STATUS_FLAGS["bad_cu"]:
-            why.append(f"cu_seqlens[0] is not 0" if bad == 0 else
+            why.append("cu_seqlens[0] is not 0" if bad == 0 else
                        f"cu_seqlens decreases at entry {bad} (cu_seqlens[{bad}] < cu_seqlens[{bad - 1}])")
         if flags & _STATUS_FLAGS["over_capacity"]:
             why.append(f"the padded total of the batch ({'at least ' if total >= 2**31 else ''}{total} rows, "

@@ -186,8 +186,7 @@ def public_targets() -> list[str]:
     import inspect
 
     import packcuda
-    from packcuda.integrations import megatron as mg
-    from packcuda.integrations import transformers as hf
+    from packcuda.integrations import megatron as mg, transformers as hf
 
     out = []
     skip = {"built_with_cuda", "cmake_prefix_path", "library_path", "integrations"}

@@ -1,7 +1,6 @@
 """Bad-input cases: the row exchange between CP ranks (exchange.py and the exchange_* raw ops)."""
 import torch
 
-import packcuda
 from catalogue import Case, call, in_process_group
 from packcuda import exchange as ex
 

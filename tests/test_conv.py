@@ -6,8 +6,15 @@ from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from conftest import (HAS_CUDA, capture_cuda_graph, nccl_rank, no_sync, requires_cuda, requires_two_gpus_nccl,
-                      spawn_ranks)
+from conftest import (
+    HAS_CUDA,
+    capture_cuda_graph,
+    nccl_rank,
+    no_sync,
+    requires_cuda,
+    requires_two_gpus_nccl,
+    spawn_ranks,
+)
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 

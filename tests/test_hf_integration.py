@@ -12,7 +12,7 @@ from packaging.version import Version
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, HF_INT_SECONDS, no_sync, requires_cuda
+from conftest import HF_INT_SECONDS, no_sync, requires_cuda
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("packcuda.integrations.transformers")

@@ -31,11 +31,11 @@ std::vector<int64_t> host_lengths(const char* op, const Tensor& seqlens, int64_t
       PC_ARG(v[i] <= max_len, op, "seqlens[", i, "]=", v[i], " exceeds ", max_name, "=", max_len,
              ": a single sequence must fit in one micro-batch");
     PC_ARG(v[i] <= (int64_t{1} << 30), op, "seqlens[", i, "]=", v[i], " is too long (at most 2^30 tokens)");
-    const int64_t w = wl == balance::Workload::Tokens
-                          ? v[i]
-                          : checked::add(op, "the workload of seqlens (workload_coef * L + L^2)",
-                                         checked::mul(op, "the workload of seqlens (workload_coef * L)", coef, v[i]),
-                                         v[i] * v[i]);
+    const int64_t w =
+        wl == balance::Workload::Tokens
+            ? v[i]
+            : checked::add(op, "the workload of seqlens (workload_coef * L + L^2)",
+                           checked::mul(op, "the workload of seqlens (workload_coef * L)", coef, v[i]), v[i] * v[i]);
     total = checked::add(op, "the total workload of seqlens", total, w);
     PC_ARG(total < limit, op, "the total workload of seqlens exceeds 2^61 (workload_coef=", coef,
            "); lower workload_coef or split the batch");
@@ -66,12 +66,11 @@ std::tuple<Tensor, Tensor> plan_micro_batches(Tensor seqlens, int64_t max_tokens
   const balance::Workload wl = parse_workload(op, workload, workload_coef);
   PC_ARG(method == "karmarkar_karp" || method == "first_fit_decreasing", op,
          "method must be 'karmarkar_karp' or 'first_fit_decreasing', got '", method, "'");
-  PC_ARG(order == "as_planned" || order == "pipeline", op, "order must be 'as_planned' or 'pipeline', got '",
-         order, "'");
+  PC_ARG(order == "as_planned" || order == "pipeline", op, "order must be 'as_planned' or 'pipeline', got '", order,
+         "'");
   const std::vector<int64_t> lens = host_lengths(op, seqlens, max_tokens, "max_tokens", wl, workload_coef);
   const balance::Partition plan = balance::plan_micro_batches(
-      lens.data(), static_cast<int64_t>(lens.size()), max_tokens, min_micro_batches, multiple_of, wl,
-      workload_coef,
+      lens.data(), static_cast<int64_t>(lens.size()), max_tokens, min_micro_batches, multiple_of, wl, workload_coef,
       method == "karmarkar_karp" ? balance::Method::KarmarkarKarp : balance::Method::FirstFitDecreasing,
       order == "pipeline" ? balance::Order::Pipeline : balance::Order::AsPlanned);
   return to_tensors(plan);
@@ -80,8 +79,7 @@ std::tuple<Tensor, Tensor> plan_micro_batches(Tensor seqlens, int64_t max_tokens
 std::tuple<Tensor, Tensor> balance_across_ranks(Tensor seqlens, int64_t world_size, bool equal_count,
                                                 std::string workload, int64_t workload_coef) {
   const char* op = "balance_across_ranks";
-  PC_ARG(world_size >= 1 && world_size <= (int64_t{1} << 20), op, "world_size must be in [1, 2^20], got ",
-         world_size);
+  PC_ARG(world_size >= 1 && world_size <= (int64_t{1} << 20), op, "world_size must be in [1, 2^20], got ", world_size);
   const balance::Workload wl = parse_workload(op, workload, workload_coef);
   const std::vector<int64_t> lens = host_lengths(op, seqlens, -1, "", wl, workload_coef);
   const int64_t n = static_cast<int64_t>(lens.size());
@@ -112,5 +110,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_BALANCE_IMPLS(m) }
 #ifdef USE_CUDA
 // registered for CUDA too, only so that a device tensor gets the op's own clear refusal
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) { PC_BALANCE_IMPLS(m) }
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
+  PC_BALANCE_IMPLS(m)
+}
 #endif

@@ -4,13 +4,12 @@
 #include <cstdint>
 #include "common/errors.h"
 
-#define PC_CUDA_CHECK(expr)                                                                   \
-  do {                                                                                        \
-    cudaError_t _e = (expr);                                                                  \
-    if (_e != cudaSuccess)                                                                    \
-      throw std::runtime_error(::packcuda::detail::cat("packcuda CUDA error: ",              \
-                                                       cudaGetErrorString(_e), " at ", __FILE__, \
-                                                       ":", __LINE__));                       \
+#define PC_CUDA_CHECK(expr)                                                                                           \
+  do {                                                                                                                \
+    cudaError_t _e = (expr);                                                                                          \
+    if (_e != cudaSuccess)                                                                                            \
+      throw std::runtime_error(                                                                                       \
+          ::packcuda::detail::cat("packcuda CUDA error: ", cudaGetErrorString(_e), " at ", __FILE__, ":", __LINE__)); \
   } while (0)
 
 #define PC_CUDA_LAUNCH_CHECK() PC_CUDA_CHECK(cudaGetLastError())

@@ -25,7 +25,6 @@ struct f16_t {
   uint16_t bits;
 };
 
-
 PC_HD float to_f(float v) { return v; }
 PC_HD float to_f(bf16_t v) { return bits_f32(static_cast<uint32_t>(v.bits) << 16); }
 PC_HD float to_f(f16_t v) {
@@ -105,8 +104,12 @@ template <> struct From<f16_t> {
 template <typename S, typename A> PC_HD S from_acc(A v) { return From<S>::cvt(v); }
 
 // Accumulation type: fp32 for every storage type except fp64 (which accumulates in fp64).
-template <typename S> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
+template <typename S> struct Acc {
+  using type = float;
+};
+template <> struct Acc<double> {
+  using type = double;
+};
 PC_HD float val(float v) { return v; }
 PC_HD double val(double v) { return v; }
 PC_HD float val(bf16_t v) { return to_f(v); }

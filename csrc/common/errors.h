@@ -13,7 +13,7 @@ std::string cat(const Args&... args) {
 }
 }  // namespace packcuda::detail
 
-#define PC_CHECK(cond, ...)                                                      \
-  do {                                                                           \
+#define PC_CHECK(cond, ...)                                                         \
+  do {                                                                              \
     if (!(cond)) throw std::invalid_argument(::packcuda::detail::cat(__VA_ARGS__)); \
   } while (0)

@@ -25,12 +25,22 @@ struct alignas(ALIGN) Vec {
 // The machine word of B bytes, so that a device access is a single (vector) load or store: a struct-of-structs
 // copy may be split into one access per element.
 template <int B> struct Word;
-template <> struct Word<1> { using type = uint8_t; };
-template <> struct Word<2> { using type = uint16_t; };
-template <> struct Word<4> { using type = uint32_t; };
+template <> struct Word<1> {
+  using type = uint8_t;
+};
+template <> struct Word<2> {
+  using type = uint16_t;
+};
+template <> struct Word<4> {
+  using type = uint32_t;
+};
 #if defined(__CUDACC__)
-template <> struct Word<8> { using type = uint2; };
-template <> struct Word<16> { using type = uint4; };
+template <> struct Word<8> {
+  using type = uint2;
+};
+template <> struct Word<16> {
+  using type = uint4;
+};
 #endif
 
 // V consecutive channels of one token row, loaded / stored as one access (16 bytes on the CUDA vector path: the
@@ -73,7 +83,7 @@ template <int V, typename S> PC_HD void store_vec(S* p, const Vec<S, V>& r) {
 template <int V, typename S> PC_HD Vec<S, V> zero_vec() {
   using A = typename Acc<S>::type;
   Vec<S, V> r;
-PC_UNROLL
+  PC_UNROLL
   for (int v = 0; v < V; ++v) r.v[v] = from_acc<S>(A(0));
   return r;
 }

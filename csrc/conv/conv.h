@@ -50,10 +50,10 @@ void causal_conv1d_fwd_cuda(const ConvArgs& a, void* y, cudaStream_t stream);
 int64_t conv_bwd_tiles_cpu(int64_t T);
 int64_t conv_bwd_tiles_cuda(const ConvArgs& a);  // depends on T, C, K, dtype and the device
 inline int64_t conv_bwd_work_elems(int64_t tiles, int64_t C, int K) { return tiles * C * (K + 1); }
-void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias,
-                           void* dprefix, void* work, int64_t tiles);
-void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias,
-                            void* dprefix, void* work, int64_t tiles, cudaStream_t stream);
+void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias, void* dprefix,
+                           void* work, int64_t tiles);
+void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias, void* dprefix,
+                            void* work, int64_t tiles, cudaStream_t stream);
 
 // ------------------------------------------------------------------------------------------------------
 // Conv-prefix moves (host, O(cp * pieces * K)): which rows go where for the conv prefix of one CP rank of a

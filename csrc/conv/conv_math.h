@@ -15,7 +15,6 @@
 #include "../common/vec.h"
 #include "conv.h"
 
-
 namespace packcuda::conv {
 
 PC_HD float sigmoid(float z) {
@@ -79,8 +78,7 @@ template <typename S> struct NoPrefix {
 
 // Input value seen by a token of segment s (starting at `start`) at stream position u (u may be < start).
 template <typename S, typename A, typename Rows, typename Pre>
-PC_HD A conv_input(const Rows& x, const Pre& pf, const ConvShape& sh, int64_t s, int64_t start, int64_t u,
-                   int64_t c) {
+PC_HD A conv_input(const Rows& x, const Pre& pf, const ConvShape& sh, int64_t s, int64_t start, int64_t u, int64_t c) {
   if (u >= start) return val(*x.at(u, c));
   if (pf.none()) return A(0);
   return val(*pf.at(s, (sh.K - 1) + (u - start), c));  // row 0 <= j < K-1
@@ -93,16 +91,14 @@ template <typename S, int KM, int V> struct PrefixRows {
   using A = typename Acc<S>::type;
   A r[V][KM - 1];
   template <typename Pre> PC_HD void load(const Pre& pf, const ConvShape& sh, int64_t s, int64_t c) {
-PC_UNROLL
-    for (int v = 0; v < V; ++v)
-PC_UNROLL
-      for (int j = 0; j < KM - 1; ++j)
-        r[v][j] = !pf.none() && j < sh.K - 1 ? val(*pf.at(s, j, c + v)) : A(0);
+    PC_UNROLL
+    for (int v = 0; v < V; ++v) PC_UNROLL
+    for (int j = 0; j < KM - 1; ++j) r[v][j] = !pf.none() && j < sh.K - 1 ? val(*pf.at(s, j, c + v)) : A(0);
   }
   // Row j (0 <= j < K-1) of channel c + v: a select over static slots (keeps r in registers).
   PC_HD A at(int v, int64_t j) const {
     A out = A(0);
-PC_UNROLL
+    PC_UNROLL
     for (int m = 0; m < KM - 1; ++m)
       if (m == j) out = r[v][m];
     return out;
@@ -132,9 +128,9 @@ template <typename S, int KM, int V> struct ConvTaps {
   A w[V][KM];
   A b[V];
   PC_HD ConvTaps(const S* wt, const S* bias, int K, int off, int64_t c) {
-PC_UNROLL
+    PC_UNROLL
     for (int v = 0; v < V; ++v) {
-PC_UNROLL
+      PC_UNROLL
       for (int m = 0; m < KM; ++m) w[v][m] = m >= off ? val(wt[(c + v) * K + (m - off)]) : A(0);
       b[v] = bias ? val(bias[c + v]) : A(0);
     }
@@ -145,11 +141,11 @@ PC_UNROLL
 // window moves on by one token (xt enters it).
 template <typename A, int KM> PC_HD A conv_fwd_z(const A (&w)[KM], A bias, A (&win)[KM - 1], A xt, int off) {
   A z = bias;
-PC_UNROLL
+  PC_UNROLL
   for (int m = 0; m < KM - 1; ++m)
     if (m >= off) z += w[m] * win[m];
   z += w[KM - 1] * xt;
-PC_UNROLL
+  PC_UNROLL
   for (int m = 0; m < KM - 2; ++m) win[m] = win[m + 1];
   win[KM - 2] = xt;
   return z;
@@ -171,16 +167,15 @@ PC_HD void conv_fwd_tile(const Rows& x, const ConvTaps<S, KM, V>& tp, const Pre&
   int64_t s = s0;
   int64_t start = cu[s], end = cu[s + 1];
   A win[V][KM - 1];  // win[v][m] = xin(t - (KM-1) + m, c + v) for m < KM-1
-PC_UNROLL
-  for (int v = 0; v < V; ++v)
-PC_UNROLL
-    for (int m = 0; m < KM - 1; ++m)
-      win[v][m] = m >= off ? conv_input<S, A>(x, pf, sh, s, start, t0 - (KM - 1) + m, c + v) : A(0);
+  PC_UNROLL
+  for (int v = 0; v < V; ++v) PC_UNROLL
+  for (int m = 0; m < KM - 1; ++m)
+    win[v][m] = m >= off ? conv_input<S, A>(x, pf, sh, s, start, t0 - (KM - 1) + m, c + v) : A(0);
   for (int64_t tb = t0; tb < t1; tb += NB) {
     Vec<S, V> xs[NB];
-PC_UNROLL
+    PC_UNROLL
     for (int i = 0; i < NB; ++i) xs[i] = tb + i < t1 ? load_vec<V>(x.at(tb + i, c)) : zero_vec<V, S>();
-PC_UNROLL
+    PC_UNROLL
     for (int i = 0; i < NB; ++i) {
       const int64_t t = tb + i;
       if (t >= t1) break;
@@ -189,14 +184,13 @@ PC_UNROLL
         while (cu[s + 1] <= t);
         start = cu[s];
         end = cu[s + 1];
-PC_UNROLL
-        for (int v = 0; v < V; ++v)
-PC_UNROLL
-          for (int m = 0; m < KM - 1; ++m)
-            win[v][m] = m >= off ? conv_input<S, A>(x, pf, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
+        PC_UNROLL
+        for (int v = 0; v < V; ++v) PC_UNROLL
+        for (int m = 0; m < KM - 1; ++m)
+          win[v][m] = m >= off ? conv_input<S, A>(x, pf, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
       }
       Vec<S, V> out;
-PC_UNROLL
+      PC_UNROLL
       for (int v = 0; v < V; ++v)
         out.v[v] = from_acc<S>(activate(conv_fwd_z<A, KM>(tp.w[v], tp.b[v], win[v], val(xs[i].v[v]), off), act));
       store_vec<V>(y + t * sh.C + c, out);
@@ -208,24 +202,24 @@ PC_UNROLL
 // one segment (the window is read from the rows: no prefix, no boundary; the caller checks). y_row points at
 // y[t0, c]; rows are ldy elements apart; R is a multiple of NB. The same per-token math as conv_fwd_tile.
 template <typename S, int KM, int V, int R, int NB, int ACT, bool kExact, typename Rows>
-PC_HD void conv_fwd_interior(const Rows& x, const ConvTaps<S, KM, V>& tp, const ConvShape& sh, S* y_row,
-                             int64_t ldy, int64_t t0, int64_t c) {
+PC_HD void conv_fwd_interior(const Rows& x, const ConvTaps<S, KM, V>& tp, const ConvShape& sh, S* y_row, int64_t ldy,
+                             int64_t t0, int64_t c) {
   using A = typename Acc<S>::type;
   const int off = KM - (kExact ? KM : sh.K);
   const int act = ACT >= 0 ? ACT : sh.act;
   A win[V][KM - 1];
-PC_UNROLL
+  PC_UNROLL
   for (int m = 0; m < KM - 1; ++m) {
     const Vec<S, V> r = load_vec<V>(x.at(t0 - (KM - 1) + m, c));
-PC_UNROLL
+    PC_UNROLL
     for (int v = 0; v < V; ++v) win[v][m] = m >= off ? val(r.v[v]) : A(0);
   }
   for (int i0 = 0; i0 < R; i0 += NB) {  // NB tokens at a time: their loads are issued together
-PC_UNROLL
+    PC_UNROLL
     for (int i = i0; i < i0 + NB; ++i) {
       const Vec<S, V> xs = load_vec<V>(x.at(t0 + i, c));
       Vec<S, V> out;
-PC_UNROLL
+      PC_UNROLL
       for (int v = 0; v < V; ++v)
         out.v[v] = from_acc<S>(activate(conv_fwd_z<A, KM>(tp.w[v], tp.b[v], win[v], val(xs.v[v]), off), act));
       store_vec<V>(y_row + i * ldy, out);
@@ -235,11 +229,11 @@ PC_UNROLL
 
 // Pre-activation z at token t of segment s, computed from scratch (tile edges of the backward).
 template <typename S, int KM, typename A, bool kExact = false, typename Rows, typename Pre>
-PC_HD A conv_z_at(const Rows& x, const Pre& pf, const A* wk, A bias, const ConvShape& sh, int64_t s,
-                  int64_t start, int64_t t, int64_t c) {
+PC_HD A conv_z_at(const Rows& x, const Pre& pf, const A* wk, A bias, const ConvShape& sh, int64_t s, int64_t start,
+                  int64_t t, int64_t c) {
   const int off = KM - (kExact ? KM : sh.K);
   A z = bias;
-PC_UNROLL
+  PC_UNROLL
   for (int m = 0; m < KM; ++m)
     if (m >= off) z += wk[m] * conv_input<S, A>(x, pf, sh, s, start, t - (KM - 1) + m, c);
   return z;
@@ -252,16 +246,16 @@ template <typename A, int KM>
 PC_HD A conv_bwd_step(const A (&w)[KM], A bias, const A (&xw)[KM], A (&g)[KM], A dyt, A (&dw)[KM], A& db, int off,
                       int act) {
   A z = bias;
-PC_UNROLL
+  PC_UNROLL
   for (int m = 0; m < KM; ++m)
     if (m >= off) z += w[m] * xw[m];
   const A gz = dyt * activate_grad(z, act);
   g[0] = gz;
   A gx = A(0);
-PC_UNROLL
+  PC_UNROLL
   for (int m = 0; m < KM; ++m)
     if (m >= off) gx += w[m] * g[KM - 1 - m];
-PC_UNROLL
+  PC_UNROLL
   for (int m = 0; m < KM; ++m)
     if (m >= off) dw[m] += gz * xw[m];
   db += gz;
@@ -270,9 +264,9 @@ PC_UNROLL
 
 // The step from t to t - 1 inside one segment: g moves up by one, and x(t - K) enters the window at slot off.
 template <typename A, int KM> PC_HD void conv_bwd_shift(A (&xw)[KM], A (&g)[KM], A in, int off) {
-PC_UNROLL
+  PC_UNROLL
   for (int d = KM - 1; d > 0; --d) g[d] = g[d - 1];
-PC_UNROLL
+  PC_UNROLL
   for (int m = KM - 1; m > 0; --m) xw[m] = m == off ? in : xw[m - 1];
   xw[0] = off == 0 ? in : A(0);
 }
@@ -287,9 +281,8 @@ PC_UNROLL
 template <typename S, int KM, int V = 1, int NB = kBatch, int ACT = -1, bool kExact = false, typename DyRows,
           typename XRows, typename Pre>
 PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const ConvTaps<S, KM, V>& tp, const Pre& pf,
-                         const int64_t* cu, const ConvShape& sh, S* dx, S* dprefix, int64_t c, int64_t t0,
-                         int64_t t1, int64_t s1, typename Acc<S>::type (&dw)[V][KM],
-                         typename Acc<S>::type (&db)[V]) {
+                         const int64_t* cu, const ConvShape& sh, S* dx, S* dprefix, int64_t c, int64_t t0, int64_t t1,
+                         int64_t s1, typename Acc<S>::type (&dw)[V][KM], typename Acc<S>::type (&db)[V]) {
   static_assert(KM >= 2 && KM <= kMaxK, "window size");
   using A = typename Acc<S>::type;
   const int K = kExact ? KM : sh.K;
@@ -303,10 +296,10 @@ PC_HD void conv_bwd_tile(const DyRows& dy, const XRows& x, const ConvTaps<S, KM,
     pre.load(pf, sh, s, c);
     A g[V][KM];   // g[v][d] = gz(t + d) if t + d is in t's segment, else 0 (only d < K carry weight)
     A xw[V][KM];  // xw[v][m] = xin(t - (KM-1) + m)
-PC_UNROLL
+    PC_UNROLL
     for (int v = 0; v < V; ++v) {
       g[v][0] = A(0);
-PC_UNROLL
+      PC_UNROLL
       for (int d = 1; d < KM; ++d) {
         g[v][d] = A(0);
         if (d < K && t + d < end) {
@@ -314,35 +307,35 @@ PC_UNROLL
           g[v][d] = val(*dy.at(t + d, c + v)) * activate_grad(z, act);
         }
       }
-PC_UNROLL
+      PC_UNROLL
       for (int m = 0; m < KM; ++m)
         xw[v][m] = m >= off ? conv_input<S, A>(x, pf, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
     }
     for (int64_t tb = t1 - 1; tb >= t0; tb -= NB) {
       Vec<S, V> dys[NB], xr[NB];  // dy[t], and raw x[t - K] (enters the window at the step to t - 1)
-PC_UNROLL
+      PC_UNROLL
       for (int i = 0; i < NB; ++i) {
         const int64_t tt = tb - i;
         dys[i] = tt >= t0 ? load_vec<V>(dy.at(tt, c)) : zero_vec<V, S>();
         xr[i] = (tt >= t0 && tt - K >= 0) ? load_vec<V>(x.at(tt - K, c)) : zero_vec<V, S>();
       }
-PC_UNROLL
+      PC_UNROLL
       for (int i = 0; i < NB; ++i) {
         if (t < t0) break;
         Vec<S, V> dxo;
-PC_UNROLL
+        PC_UNROLL
         for (int v = 0; v < V; ++v)
-          dxo.v[v] = from_acc<S>(conv_bwd_step<A, KM>(tp.w[v], tp.b[v], xw[v], g[v], val(dys[i].v[v]), dw[v], db[v],
-                                                      off, act));
+          dxo.v[v] = from_acc<S>(
+              conv_bwd_step<A, KM>(tp.w[v], tp.b[v], xw[v], g[v], val(dys[i].v[v]), dw[v], db[v], off, act));
         store_vec<V>(dx + t * sh.C + c, dxo);
         if (t == start && dprefix != nullptr) {
-PC_UNROLL
+          PC_UNROLL
           for (int j = 0; j < KM - 1; ++j) {  // j < K - 1; unrolled so g stays in registers
             if (j >= K - 1) break;
-PC_UNROLL
+            PC_UNROLL
             for (int v = 0; v < V; ++v) {
               A acc = A(0);
-PC_UNROLL
+              PC_UNROLL
               for (int m = 0; m < KM; ++m) {
                 const int d = j + off - m;  // tap t' = start + d
                 if (m >= off && d >= 0) acc += tp.w[v][m] * g[v][d];
@@ -359,22 +352,20 @@ PC_UNROLL
           start = cu[s];
           end = cu[s + 1];
           pre.load(pf, sh, s, c);
-PC_UNROLL
+          PC_UNROLL
           for (int v = 0; v < V; ++v) {
-PC_UNROLL
+            PC_UNROLL
             for (int d = 0; d < KM; ++d) g[v][d] = A(0);
-PC_UNROLL
+            PC_UNROLL
             for (int m = 0; m < KM; ++m)
               xw[v][m] = m >= off ? conv_input<S, A>(x, pf, sh, s, start, t - (KM - 1) + m, c + v) : A(0);
           }
         } else {
           // the row entering the window is u = t - (K-1), at slot off (the first slot carrying a tap)
           const int64_t u = t - (K - 1);
-PC_UNROLL
+          PC_UNROLL
           for (int v = 0; v < V; ++v)
-            conv_bwd_shift<A, KM>(xw[v], g[v],
-                                  u >= start ? val(xr[i].v[v]) : pre.at(v, (K - 1) + (u - start)),
-                                  off);
+            conv_bwd_shift<A, KM>(xw[v], g[v], u >= start ? val(xr[i].v[v]) : pre.at(v, (K - 1) + (u - start)), off);
         }
       }
     }
@@ -395,47 +386,47 @@ PC_HD void conv_bwd_interior(const DyRows& dy, const XRows& x, const ConvTaps<S,
   const int act = ACT >= 0 ? ACT : sh.act;
   const int64_t tl = t0 + R - 1;  // the first token of the walk
   A g[V][KM], xw[V][KM];
-PC_UNROLL
+  PC_UNROLL
   for (int v = 0; v < V; ++v) g[v][0] = A(0);
-PC_UNROLL
+  PC_UNROLL
   for (int d = 1; d < KM; ++d) {  // gz of the K-1 tokens after the run (the next run's; recomputed)
     Vec<S, V> dv = zero_vec<V, S>();
     if (d < K) dv = load_vec<V>(dy.at(tl + d, c));
     A z[V];
-PC_UNROLL
+    PC_UNROLL
     for (int v = 0; v < V; ++v) z[v] = tp.b[v];
-PC_UNROLL
+    PC_UNROLL
     for (int m = 0; m < KM; ++m) {
       if (d >= K || m < off) continue;
       const Vec<S, V> r = load_vec<V>(x.at(tl + d - (KM - 1) + m, c));
-PC_UNROLL
+      PC_UNROLL
       for (int v = 0; v < V; ++v) z[v] += tp.w[v][m] * val(r.v[v]);
     }
-PC_UNROLL
+    PC_UNROLL
     for (int v = 0; v < V; ++v) g[v][d] = d < K ? val(dv.v[v]) * activate_grad(z[v], act) : A(0);
   }
-PC_UNROLL
+  PC_UNROLL
   for (int m = 0; m < KM; ++m) {
     const Vec<S, V> r = m >= off ? load_vec<V>(x.at(tl - (KM - 1) + m, c)) : zero_vec<V, S>();
-PC_UNROLL
+    PC_UNROLL
     for (int v = 0; v < V; ++v) xw[v][m] = m >= off ? val(r.v[v]) : A(0);
   }
   for (int i0 = 0; i0 < R; i0 += NB) {
     Vec<S, V> dys[NB], xr[NB];
-PC_UNROLL
+    PC_UNROLL
     for (int i = 0; i < NB; ++i) {
       dys[i] = load_vec<V>(dy.at(tl - (i0 + i), c));
       xr[i] = load_vec<V>(x.at(tl - (i0 + i) - K, c));
     }
-PC_UNROLL
+    PC_UNROLL
     for (int i = 0; i < NB; ++i) {
       Vec<S, V> dxo;
-PC_UNROLL
+      PC_UNROLL
       for (int v = 0; v < V; ++v)
-        dxo.v[v] = from_acc<S>(conv_bwd_step<A, KM>(tp.w[v], tp.b[v], xw[v], g[v], val(dys[i].v[v]), dw[v], db[v],
-                                                    off, act));
+        dxo.v[v] =
+            from_acc<S>(conv_bwd_step<A, KM>(tp.w[v], tp.b[v], xw[v], g[v], val(dys[i].v[v]), dw[v], db[v], off, act));
       store_vec<V>(dx_row + (R - 1 - (i0 + i)) * ldx, dxo);
-PC_UNROLL
+      PC_UNROLL
       for (int v = 0; v < V; ++v) conv_bwd_shift<A, KM>(xw[v], g[v], val(xr[i].v[v]), off);
     }
   }
@@ -444,9 +435,9 @@ PC_UNROLL
 // Zeroed accumulators for conv_bwd_tile, and their store as one tile's partials part[v*(K+1) .. v*(K+1)+K]
 // (dweight taps 0..K-1, then dbias) of channels c .. c+V-1.
 template <typename A, int V, int KM> PC_HD void conv_zero_partials(A (&dw)[V][KM], A (&db)[V]) {
-PC_UNROLL
+  PC_UNROLL
   for (int v = 0; v < V; ++v) {
-PC_UNROLL
+    PC_UNROLL
     for (int m = 0; m < KM; ++m) dw[v][m] = A(0);
     db[v] = A(0);
   }
@@ -454,9 +445,9 @@ PC_UNROLL
 template <typename A, int V, int KM>
 PC_HD void conv_store_partials(const A (&dw)[V][KM], const A (&db)[V], int K, A* part) {
   const int off = KM - K;
-PC_UNROLL
+  PC_UNROLL
   for (int v = 0; v < V; ++v) {
-PC_UNROLL
+    PC_UNROLL
     for (int m = 0; m < KM; ++m)  // static indices into dw (keeps it in registers)
       if (m >= off) part[v * (K + 1) + (m - off)] = dw[v][m];
     part[v * (K + 1) + K] = db[v];
@@ -478,9 +469,9 @@ PC_HD void conv_reduce_elem(const typename Acc<S>::type* part, int64_t ntiles, c
   int64_t i = 0;
   for (; i + kBatch <= ntiles; i += kBatch) {
     A p[kBatch];
-PC_UNROLL
+    PC_UNROLL
     for (int j = 0; j < kBatch; ++j) p[j] = part[(i + j) * stride + e];
-PC_UNROLL
+    PC_UNROLL
     for (int j = 0; j < kBatch; ++j) acc += p[j];
   }
   for (; i < ntiles; ++i) acc += part[i * stride + e];
@@ -490,8 +481,8 @@ PC_UNROLL
 
 // All K + 1 reductions of channel c.
 template <typename S>
-PC_HD void conv_reduce_channel(const typename Acc<S>::type* part, int64_t ntiles, const ConvShape& sh,
-                               S* dweight, S* dbias, int64_t c) {
+PC_HD void conv_reduce_channel(const typename Acc<S>::type* part, int64_t ntiles, const ConvShape& sh, S* dweight,
+                               S* dbias, int64_t c) {
   for (int k = 0; k <= sh.K; ++k) conv_reduce_elem<S>(part, ntiles, sh, dweight, dbias, c * (sh.K + 1) + k);
 }
 

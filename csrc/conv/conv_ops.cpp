@@ -16,10 +16,9 @@
 namespace packcuda::th {
 namespace {
 
-using torch::stable::Device;
 using conv::ConvArgs;
 using conv::DType;
-
+using torch::stable::Device;
 
 // A required tensor argument that was given (None reaches a Tensor argument as an undefined tensor).
 void check_given(const char* op, const char* name, const Tensor& t) {
@@ -31,8 +30,8 @@ enum class Activation : int { Identity = 0, Silu = 1 };
 
 Activation parse_activation(const char* op, const std::optional<std::string>& activation) {
   if (!activation.has_value()) return Activation::Identity;
-  PC_ARG(*activation == "silu" || *activation == "swish", op, "activation must be None or 'silu', got '",
-         *activation, "'");
+  PC_ARG(*activation == "silu" || *activation == "swish", op, "activation must be None or 'silu', got '", *activation,
+         "'");
   return Activation::Silu;
 }
 
@@ -54,13 +53,12 @@ Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, co
   check_dim(op, "weight", weight_in, 2);
   check_same_device(op, "weight", weight_in, "x", x_in);
   const int64_t T = x_in.size(0), C = x_in.size(1);
-  PC_ARG(weight_in.scalar_type() == x_in.scalar_type(), op, "weight has dtype ",
-         dtype_name(weight_in.scalar_type()), " but x has dtype ", dtype_name(x_in.scalar_type()));
-  PC_ARG(weight_in.size(0) == C, op, "weight must be [C, K] with C = ", C, " (x is ", shape_str(x_in),
-         "), got ", shape_str(weight_in));
+  PC_ARG(weight_in.scalar_type() == x_in.scalar_type(), op, "weight has dtype ", dtype_name(weight_in.scalar_type()),
+         " but x has dtype ", dtype_name(x_in.scalar_type()));
+  PC_ARG(weight_in.size(0) == C, op, "weight must be [C, K] with C = ", C, " (x is ", shape_str(x_in), "), got ",
+         shape_str(weight_in));
   const int64_t K = weight_in.size(1);
-  PC_ARG(K >= 1 && K <= conv::kMaxK, op, "kernel size K = weight.size(1) must be in [1, ", conv::kMaxK,
-         "], got ", K);
+  PC_ARG(K >= 1 && K <= conv::kMaxK, op, "kernel size K = weight.size(1) must be in [1, ", conv::kMaxK, "], got ", K);
   const Activation act = parse_activation(op, activation);
   Prepared p;
   p.x = dense(x_in);
@@ -78,8 +76,7 @@ Prepared prepare(const char* op, const Tensor& x_in, const Tensor& weight_in, co
   const bool cuda = x_in.is_cuda();
   int64_t nseg = 1;
   if (cu_seqlens.has_value()) {
-    const bool inl =
-        cuda && cu_seqlens->is_cpu() && cu_seqlens->dim() == 1 && cu_seqlens->numel() <= conv::kInlineCu;
+    const bool inl = cuda && cu_seqlens->is_cpu() && cu_seqlens->dim() == 1 && cu_seqlens->numel() <= conv::kInlineCu;
     Segments seg = segments(op, "cu_seqlens", *cu_seqlens, x_in.device(), T, /*upload=*/!inl);
     nseg = seg.count;
     if (inl) p.cu_host = std::move(seg.host);
@@ -119,11 +116,9 @@ Tensor causal_conv1d_fwd(Tensor x, Tensor weight, std::optional<Tensor> bias, st
   Prepared p = prepare("causal_conv1d", x, weight, bias, cu_seqlens, prefix, activation);
   Tensor y = new_like(p.x, {p.a.T, p.a.C});
   if (p.a.T == 0 || p.a.C == 0) return y;
-  run_kernel(x, [&] {
-    conv::causal_conv1d_fwd_cpu(p.a, y.mutable_data_ptr());
-  }, [&](auto stream) {
-    conv::causal_conv1d_fwd_cuda(p.a, y.mutable_data_ptr(), stream);
-  });
+  run_kernel(
+      x, [&] { conv::causal_conv1d_fwd_cpu(p.a, y.mutable_data_ptr()); },
+      [&](auto stream) { conv::causal_conv1d_fwd_cuda(p.a, y.mutable_data_ptr(), stream); });
   return y;
 }
 
@@ -148,28 +143,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> causal_conv1d_bwd(Tensor dy, Tensor x
   const int64_t S = p.prefix.has_value() ? a.nseg : 0;
   Tensor dprefix = new_like(p.x, {S, static_cast<int64_t>(a.K - 1), a.C});
   const ST acc_t = a.dtype == DType::F64 ? ST::Double : ST::Float;
-  run_kernel(x, [&] {
-    const int64_t tiles = conv::conv_bwd_tiles_cpu(a.T);
-    Tensor work = new_like(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
-    conv::causal_conv1d_bwd_cpu(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
-                                db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
-                                work.mutable_data_ptr(), tiles);
-  }, [&](auto stream) {
-    const int64_t tiles = conv::conv_bwd_tiles_cuda(a);
-    Tensor work = new_like(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
-    conv::causal_conv1d_bwd_cuda(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
-                                 db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
-                                 work.mutable_data_ptr(), tiles, stream);
-  });
+  run_kernel(
+      x,
+      [&] {
+        const int64_t tiles = conv::conv_bwd_tiles_cpu(a.T);
+        Tensor work = new_like(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
+        conv::causal_conv1d_bwd_cpu(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
+                                    db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
+                                    work.mutable_data_ptr(), tiles);
+      },
+      [&](auto stream) {
+        const int64_t tiles = conv::conv_bwd_tiles_cuda(a);
+        Tensor work = new_like(p.x, {conv::conv_bwd_work_elems(tiles, a.C, a.K)}, acc_t);
+        conv::causal_conv1d_bwd_cuda(a, dy.const_data_ptr(), dx.mutable_data_ptr(), dw.mutable_data_ptr(),
+                                     db.mutable_data_ptr(), S ? dprefix.mutable_data_ptr() : nullptr,
+                                     work.mutable_data_ptr(), tiles, stream);
+      });
   return {dx, dw, db, dprefix};
 }
 
 // The layout arguments of a schedule: the shard layout's own validation (the schedule is built from the same
 // shard::build_layout, so a bad value gets shard_plan's message), then a bound on cp_size (the schedule keeps
 // lists for every peer). Returns the validated host cu_seqlens.
-std::vector<int64_t> checked_schedule_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size,
-                                             int64_t cp_rank, Layout layout, int64_t align,
-                                             std::optional<int64_t> bucket) {
+std::vector<int64_t> checked_schedule_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank,
+                                             Layout layout, int64_t align, std::optional<int64_t> bucket) {
   check_given(op, "cu_seqlens", cu_seqlens);
   std::vector<int64_t> cu = checked_layout_args(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket);
   check_schedule_cp(op, "cp_size", cp_size);
@@ -189,8 +186,8 @@ std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int
   const int64_t nseq = static_cast<int64_t>(cu.size()) - 1;
   conv::PrefixMoves pm = conv::prefix_moves(cu.data(), nseq, cp_size, cp_rank, layout_code(layout), align,
                                             bucket.value_or(1), static_cast<int>(kernel_size));
-  return schedule_tensors(exchange::build_schedule(op, cp_size, cp_rank, pm.n_local, pm.n_pieces * (kernel_size - 1),
-                                                   std::move(pm.moves)));
+  return schedule_tensors(
+      exchange::build_schedule(op, cp_size, cp_rank, pm.n_local, pm.n_pieces * (kernel_size - 1), std::move(pm.moves)));
 }
 
 // The conv-prefix tables of a static plan on rank cp_rank, for kernel size K (k1 = K-1, SQ = S*k1), as the static
@@ -201,9 +198,9 @@ std::vector<Tensor> conv_prefix_schedule(Tensor cu_seqlens, int64_t cp_size, int
 //                                      row sums (-1: none), in a fixed order
 // from the plan's own pieces / piece_offset / piece_seq and the global cu_seqlens_padded; one launch, no sync.
 std::tuple<Tensor, Tensor, Tensor> conv_static_prefix_tables(Tensor pieces, Tensor piece_offset, Tensor piece_seq,
-                                                             Tensor cu_seqlens_padded, int64_t cp_size,
-                                                             int64_t cp_rank, std::string layout_str,
-                                                             int64_t capacity, int64_t kernel_size) {
+                                                             Tensor cu_seqlens_padded, int64_t cp_size, int64_t cp_rank,
+                                                             std::string layout_str, int64_t capacity,
+                                                             int64_t kernel_size) {
   const char* op = "conv_static_prefix_tables";
   const Layout layout = parse_layout(op, "layout", layout_str);
   PC_ARG(kernel_size >= 2 && kernel_size <= conv::kMaxK, op, "kernel_size must be in [2, ", conv::kMaxK,
@@ -238,25 +235,30 @@ std::tuple<Tensor, Tensor, Tensor> conv_static_prefix_tables(Tensor pieces, Tens
   t.n_unpack = np * k1;
   t.bwd = bwd.mutable_data_ptr<int64_t>();
   t.n_bwd = total_local * k1;
-  run_kernel(cp, [&] { conv::static_prefix_tables_cpu(p, t); },
-             [&](auto stream) { conv::static_prefix_tables_cuda(p, t, stream); });
+  run_kernel(
+      cp, [&] { conv::static_prefix_tables_cpu(p, t); },
+      [&](auto stream) { conv::static_prefix_tables_cuda(p, t, stream); });
   return {send, unpack, bwd};
 }
 }  // namespace
 }  // namespace packcuda::th
 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
-  m.def("causal_conv1d_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, Tensor? prefix, "
-        "str? activation=None) -> Tensor");
-  m.def("causal_conv1d_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, "
-        "Tensor? prefix, str? activation=None) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("conv_prefix_schedule(Tensor cu_seqlens, int cp_size, int cp_rank, str layout, int align, int? bucket, "
-        "int kernel_size) -> Tensor[]");
-  m.def("conv_static_prefix_tables(Tensor pieces, Tensor piece_offset, Tensor piece_seq, Tensor cu_seqlens_padded, "
-        "int cp_size, int cp_rank, str layout, int capacity, int kernel_size) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "causal_conv1d_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, Tensor? prefix, "
+      "str? activation=None) -> Tensor");
+  m.def(
+      "causal_conv1d_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, "
+      "Tensor? prefix, str? activation=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "conv_prefix_schedule(Tensor cu_seqlens, int cp_size, int cp_rank, str layout, int align, int? bucket, "
+      "int kernel_size) -> Tensor[]");
+  m.def(
+      "conv_static_prefix_tables(Tensor pieces, Tensor piece_offset, Tensor piece_seq, Tensor cu_seqlens_padded, "
+      "int cp_size, int cp_rank, str layout, int capacity, int kernel_size) -> (Tensor, Tensor, Tensor)");
 }
 
-#define PC_CONV_IMPLS(m)                                                    \
+#define PC_CONV_IMPLS(m)                                             \
   PC_IMPL(m, "causal_conv1d_fwd", &packcuda::th::causal_conv1d_fwd); \
   PC_IMPL(m, "causal_conv1d_bwd", &packcuda::th::causal_conv1d_bwd); \
   PC_IMPL(m, "conv_static_prefix_tables", &packcuda::th::conv_static_prefix_tables);

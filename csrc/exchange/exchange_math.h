@@ -24,17 +24,17 @@ PC_HD void gather_sum_elem(S* out, const S* a, int64_t na, const S* b, const int
                            int64_t r, int64_t c) {
   using A = typename Acc<S>::type;
   A acc[V];
-PC_UNROLL
+  PC_UNROLL
   for (int v = 0; v < V; ++v) acc[v] = A(0);
   for (int m = 0; m < M; ++m) {
     const int64_t i = index[r * M + m];
     if (i < 0) continue;
     const Vec<S, V> x = load_vec<V>(source_at(a, na, b, i, C, c));
-PC_UNROLL
+    PC_UNROLL
     for (int v = 0; v < V; ++v) acc[v] += val(x.v[v]);
   }
   Vec<S, V> y;
-PC_UNROLL
+  PC_UNROLL
   for (int v = 0; v < V; ++v) y.v[v] = from_acc<S>(acc[v]);
   store_vec<V>(out + r * C + c, y);
 }
@@ -49,7 +49,7 @@ PC_HD void gather_copy_elem(S* out, const S* a, int64_t na, const S* b, const in
   if (i >= 0) {
     y = load_vec<V>(source_at(a, na, b, i, C, c));
   } else {
-PC_UNROLL
+    PC_UNROLL
     for (int v = 0; v < V; ++v) y.v[v] = S(0);
   }
   store_vec<V>(out + r * C + c, y);

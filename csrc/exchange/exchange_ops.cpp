@@ -28,8 +28,8 @@ void check_rows_dtype(const char* op, const char* name, const Tensor& t, int64_t
   else
     PC_ARG(t.scalar_type() == ST::BFloat16 || t.scalar_type() == ST::Half || t.scalar_type() == ST::Float ||
                t.scalar_type() == ST::Double,
-           op, name, " must have dtype bfloat16, float16, float32 or float64 to sum ", M,
-           " sources per row, got ", dtype_name(t.scalar_type()));
+           op, name, " must have dtype bfloat16, float16, float32 or float64 to sum ", M, " sources per row, got ",
+           dtype_name(t.scalar_type()));
 }
 
 // out[r] = sum_m src(index[r, m]) with src(i) = a[i] for i < a.size(0), b[i - a.size(0)] above, nothing for -1.
@@ -73,8 +73,8 @@ Tensor exchange_gather_sum(Tensor a, Tensor b, Tensor index) {
 
 // The schedule of rank cp_rank from moves given as four host int64 tensors of equal length (moves that involve
 // neither this rank's source nor its output are ignored): schedule_tensors' outputs.
-std::vector<Tensor> exchange_schedule(int64_t cp_size, int64_t cp_rank, int64_t n_src, int64_t n_out,
-                                      Tensor src_rank, Tensor src_row, Tensor dst_rank, Tensor dst_slot) {
+std::vector<Tensor> exchange_schedule(int64_t cp_size, int64_t cp_rank, int64_t n_src, int64_t n_out, Tensor src_rank,
+                                      Tensor src_row, Tensor dst_rank, Tensor dst_slot) {
   const char* op = "exchange_schedule";
   PC_ARG(cp_size >= 1, op, "cp_size must be >= 1, got ", cp_size);
   check_schedule_cp(op, "cp_size", cp_size);
@@ -138,9 +138,8 @@ int64_t exchange_nccl_comm_init(Tensor unique_id, int64_t nranks, int64_t rank, 
   } catch (const std::exception& e) {
     PC_ARG(false, op, "device_index=", device_index, " is not a usable CUDA device (", e.what(), ")");
   }
-  const int64_t comm = reinterpret_cast<int64_t>(
-      exchange::nccl_comm_init(static_cast<const uint8_t*>(unique_id.const_data_ptr()), static_cast<int>(nranks),
-                               static_cast<int>(rank)));
+  const int64_t comm = reinterpret_cast<int64_t>(exchange::nccl_comm_init(
+      static_cast<const uint8_t*>(unique_id.const_data_ptr()), static_cast<int>(nranks), static_cast<int>(rank)));
   std::lock_guard<std::mutex> lock(comm_mutex());
   comms().insert(comm);
   return comm;
@@ -178,8 +177,8 @@ int64_t exchange_prepare(Tensor send_index, std::vector<int64_t> send_counts, st
   const int64_t cp = static_cast<int64_t>(send_counts.size());
   PC_ARG(cp >= 1, op, "send_counts must have one entry per rank (cp >= 1), got an empty list");
   PC_ARG(static_cast<int64_t>(recv_counts.size()) == cp && static_cast<int64_t>(send_first.size()) == cp, op,
-         "send_counts, recv_counts and send_first must have cp entries each, got ", cp, ", ", recv_counts.size(),
-         ", ", send_first.size());
+         "send_counts, recv_counts and send_first must have cp entries each, got ", cp, ", ", recv_counts.size(), ", ",
+         send_first.size());
   PC_ARG(rank >= 0 && rank < cp, op, "rank ", rank, " is not in [0, cp=", cp, ")");
   PC_ARG(n_src >= 0, op, "n_src must be >= 0, got ", n_src);
   auto e = std::make_shared<Prepared>();
@@ -201,8 +200,8 @@ int64_t exchange_prepare(Tensor send_index, std::vector<int64_t> send_counts, st
   check_dtype(op, "unpack_index", unpack_index, {ST::Long});
   check_dim(op, "send_index", send_index, 1);
   check_dim(op, "unpack_index", unpack_index, 2);
-  PC_ARG(send_index.numel() == e->n_send, op, "send_index has ", send_index.numel(),
-         " entries but send_counts sum to ", e->n_send);
+  PC_ARG(send_index.numel() == e->n_send, op, "send_index has ", send_index.numel(), " entries but send_counts sum to ",
+         e->n_send);
   PC_ARG(lead == unpack_index.size(0), op, "out_lead ", out_lead.size(), " dims hold ", lead,
          " rows but unpack_index has ", unpack_index.size(0));
   PC_ARG(unpack_index.size(1) <= INT_MAX, op, "unpack_index may hold at most ", INT_MAX, " sources per row, got ",
@@ -270,28 +269,30 @@ Tensor exchange_run(Tensor src, int64_t handle, std::vector<int64_t> out_lead) {
   Tensor staging = new_like(src, {n_stage, C});
   Tensor out = new_like(src, out_sizes);
   // src is on CUDA (checked above): the host half is never taken.
-  run_kernel(src, [] {}, [&](auto stream) {
-    char* base = static_cast<char*>(staging.mutable_data_ptr());
-    exchange::ExchangeArgs a;
-    a.src = src.const_data_ptr();
-    a.n_src = e.n_src;
-    a.send_index = e.send_index.const_data_ptr<int64_t>();
-    a.send_counts = e.send_counts.data();
-    a.recv_counts = e.recv_counts.data();
-    a.send_first = e.send_first.data();
-    a.unpack = e.unpack.const_data_ptr<int64_t>();
-    a.M = static_cast<int>(M);
-    a.out = out.mutable_data_ptr();
-    a.n_out = e.unpack.size(0);
-    a.C = C;
-    a.elem_size = static_cast<int>(element_size(src.scalar_type()));
-    a.dtype = core_dtype(src.scalar_type());
-    a.send_buf = e.direct ? nullptr : base;
-    a.recv_buf = base + (e.direct ? 0 : e.n_send * C * a.elem_size);
-    a.cp = static_cast<int64_t>(e.send_counts.size());
-    a.rank = e.rank;
-    exchange::exchange_rows_nccl(a, reinterpret_cast<ncclComm_t>(e.comm), stream);
-  });
+  run_kernel(
+      src, [] {},
+      [&](auto stream) {
+        char* base = static_cast<char*>(staging.mutable_data_ptr());
+        exchange::ExchangeArgs a;
+        a.src = src.const_data_ptr();
+        a.n_src = e.n_src;
+        a.send_index = e.send_index.const_data_ptr<int64_t>();
+        a.send_counts = e.send_counts.data();
+        a.recv_counts = e.recv_counts.data();
+        a.send_first = e.send_first.data();
+        a.unpack = e.unpack.const_data_ptr<int64_t>();
+        a.M = static_cast<int>(M);
+        a.out = out.mutable_data_ptr();
+        a.n_out = e.unpack.size(0);
+        a.C = C;
+        a.elem_size = static_cast<int>(element_size(src.scalar_type()));
+        a.dtype = core_dtype(src.scalar_type());
+        a.send_buf = e.direct ? nullptr : base;
+        a.recv_buf = base + (e.direct ? 0 : e.n_send * C * a.elem_size);
+        a.cp = static_cast<int64_t>(e.send_counts.size());
+        a.rank = e.rank;
+        exchange::exchange_rows_nccl(a, reinterpret_cast<ncclComm_t>(e.comm), stream);
+      });
   return out;
 }
 
@@ -299,9 +300,15 @@ Tensor exchange_run(Tensor src, int64_t handle, std::vector<int64_t> out_lead) {
 
 std::vector<Tensor> schedule_tensors(const exchange::Schedule& sc) {
   Tensor bwd_unpack = torch::stable::reshape(host_i64(sc.bwd_unpack), {sc.n_src, sc.bwd_m});
-  return {host_i64(sc.send_index), host_i64(sc.send_counts), host_i64(sc.recv_counts), host_i64(sc.unpack),
-          host_i64(sc.bwd_send_index), bwd_unpack, host_i64({sc.cp, sc.rank, sc.n_src, sc.n_out}),
-          host_i64(sc.send_first), host_i64(sc.bwd_send_first)};
+  return {host_i64(sc.send_index),
+          host_i64(sc.send_counts),
+          host_i64(sc.recv_counts),
+          host_i64(sc.unpack),
+          host_i64(sc.bwd_send_index),
+          bwd_unpack,
+          host_i64({sc.cp, sc.rank, sc.n_src, sc.n_out}),
+          host_i64(sc.send_first),
+          host_i64(sc.bwd_send_first)};
 }
 
 void check_schedule_cp(const char* op, const char* name, int64_t cp_size) {
@@ -313,13 +320,15 @@ void check_schedule_cp(const char* op, const char* name, int64_t cp_size) {
 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
   m.def("exchange_gather_sum(Tensor a, Tensor b, Tensor index) -> Tensor");
-  m.def("exchange_schedule(int cp_size, int cp_rank, int n_src, int n_out, Tensor src_rank, Tensor src_row, "
-        "Tensor dst_rank, Tensor dst_slot) -> Tensor[]");
+  m.def(
+      "exchange_schedule(int cp_size, int cp_rank, int n_src, int n_out, Tensor src_rank, Tensor src_row, "
+      "Tensor dst_rank, Tensor dst_slot) -> Tensor[]");
   m.def("exchange_nccl_available() -> bool");
   m.def("exchange_nccl_unique_id() -> Tensor");
   m.def("exchange_nccl_comm_init(Tensor unique_id, int nranks, int rank, int device_index) -> int");
-  m.def("exchange_prepare(Tensor send_index, int[] send_counts, int[] recv_counts, int[] send_first, "
-        "Tensor unpack_index, int comm, int rank, int n_src, int[] out_lead) -> int");
+  m.def(
+      "exchange_prepare(Tensor send_index, int[] send_counts, int[] recv_counts, int[] send_first, "
+      "Tensor unpack_index, int comm, int rank, int n_src, int[] out_lead) -> int");
   m.def("exchange_run(Tensor src, int handle, int[] out_lead) -> Tensor");
   m.def("exchange_release(int handle) -> ()");
 }
@@ -334,12 +343,14 @@ STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
 
 // exchange_schedule takes host move lists (its CUDA registration only answers device tensors with a clear error);
 // exchange_run is registered on CPU only to refuse a CPU src by name (the move runs on CUDA).
-#define PC_EXCHANGE_IMPLS(m)                                                        \
+#define PC_EXCHANGE_IMPLS(m)                                             \
   PC_IMPL(m, "exchange_gather_sum", &packcuda::th::exchange_gather_sum); \
-  PC_IMPL(m, "exchange_schedule", &packcuda::th::exchange_schedule); \
+  PC_IMPL(m, "exchange_schedule", &packcuda::th::exchange_schedule);     \
   PC_IMPL(m, "exchange_run", &packcuda::th::exchange_run);
 
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_EXCHANGE_IMPLS(m) }
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {PC_EXCHANGE_IMPLS(m)}
 #ifdef USE_CUDA
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) { PC_EXCHANGE_IMPLS(m) }
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
+  PC_EXCHANGE_IMPLS(m)
+}
 #endif

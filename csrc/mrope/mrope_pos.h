@@ -76,9 +76,9 @@ MRopeTableLayout mrope_table_layout(int64_t head, int64_t n_images, const MRopeG
 // Writes entries [L.head, L.size()) of the block table (the head is the caller's) from valid grids (t, h, w >= 1;
 // h and w divisible by `merge`) into out[0, L.size()). `secs` (one per video row) and `tokens_per_second` may be
 // null. Qwen2.5-VL video interval: float32(tokens_per_second) * float32(secs[v]) (1.0 without secs).
-void fill_mrope_block_table(int64_t* out, const MRopeTableLayout& L, const MRopeGrid* images,
-                            const MRopeGrid* videos, int64_t n_videos, const float* secs, int64_t merge,
-                            const double* tokens_per_second, bool per_frame, bool text_after_max);
+void fill_mrope_block_table(int64_t* out, const MRopeTableLayout& L, const MRopeGrid* images, const MRopeGrid* videos,
+                            int64_t n_videos, const float* secs, int64_t merge, const double* tokens_per_second,
+                            bool per_frame, bool text_after_max);
 
 // The block table in a vector (head first), plus which grid row (`row`) and video frame (`frame`, -1 for whole
 // blocks) each block comes from, for messages naming a block.

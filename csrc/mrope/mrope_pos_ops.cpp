@@ -45,10 +45,8 @@ int64_t read_grid(const char* name, const Tensor& g, int64_t merge, std::vector<
   PC_ARG(g.size(1) == 3, kOp, name, " must have shape [n, 3] (rows [t, h, w]), got ", shape_str(g));
   const int64_t n = g.size(0);
   const size_t first = out.size();
-  if (dt == ST::Int)
-    read_rows<int32_t>(g, n, out);
-  else
-    read_rows<int64_t>(g, n, out);
+  if (dt == ST::Int) read_rows<int32_t>(g, n, out);
+  else read_rows<int64_t>(g, n, out);
   const rope::MergeDiv md(merge);
   for (int64_t i = 0; i < n; ++i) {
     const Grid& r = out[first + i];
@@ -126,8 +124,8 @@ int64_t check_grid_sizes(const Grids& g, int64_t merge, const double* tps, bool 
         PC_ARG(std::isfinite(interval), kOp, kGridName[m], "[", i, "]: the time interval tokens_per_second * ",
                "second_per_grid_ts[", i, "] overflows float32");
         const float p = static_cast<float>(r.t - 1) * interval;  // as rope::temporal_index computes it
-        PC_ARG(std::isfinite(p) && p < 9.2233720368547758e18f, kOp, kGridName[m], "[", i, "] = [", r.t, ", ", r.h,
-               ", ", r.w, "]: its temporal positions (t-1) * ", interval,
+        PC_ARG(std::isfinite(p) && p < 9.2233720368547758e18f, kOp, kGridName[m], "[", i, "] = [", r.t, ", ", r.h, ", ",
+               r.w, "]: its temporal positions (t-1) * ", interval,
                " (tokens_per_second * second_per_grid_ts) overflow int64");
         adv = ck::add(kOp, kBound, rope::max3(rope::temporal_index(r.t - 1, interval), hm, wm), 1);
       }
@@ -143,20 +141,20 @@ std::string describe(const rope::MRopeBlockTable& b, const Grids& g, int m, int6
   if (k >= b.n[m]) return detail::cat(kModName[m], " block ", k);
   const int64_t r = b.row[m][k];
   const Grid& gr = (m == 0 ? g.images() : g.videos())[r];
-  std::string s = detail::cat(kModName[m], " block ", k, " (", kGridName[m], "[", r, "] = [", gr.t, ", ", gr.h,
-                              ", ", gr.w, "]");
+  std::string s =
+      detail::cat(kModName[m], " block ", k, " (", kGridName[m], "[", r, "] = [", gr.t, ", ", gr.h, ", ", gr.w, "]");
   if (b.frame[m][k] >= 0) s += detail::cat(", frame ", b.frame[m][k]);
   return s + ")";
 }
 
 template <typename I>
-std::string error_message(int64_t key, const Grids& g, int64_t merge, const std::optional<double>& tps,
-                          bool per_frame, bool text_after_max, const I* ids, int64_t total,
-                          const std::vector<int64_t>& cu, int64_t image_id, int64_t video_id) {
+std::string error_message(int64_t key, const Grids& g, int64_t merge, const std::optional<double>& tps, bool per_frame,
+                          bool text_after_max, const I* ids, int64_t total, const std::vector<int64_t>& cu,
+                          int64_t image_id, int64_t video_id) {
   const double tps_v = tps.value_or(0.0);
-  const rope::MRopeBlockTable b = rope::build_mrope_block_table(
-      {}, g.images(), g.n_images, g.videos(), g.n_videos, g.secs, merge, tps.has_value() ? &tps_v : nullptr,
-      per_frame, text_after_max);
+  const rope::MRopeBlockTable b =
+      rope::build_mrope_block_table({}, g.images(), g.n_images, g.videos(), g.n_videos, g.secs, merge,
+                                    tps.has_value() ? &tps_v : nullptr, per_frame, text_after_max);
   const int code = rope::mrope_key_code(key);
   const int m = rope::mrope_key_modality(key);
   const int64_t t = rope::mrope_key_token(key);
@@ -182,8 +180,7 @@ std::string error_message(int64_t key, const Grids& g, int64_t merge, const std:
     case rope::kMissingRun:
       return detail::cat(kGridName[m], " describes ", b.n[m], " ", kModName[m], " blocks", unit,
                          " but input_ids has only ", k, " runs of ", kModName[m], " tokens");
-    default:
-      return detail::cat("invalid run structure (error key ", key, ")");
+    default: return detail::cat("invalid run structure (error key ", key, ")");
   }
 }
 
@@ -195,8 +192,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
                                                               Tensor image_grid_thw, Tensor video_grid_thw,
                                                               Tensor second_per_grid_ts, int64_t image_token_id,
                                                               int64_t video_token_id, int64_t spatial_merge_size,
-                                                              std::optional<double> tokens_per_second,
-                                                              bool per_frame, bool text_after_max) {
+                                                              std::optional<double> tokens_per_second, bool per_frame,
+                                                              bool text_after_max) {
   if (input_ids.dim() != 1) check_dim(kOp, "input_ids", input_ids, 1);
   const ST id_type = input_ids.scalar_type();
   if (id_type != ST::Int && id_type != ST::Long) check_dtype(kOp, "input_ids", input_ids, {ST::Int, ST::Long});
@@ -208,8 +205,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
   const torch::stable::Device device = input_ids.device();
   const Segments seg = segments(kOp, "cu_seqlens", cu_seqlens, device, total, /*upload=*/false);
   const bool cu_in_table = seg.on_host;
-  const Grids g = read_grids(image_grid_thw, video_grid_thw, second_per_grid_ts, spatial_merge_size,
-                             tokens_per_second);
+  const Grids g = read_grids(image_grid_thw, video_grid_thw, second_per_grid_ts, spatial_merge_size, tokens_per_second);
   const double tps_v = tokens_per_second.value_or(0.0);
   const double* tps = tokens_per_second.has_value() ? &tps_v : nullptr;
   const int64_t vision_tokens = check_grid_sizes(g, spatial_merge_size, tps, per_frame, total);
@@ -217,15 +213,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
   const rope::MRopeTableLayout L = rope::mrope_table_layout(head, g.n_images, g.videos(), g.n_videos, per_frame);
   if (total == 0)
     for (int m = 0; m < 2; ++m)
-      PC_ARG(L.n[m] == 0, kOp, kGridName[m], " describes ", L.n[m], " ", kModName[m],
-             " blocks but input_ids is empty");
+      PC_ARG(L.n[m] == 0, kOp, kGridName[m], " describes ", L.n[m], " ", kModName[m], " blocks but input_ids is empty");
   PC_ARG(vision_tokens <= total, kOp, "image_grid_thw and video_grid_thw describe ", vision_tokens,
          " vision tokens (t*h*w / spatial_merge_size**2 per row) but input_ids has only ", total, " tokens");
   // The table: [cu_seqlens (host metadata only)] [block rows] [prefix sums].
   auto fill = [&](int64_t* out) {
     if (head) std::memcpy(out, seg.host.data(), static_cast<size_t>(head) * sizeof(int64_t));
-    rope::fill_mrope_block_table(out, L, g.images(), g.videos(), g.n_videos, g.secs, spatial_merge_size, tps,
-                                 per_frame, text_after_max);
+    rope::fill_mrope_block_table(out, L, g.images(), g.videos(), g.n_videos, g.secs, spatial_merge_size, tps, per_frame,
+                                 text_after_max);
   };
 
   Tensor pos = new_tensor({3, total}, ST::Long, device);
@@ -234,50 +229,53 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mrope_position_ids(Tensor input_ids, 
   Tensor status = new_tensor({1}, ST::Long, device);
   const int esz = id_type == ST::Int ? 4 : 8;
 
-  run_kernel(input_ids, [&] {
-    std::vector<int64_t> table(static_cast<size_t>(L.size()));
-    fill(table.data());
-    const rope::MRopeTables tb = L.tables(table.data(), table.data(), seg.count, image_token_id, video_token_id);
-    const int64_t key = rope::mrope_pos_cpu(pos.mutable_data_ptr<int64_t>(), text_pos.mutable_data_ptr<int64_t>(),
-                                            deltas.mutable_data_ptr<int64_t>(), input_ids.const_data_ptr(), esz,
-                                            total, tb);
-    if (key != rope::kMRopeOk) {
-      const void* ids = input_ids.const_data_ptr();
-      std::string msg =
-          esz == 4 ? error_message(key, g, spatial_merge_size, tokens_per_second, per_frame, text_after_max,
-                                   static_cast<const int32_t*>(ids), total, seg.host, image_token_id, video_token_id)
-                   : error_message(key, g, spatial_merge_size, tokens_per_second, per_frame, text_after_max,
-                                   static_cast<const int64_t*>(ids), total, seg.host, image_token_id, video_token_id);
-      PC_ARG(false, kOp, msg);
-    }
-    *status.mutable_data_ptr<int64_t>() = rope::kMRopeOk;
-  }, [&](auto stream) {
-    // [table][arrival counter = 0]: the kernels' counter travels with the table (no memset).
-    Tensor staging = new_tensor({L.size() + 1}, ST::Long, torch::stable::Device(torch::headeronly::DeviceType::CPU),
-                                /*pinned=*/true);
-    int64_t* host = staging.mutable_data_ptr<int64_t>();
-    fill(host);
-    host[L.size()] = 0;
-    Tensor table = new_tensor({L.size() + 1}, ST::Long, device);
-    copy_into(table, staging, /*non_blocking=*/true);  // the one host-to-device copy (no sync)
-    int64_t* tp = table.mutable_data_ptr<int64_t>();
-    const rope::MRopeTables tb =
-        L.tables(tp, cu_in_table ? tp : seg.ptr(), seg.count, image_token_id, video_token_id);
-    const size_t ws = rope::mrope_pos_cuda_workspace(total, seg.count);
-    Tensor work = new_tensor({static_cast<int64_t>(ws)}, ST::Byte, device);
-    rope::mrope_pos_cuda(pos.mutable_data_ptr<int64_t>(), text_pos.mutable_data_ptr<int64_t>(),
-                         deltas.mutable_data_ptr<int64_t>(), status.mutable_data_ptr<int64_t>(),
-                         work.mutable_data_ptr(), ws, tp + L.size(), input_ids.const_data_ptr(), esz, total, tb,
-                         stream);
-  });
+  run_kernel(
+      input_ids,
+      [&] {
+        std::vector<int64_t> table(static_cast<size_t>(L.size()));
+        fill(table.data());
+        const rope::MRopeTables tb = L.tables(table.data(), table.data(), seg.count, image_token_id, video_token_id);
+        const int64_t key =
+            rope::mrope_pos_cpu(pos.mutable_data_ptr<int64_t>(), text_pos.mutable_data_ptr<int64_t>(),
+                                deltas.mutable_data_ptr<int64_t>(), input_ids.const_data_ptr(), esz, total, tb);
+        if (key != rope::kMRopeOk) {
+          const void* ids = input_ids.const_data_ptr();
+          std::string msg =
+              esz == 4
+                  ? error_message(key, g, spatial_merge_size, tokens_per_second, per_frame, text_after_max,
+                                  static_cast<const int32_t*>(ids), total, seg.host, image_token_id, video_token_id)
+                  : error_message(key, g, spatial_merge_size, tokens_per_second, per_frame, text_after_max,
+                                  static_cast<const int64_t*>(ids), total, seg.host, image_token_id, video_token_id);
+          PC_ARG(false, kOp, msg);
+        }
+        *status.mutable_data_ptr<int64_t>() = rope::kMRopeOk;
+      },
+      [&](auto stream) {
+        // [table][arrival counter = 0]: the kernels' counter travels with the table (no memset).
+        Tensor staging = new_tensor({L.size() + 1}, ST::Long, torch::stable::Device(torch::headeronly::DeviceType::CPU),
+                                    /*pinned=*/true);
+        int64_t* host = staging.mutable_data_ptr<int64_t>();
+        fill(host);
+        host[L.size()] = 0;
+        Tensor table = new_tensor({L.size() + 1}, ST::Long, device);
+        copy_into(table, staging, /*non_blocking=*/true);  // the one host-to-device copy (no sync)
+        int64_t* tp = table.mutable_data_ptr<int64_t>();
+        const rope::MRopeTables tb =
+            L.tables(tp, cu_in_table ? tp : seg.ptr(), seg.count, image_token_id, video_token_id);
+        const size_t ws = rope::mrope_pos_cuda_workspace(total, seg.count);
+        Tensor work = new_tensor({static_cast<int64_t>(ws)}, ST::Byte, device);
+        rope::mrope_pos_cuda(pos.mutable_data_ptr<int64_t>(), text_pos.mutable_data_ptr<int64_t>(),
+                             deltas.mutable_data_ptr<int64_t>(), status.mutable_data_ptr<int64_t>(),
+                             work.mutable_data_ptr(), ws, tp + L.size(), input_ids.const_data_ptr(), esz, total, tb,
+                             stream);
+      });
   return {pos, text_pos, deltas, status};
 }
 
 // The token a status word of mrope_position_ids points at (the first token of the earliest bad run), or -1 for
 // a good one: the status layout (mrope_error_key) is read here only, Python asks this op.
 int64_t mrope_status_token(int64_t status) {
-  PC_ARG(status >= 0, "mrope_status_token", "status must be a status word of mrope_position_ids (>= 0), got ",
-         status);
+  PC_ARG(status >= 0, "mrope_status_token", "status must be a status word of mrope_position_ids (>= 0), got ", status);
   return status == rope::kMRopeOk ? -1 : rope::mrope_key_token(status);
 }
 
@@ -293,15 +291,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
       "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
-  PC_IMPL(m, "mrope_status_token", &packcuda::th::mrope_status_token);
-}
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) { PC_IMPL(m, "mrope_status_token", &packcuda::th::mrope_status_token); }
 
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {
-  PC_IMPL(m, "mrope_position_ids", &packcuda::th::mrope_position_ids);
-}
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_IMPL(m, "mrope_position_ids", &packcuda::th::mrope_position_ids); }
 #ifdef USE_CUDA
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
-  PC_IMPL(m, "mrope_position_ids", &packcuda::th::mrope_position_ids);
-}
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) { PC_IMPL(m, "mrope_position_ids", &packcuda::th::mrope_position_ids); }
 #endif

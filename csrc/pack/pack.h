@@ -21,15 +21,14 @@ void gather_rows_cuda(void* out, const void* src, const int64_t* index, int64_t 
 // Row scatter into zeros: out = 0 (n_out rows), then out[index[i], :] = src[i, :] for index[i] >= 0.
 // Non-negative indices must be unique (then the result is deterministic). Lead dimension as for the gather:
 // src block l (n_src rows) starts src_lead_bytes * l bytes after src, out is [lead, n_out, row] contiguous.
-void scatter_rows_cpu(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
-                      int64_t row_bytes, int64_t lead = 1, int64_t src_lead_bytes = 0);
+void scatter_rows_cpu(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src, int64_t row_bytes,
+                      int64_t lead = 1, int64_t src_lead_bytes = 0);
 void scatter_rows_cuda(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
                        int64_t row_bytes, cudaStream_t stream, int64_t lead = 1, int64_t src_lead_bytes = 0);
 
 // Inverse of a unique index: inv[index[i]] = i for index[i] >= 0, inv = -1 elsewhere (n_inv entries).
 void invert_index_cpu(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index);
-void invert_index_cuda(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index,
-                       cudaStream_t stream);
+void invert_index_cuda(int64_t* inv, int64_t n_inv, const int64_t* index, int64_t n_index, cudaStream_t stream);
 
 // Position of every token inside its segment: out[t] = t - cu[seg(t)], t in [0, cu[nseg]).
 void segment_positions_cpu(int64_t* out, const int64_t* cu, int64_t nseg, int64_t total);
@@ -37,10 +36,10 @@ void segment_positions_cuda(int64_t* out, const int64_t* cu, int64_t nseg, int64
 
 // Next-token labels: out[t] = ids[t + 1] if t + 1 is in t's segment, else ignore_index.
 // ids/out are int32 (elem_size 4) or int64 (elem_size 8).
-void next_token_labels_cpu(void* out, const void* ids, int elem_size, const int64_t* cu, int64_t nseg,
-                           int64_t total, int64_t ignore_index);
-void next_token_labels_cuda(void* out, const void* ids, int elem_size, const int64_t* cu, int64_t nseg,
-                            int64_t total, int64_t ignore_index, cudaStream_t stream);
+void next_token_labels_cpu(void* out, const void* ids, int elem_size, const int64_t* cu, int64_t nseg, int64_t total,
+                           int64_t ignore_index);
+void next_token_labels_cuda(void* out, const void* ids, int elem_size, const int64_t* cu, int64_t nseg, int64_t total,
+                            int64_t ignore_index, cudaStream_t stream);
 
 // Flat positions (b * seqlen + j) of the valid tokens of a right-padded batch with segment lengths cu.
 void right_pad_indices_cpu(int64_t* out, const int64_t* cu, int64_t nseg, int64_t seqlen, int64_t total);

@@ -119,13 +119,16 @@ Tensor gather_rows(Tensor src, Tensor index, double fill, int64_t dim, std::opti
   if (!new_rows_out(op, "the output size", src, dim, n_out, out)) return out;
   const RowView v = rows_of(src, dim);
   const int esz = static_cast<int>(element_size(dt));
-  run_kernel(src, [&] {
-    pack::gather_rows_cpu(out.mutable_data_ptr(), src.const_data_ptr(), index.const_data_ptr<int64_t>(), n_out,
-                          v.row_bytes, fbits, esz, v.lead, v.lead_bytes);
-  }, [&](auto stream) {
-    pack::gather_rows_cuda(out.mutable_data_ptr(), src.const_data_ptr(), index.const_data_ptr<int64_t>(), n_out,
-                           v.row_bytes, fbits, esz, stream, v.lead, v.lead_bytes);
-  });
+  run_kernel(
+      src,
+      [&] {
+        pack::gather_rows_cpu(out.mutable_data_ptr(), src.const_data_ptr(), index.const_data_ptr<int64_t>(), n_out,
+                              v.row_bytes, fbits, esz, v.lead, v.lead_bytes);
+      },
+      [&](auto stream) {
+        pack::gather_rows_cuda(out.mutable_data_ptr(), src.const_data_ptr(), index.const_data_ptr<int64_t>(), n_out,
+                               v.row_bytes, fbits, esz, stream, v.lead, v.lead_bytes);
+      });
   return out;
 }
 
@@ -146,22 +149,25 @@ Tensor scatter_rows(Tensor src, Tensor index, int64_t num_rows, int64_t dim) {
   // gather, so every output byte is written exactly once.
   [[maybe_unused]] const int esz = static_cast<int>(element_size(dt));
   [[maybe_unused]] const bool direct = v.row_bytes <= 64;
-  run_kernel(src, [&] {
-    pack::scatter_rows_cpu(out.mutable_data_ptr(), num_rows, src.const_data_ptr(), index.const_data_ptr<int64_t>(),
-                           index.numel(), v.row_bytes, v.lead, v.lead_bytes);
-  }, [&](auto stream) {
-    if (direct) {
-      pack::scatter_rows_cuda(out.mutable_data_ptr(), num_rows, src.const_data_ptr(),
-                              index.const_data_ptr<int64_t>(), index.numel(), v.row_bytes, stream, v.lead,
-                              v.lead_bytes);
-    } else {
-      Tensor inv = new_tensor({num_rows}, ST::Long, index.device());
-      pack::invert_index_cuda(inv.mutable_data_ptr<int64_t>(), num_rows, index.const_data_ptr<int64_t>(),
-                              index.numel(), stream);
-      pack::gather_rows_cuda(out.mutable_data_ptr(), src.const_data_ptr(), inv.const_data_ptr<int64_t>(),
-                             num_rows, v.row_bytes, 0, esz, stream, v.lead, v.lead_bytes);
-    }
-  });
+  run_kernel(
+      src,
+      [&] {
+        pack::scatter_rows_cpu(out.mutable_data_ptr(), num_rows, src.const_data_ptr(), index.const_data_ptr<int64_t>(),
+                               index.numel(), v.row_bytes, v.lead, v.lead_bytes);
+      },
+      [&](auto stream) {
+        if (direct) {
+          pack::scatter_rows_cuda(out.mutable_data_ptr(), num_rows, src.const_data_ptr(),
+                                  index.const_data_ptr<int64_t>(), index.numel(), v.row_bytes, stream, v.lead,
+                                  v.lead_bytes);
+        } else {
+          Tensor inv = new_tensor({num_rows}, ST::Long, index.device());
+          pack::invert_index_cuda(inv.mutable_data_ptr<int64_t>(), num_rows, index.const_data_ptr<int64_t>(),
+                                  index.numel(), stream);
+          pack::gather_rows_cuda(out.mutable_data_ptr(), src.const_data_ptr(), inv.const_data_ptr<int64_t>(), num_rows,
+                                 v.row_bytes, 0, esz, stream, v.lead, v.lead_bytes);
+        }
+      });
   return out;
 }
 
@@ -173,11 +179,11 @@ Tensor segment_positions(Tensor cu_seqlens, int64_t total, std::optional<Device>
   checked_nbytes(op, "total", {total}, ST::Long);
   Tensor out = new_tensor({total}, ST::Long, target);
   if (total == 0) return out;
-  run_kernel(out, [&] {
-    pack::segment_positions_cpu(out.mutable_data_ptr<int64_t>(), seg.ptr(), seg.count, total);
-  }, [&](auto stream) {
-    pack::segment_positions_cuda(out.mutable_data_ptr<int64_t>(), seg.ptr(), seg.count, total, stream);
-  });
+  run_kernel(
+      out, [&] { pack::segment_positions_cpu(out.mutable_data_ptr<int64_t>(), seg.ptr(), seg.count, total); },
+      [&](auto stream) {
+        pack::segment_positions_cuda(out.mutable_data_ptr<int64_t>(), seg.ptr(), seg.count, total, stream);
+      });
   return out;
 }
 
@@ -195,13 +201,16 @@ Tensor next_token_labels(Tensor input_ids, Tensor cu_seqlens, int64_t ignore_ind
   Tensor out = new_tensor({total}, input_ids.scalar_type(), input_ids.device());
   if (total == 0) return out;
   const int esz = static_cast<int>(element_size(input_ids.scalar_type()));
-  run_kernel(out, [&] {
-    pack::next_token_labels_cpu(out.mutable_data_ptr(), input_ids.const_data_ptr(), esz, seg.ptr(), seg.count,
-                                total, ignore_index);
-  }, [&](auto stream) {
-    pack::next_token_labels_cuda(out.mutable_data_ptr(), input_ids.const_data_ptr(), esz, seg.ptr(), seg.count,
-                                 total, ignore_index, stream);
-  });
+  run_kernel(
+      out,
+      [&] {
+        pack::next_token_labels_cpu(out.mutable_data_ptr(), input_ids.const_data_ptr(), esz, seg.ptr(), seg.count,
+                                    total, ignore_index);
+      },
+      [&](auto stream) {
+        pack::next_token_labels_cuda(out.mutable_data_ptr(), input_ids.const_data_ptr(), esz, seg.ptr(), seg.count,
+                                     total, ignore_index, stream);
+      });
   return out;
 }
 
@@ -214,17 +223,16 @@ Tensor right_pad_indices(Tensor cu_seqlens, int64_t seqlen, int64_t total, std::
   // the flat positions b * seqlen + j must fit int64
   checked::mul(op, "batch size * seqlen", seg.count, seqlen);
   for (int64_t i = 0; seg.on_host && i < seg.count; ++i)
-    PC_ARG(seg.host[i + 1] - seg.host[i] <= seqlen, op, "length of sequence ", i, " (",
-           seg.host[i + 1] - seg.host[i], ") exceeds seqlen ", seqlen);
+    PC_ARG(seg.host[i + 1] - seg.host[i] <= seqlen, op, "length of sequence ", i, " (", seg.host[i + 1] - seg.host[i],
+           ") exceeds seqlen ", seqlen);
   checked_nbytes(op, "total", {total}, ST::Long);
   Tensor out = new_tensor({total}, ST::Long, target);
   if (total == 0) return out;
-  run_kernel(out, [&] {
-    pack::right_pad_indices_cpu(out.mutable_data_ptr<int64_t>(), seg.ptr(), seg.count, seqlen, total);
-  }, [&](auto stream) {
-    pack::right_pad_indices_cuda(out.mutable_data_ptr<int64_t>(), seg.ptr(), seg.count, seqlen, total,
-                                 stream);
-  });
+  run_kernel(
+      out, [&] { pack::right_pad_indices_cpu(out.mutable_data_ptr<int64_t>(), seg.ptr(), seg.count, seqlen, total); },
+      [&](auto stream) {
+        pack::right_pad_indices_cuda(out.mutable_data_ptr<int64_t>(), seg.ptr(), seg.count, seqlen, total, stream);
+      });
   return out;
 }
 
@@ -250,11 +258,9 @@ Tensor mask_indices(Tensor mask, Tensor cu_seqlens, int64_t total) {
   checked_nbytes(op, "total", {total}, ST::Long);
   Tensor out = new_tensor({total}, ST::Long, mask.device());
   if (total == 0) return out;
-  run_kernel(out, [&] {
-    pack::mask_indices_cpu(out.mutable_data_ptr<int64_t>(), m, rows, cols, seg.ptr());
-  }, [&](auto stream) {
-    pack::mask_indices_cuda(out.mutable_data_ptr<int64_t>(), m, rows, cols, seg.ptr(), stream);
-  });
+  run_kernel(
+      out, [&] { pack::mask_indices_cpu(out.mutable_data_ptr<int64_t>(), m, rows, cols, seg.ptr()); },
+      [&](auto stream) { pack::mask_indices_cuda(out.mutable_data_ptr<int64_t>(), m, rows, cols, seg.ptr(), stream); });
   return out;
 }
 

@@ -39,8 +39,7 @@ struct StaticRelayout {
       return locate_row(src_layout, cu_padded, nseg, cp, total_local, g, &loc) ? loc.rank * total_local + i : -1;
     }
     const int64_t g = shard::padded_row(src_layout, cu_padded, nseg, cp, total_local, rank, i);
-    return locate_row(dst_layout, cu_padded, nseg, cp, total_local, g, &loc) ? loc.rank * total_local + loc.slot
-                                                                             : -1;
+    return locate_row(dst_layout, cu_padded, nseg, cp, total_local, g, &loc) ? loc.rank * total_local + loc.slot : -1;
   }
 };
 

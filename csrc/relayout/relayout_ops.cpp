@@ -18,9 +18,8 @@ using torch::stable::Device;
 // plan (dst_layout, dst_align, dst_bucket) of the same cu_seqlens (parameters as shard_plan): both layouts must
 // index one padded stream (the same cu_seqlens_padded). The outputs of schedule_tensors.
 std::vector<Tensor> relayout_schedule(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, std::string src_layout_str,
-                                      int64_t src_align, std::optional<int64_t> src_bucket,
-                                      std::string dst_layout_str, int64_t dst_align,
-                                      std::optional<int64_t> dst_bucket) {
+                                      int64_t src_align, std::optional<int64_t> src_bucket, std::string dst_layout_str,
+                                      int64_t dst_align, std::optional<int64_t> dst_bucket) {
   const char* op = "relayout_schedule";
   const Layout src_layout = parse_layout(op, "src_layout", src_layout_str);
   const Layout dst_layout = parse_layout(op, "dst_layout", dst_layout_str);
@@ -30,20 +29,21 @@ std::vector<Tensor> relayout_schedule(Tensor cu_seqlens, int64_t cp_size, int64_
   checked_layout_args(op, cu_seqlens, cp_size, cp_rank, dst_layout, dst_align, dst_bucket);
   check_schedule_cp(op, "cp_size", cp_size);
   const int64_t nseq = static_cast<int64_t>(cu.size()) - 1;
-  const shard::HostLayout a = shard::build_layout(cu.data(), nseq, cp_size, cp_rank, layout_code(src_layout),
-                                                  src_align, src_bucket.value_or(1));
-  const shard::HostLayout b = shard::build_layout(cu.data(), nseq, cp_size, cp_rank, layout_code(dst_layout),
-                                                  dst_align, dst_bucket.value_or(1));
+  const shard::HostLayout a = shard::build_layout(cu.data(), nseq, cp_size, cp_rank, layout_code(src_layout), src_align,
+                                                  src_bucket.value_or(1));
+  const shard::HostLayout b = shard::build_layout(cu.data(), nseq, cp_size, cp_rank, layout_code(dst_layout), dst_align,
+                                                  dst_bucket.value_or(1));
   PC_ARG(a.cu_padded == b.cu_padded, op, "the two plans do not index one padded stream: src_align=", src_align,
          ", src_bucket=", src_bucket.value_or(0), " pad the batch to ", a.total_padded, " rows in ",
-         a.cu_padded.size() - 1, " segments (", layout_name(src_layout), "), dst_align=", dst_align, ", dst_bucket=",
-         dst_bucket.value_or(0), " to ", b.total_padded, " rows in ", b.cu_padded.size() - 1, " segments (",
-         layout_name(dst_layout), "); build both plans with the same align (a multiple of 2*cp_size) and bucket");
+         a.cu_padded.size() - 1, " segments (", layout_name(src_layout), "), dst_align=", dst_align,
+         ", dst_bucket=", dst_bucket.value_or(0), " to ", b.total_padded, " rows in ", b.cu_padded.size() - 1,
+         " segments (", layout_name(dst_layout),
+         "); build both plans with the same align (a multiple of 2*cp_size) and bucket");
   const int64_t nseg = static_cast<int64_t>(a.cu_padded.size()) - 1;
-  return schedule_tensors(exchange::build_schedule(
-      op, cp_size, cp_rank, a.total_local, b.total_local,
-      relayout::moves(a.cu_padded.data(), nseg, cp_size, cp_rank, layout_code(src_layout),
-                      layout_code(dst_layout), a.total_local)));
+  return schedule_tensors(
+      exchange::build_schedule(op, cp_size, cp_rank, a.total_local, b.total_local,
+                               relayout::moves(a.cu_padded.data(), nseg, cp_size, cp_rank, layout_code(src_layout),
+                                               layout_code(dst_layout), a.total_local)));
 }
 
 // The static move's tables of rank cp_rank between the two layouts of one static padded stream
@@ -84,8 +84,8 @@ std::tuple<Tensor, Tensor, Tensor> relayout_static_tables(Tensor cu_seqlens_padd
   t.n_unpack = total_local;
   t.bwd = bwd.mutable_data_ptr<int64_t>();
   t.n_bwd = total_local;
-  run_kernel(cp, [&] { relayout::static_tables_cpu(r, t); },
-             [&](auto stream) { relayout::static_tables_cuda(r, t, stream); });
+  run_kernel(
+      cp, [&] { relayout::static_tables_cpu(r, t); }, [&](auto stream) { relayout::static_tables_cuda(r, t, stream); });
   return {send, unpack, bwd};
 }
 
@@ -93,19 +93,23 @@ std::tuple<Tensor, Tensor, Tensor> relayout_static_tables(Tensor cu_seqlens_padd
 }  // namespace packcuda::th
 
 STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
-  m.def("relayout_schedule(Tensor cu_seqlens, int cp_size, int cp_rank, str src_layout, int src_align, "
-        "int? src_bucket, str dst_layout, int dst_align, int? dst_bucket) -> Tensor[]");
-  m.def("relayout_static_tables(Tensor cu_seqlens_padded, int cp_size, int cp_rank, str src_layout, str dst_layout, "
-        "int capacity) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "relayout_schedule(Tensor cu_seqlens, int cp_size, int cp_rank, str src_layout, int src_align, "
+      "int? src_bucket, str dst_layout, int dst_align, int? dst_bucket) -> Tensor[]");
+  m.def(
+      "relayout_static_tables(Tensor cu_seqlens_padded, int cp_size, int cp_rank, str src_layout, str dst_layout, "
+      "int capacity) -> (Tensor, Tensor, Tensor)");
 }
 
 // relayout_schedule takes host metadata (its CUDA registration only answers a device tensor with a clear error);
 // relayout_static_tables runs on the device of its input.
-#define PC_RELAYOUT_IMPLS(m)                                                              \
-  PC_IMPL(m, "relayout_schedule", &packcuda::th::relayout_schedule);               \
+#define PC_RELAYOUT_IMPLS(m)                                         \
+  PC_IMPL(m, "relayout_schedule", &packcuda::th::relayout_schedule); \
   PC_IMPL(m, "relayout_static_tables", &packcuda::th::relayout_static_tables);
 
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_RELAYOUT_IMPLS(m) }
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) {PC_RELAYOUT_IMPLS(m)}
 #ifdef USE_CUDA
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) { PC_RELAYOUT_IMPLS(m) }
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) {
+  PC_RELAYOUT_IMPLS(m)
+}
 #endif

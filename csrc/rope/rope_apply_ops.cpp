@@ -17,7 +17,6 @@ namespace {
 
 using torch::stable::Device;
 
-
 // Metadata tensor on the data's device: device tensors are used as they are (no copy); CPU tensors for a
 // CUDA op are uploaded with a non-blocking copy (no sync).
 Tensor on_device(const Tensor& meta, const Tensor& data) {
@@ -51,8 +50,8 @@ void fill_view(rope::HeadsView& v, const Tensor& in, const Tensor& out) {
 
 // Validates everything before any kernel writes; shared by the out-of-place and in-place ops.
 Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor& positions, const Tensor& inv_freq,
-                 int64_t rotary_dim, const std::vector<int64_t>& mrope_section, bool mrope_interleaved,
-                 bool gptj, double attention_scaling) {
+                 int64_t rotary_dim, const std::vector<int64_t>& mrope_section, bool mrope_interleaved, bool gptj,
+                 double attention_scaling) {
   PC_ARG(q.dim() == 3 || q.dim() == 4, op, "q must be [T, Hq, D] or [B, S, Hq, D], got shape ", shape_str(q));
   PC_ARG(k.dim() == q.dim(), op, "k must have as many dims as q (", q.dim(), "), got shape ", shape_str(k));
   check_dtype(op, "q", q, {ST::BFloat16, ST::Half, ST::Float, ST::Double});
@@ -80,9 +79,9 @@ Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor&
   check_dtype(op, "inv_freq", inv_freq, {ST::Float});
   check_dim(op, "inv_freq", inv_freq, 1);
   PC_ARG(inv_freq.numel() == n, op, "inv_freq must have rotary_dim / 2 = ", n, " entries, got ", inv_freq.numel());
-  PC_ARG(inv_freq.is_cpu() || (q.is_cuda() && inv_freq.is_cuda() &&
-                               inv_freq.get_device_index() == q.get_device_index()),
-         op, "inv_freq is on ", device_str(inv_freq), " but q is on ", device_str(q));
+  PC_ARG(
+      inv_freq.is_cpu() || (q.is_cuda() && inv_freq.is_cuda() && inv_freq.get_device_index() == q.get_device_index()),
+      op, "inv_freq is on ", device_str(inv_freq), " but q is on ", device_str(q));
 
   // positions: plain [T] / [B*S], or [B, S] ([1, T] for q [T, H, D]); mRoPE the same behind a dim of 3 rows (t, h,
   // w) or of 4 rows whose first holds the text positions (transformers' and Megatron's [4, B, S]; not read here)
@@ -106,22 +105,21 @@ Prepared prepare(const char* op, const Tensor& q, const Tensor& k, const Tensor&
            "positions of shape ", shape_str(positions), " hold mRoPE rows (t, h, w): give mrope_section");
   }
   if (flat)
-    PC_ARG(positions.size(rows_dims) == B * S, op, "positions has ", positions.size(rows_dims),
-           " tokens but q has ", B * S);
+    PC_ARG(positions.size(rows_dims) == B * S, op, "positions has ", positions.size(rows_dims), " tokens but q has ",
+           B * S);
   else if (nd == 4)
     PC_ARG(positions.size(rows_dims) == B && positions.size(rows_dims + 1) == S, op, "positions has shape ",
            shape_str(positions), " but q has B=", B, ", S=", S);
   else
     PC_ARG(positions.size(rows_dims) == 1 && positions.size(rows_dims + 1) == S, op, "positions has shape ",
            shape_str(positions), " but q has ", S, " tokens (", want, ")");
-  PC_ARG(positions.is_cpu() || (q.is_cuda() && positions.is_cuda() &&
-                                positions.get_device_index() == q.get_device_index()),
+  PC_ARG(positions.is_cpu() ||
+             (q.is_cuda() && positions.is_cuda() && positions.get_device_index() == q.get_device_index()),
          op, "positions is on ", device_str(positions), " but q is on ", device_str(q));
 
   int layout = rope::kPlain;
   if (mrope) {
-    PC_ARG(mrope_section.size() == 3, op, "mrope_section must have 3 entries (t, h, w), got ",
-           mrope_section.size());
+    PC_ARG(mrope_section.size() == 3, op, "mrope_section must have 3 entries (t, h, w), got ", mrope_section.size());
     int64_t sum = 0;
     for (size_t i = 0; i < 3; ++i) {
       PC_ARG(mrope_section[i] >= 0, op, "mrope_section[", i, "] must be >= 0, got ", mrope_section[i]);
@@ -238,7 +236,7 @@ bool qk_may_overlap(const Tensor& q, const Tensor& k) {
   const int64_t n_out = tq.size() == 2 ? tq[0].first : 1, s_out = tq.size() == 2 ? tq[0].second : 0;
   const int64_t n_in = tq.empty() ? 1 : tq.back().first, s_in = tq.empty() ? 0 : tq.back().second;
   constexpr int64_t kMaxWork = int64_t{1} << 24;  // beyond this many (outer offset, q head, k head) triples the
-                                                 // pair is reported as overlapping rather than proven disjoint
+                                                  // pair is reported as overlapping rather than proven disjoint
   if (hq > kMaxWork || hk > kMaxWork || hq * hk > kMaxWork / (2 * n_out - 1)) return true;
   for (int64_t mo = -(n_out - 1); mo <= n_out - 1; ++mo)
     for (int64_t h = 0; h < hq; ++h)
@@ -272,28 +270,26 @@ void check_inplace_memory(const char* op, const Tensor& q, const Tensor& k, cons
   for (const auto& [name, t] : reads) {
     if (t == nullptr) continue;
     const Extent e = extent_of(op, name, *t);
-    PC_ARG(!(same_device(*t, q) && e.overlaps(eq)), op, name, " shares memory with q, which the in-place "
+    PC_ARG(!(same_device(*t, q) && e.overlaps(eq)), op, name,
+           " shares memory with q, which the in-place "
            "rotation writes");
-    PC_ARG(!(same_device(*t, k) && e.overlaps(ek)), op, name, " shares memory with k, which the in-place "
+    PC_ARG(!(same_device(*t, k) && e.overlaps(ek)), op, name,
+           " shares memory with k, which the in-place "
            "rotation writes");
   }
 }
 
 void launch(const Tensor& q, const rope::RopeArgs& a) {
   if (a.tokens == 0 || a.q.heads + a.k.heads == 0) return;
-  run_kernel(q, [&] {
-    rope::rope_apply_cpu(a);
-  }, [&](auto stream) {
-    rope::rope_apply_cuda(a, stream);
-  });
+  run_kernel(q, [&] { rope::rope_apply_cpu(a); }, [&](auto stream) { rope::rope_apply_cuda(a, stream); });
 }
 
 std::tuple<Tensor, Tensor> apply_rope(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, int64_t rotary_dim,
                                       std::vector<int64_t> mrope_section, bool mrope_interleaved, bool gptj,
                                       double attention_scaling, bool inverse) {
   const char* op = "apply_rope";
-  Prepared p = prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj,
-                       attention_scaling);
+  Prepared p =
+      prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj, attention_scaling);
   Tensor q_out = output_like(q);
   Tensor k_out = output_like(k);
   fill_view(p.args.q, q, q_out);
@@ -308,8 +304,8 @@ void apply_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, int64_t 
                  std::vector<int64_t> mrope_section, bool mrope_interleaved, bool gptj, double attention_scaling,
                  bool inverse) {
   const char* op = "apply_rope_";
-  Prepared p = prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj,
-                       attention_scaling);
+  Prepared p =
+      prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj, attention_scaling);
   check_inplace_memory(op, q, k, positions, inv_freq);
   fill_view(p.args.q, q, q);
   fill_view(p.args.k, k, k);
@@ -317,7 +313,6 @@ void apply_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, int64_t 
   p.args.copy_passthrough = false;
   launch(q, p.args);
 }
-
 
 // ---------------------------------------------------------------------------------------------------
 // QK norm fused with the rotation
@@ -342,11 +337,13 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
                           const Tensor& inv_freq, const Tensor& q_weight, const Tensor& k_weight, double eps,
                           const std::string& norm, int64_t rotary_dim, const std::vector<int64_t>& mrope_section,
                           bool mrope_interleaved, bool gptj, double attention_scaling) {
-  NormPrepared np{prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj,
-                          attention_scaling), {}, {}, {}};
+  NormPrepared np{
+      prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj, attention_scaling),
+      {},
+      {},
+      {}};
   const int64_t D = q.size(q.dim() - 1);
-  PC_ARG(D <= rope::kMaxNormHeadDim, op, "head_dim must be <= ", rope::kMaxNormHeadDim, " for the fused norm, got ",
-         D);
+  PC_ARG(D <= rope::kMaxNormHeadDim, op, "head_dim must be <= ", rope::kMaxNormHeadDim, " for the fused norm, got ", D);
   PC_ARG(!gptj || D % 2 == 0, op, "head_dim must be even with gptj pairs, got ", D);
   const Norm kind = parse_norm(op, norm);
   PC_ARG(std::isfinite(eps) && eps >= 0, op, "eps must be finite and >= 0, got ", eps);
@@ -381,13 +378,16 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
 
 void launch_norm(const Tensor& q, rope::NormArgs& a, bool backward) {
   if (a.r.tokens == 0 || a.r.q.heads + a.r.k.heads == 0) return;
-  run_kernel(q, [&] {
-    if (backward) rope::qk_norm_rope_backward_cpu(a);
-    else rope::qk_norm_rope_cpu(a);
-  }, [&](auto stream) {
-    if (backward) rope::qk_norm_rope_backward_cuda(a, stream);
-    else rope::qk_norm_rope_cuda(a, stream);
-  });
+  run_kernel(
+      q,
+      [&] {
+        if (backward) rope::qk_norm_rope_backward_cpu(a);
+        else rope::qk_norm_rope_cpu(a);
+      },
+      [&](auto stream) {
+        if (backward) rope::qk_norm_rope_backward_cuda(a, stream);
+        else rope::qk_norm_rope_cuda(a, stream);
+      });
 }
 
 std::tuple<Tensor, Tensor> qk_norm_rope(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight,
@@ -406,9 +406,9 @@ std::tuple<Tensor, Tensor> qk_norm_rope(Tensor q, Tensor k, Tensor positions, Te
   return {q_out, k_out};
 }
 
-void qk_norm_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight, Tensor k_weight,
-                   double eps, std::string norm, int64_t rotary_dim, std::vector<int64_t> mrope_section,
-                   bool mrope_interleaved, bool gptj, double attention_scaling) {
+void qk_norm_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight, Tensor k_weight, double eps,
+                   std::string norm, int64_t rotary_dim, std::vector<int64_t> mrope_section, bool mrope_interleaved,
+                   bool gptj, double attention_scaling) {
   const char* op = "apply_qk_norm_rope_";
   NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
                                  mrope_section, mrope_interleaved, gptj, attention_scaling);
@@ -421,10 +421,12 @@ void qk_norm_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor
 
 // grad_q / grad_k: the gradients of the outputs (shapes of q / k, any strides, last dim contiguous); q / k: the
 // forward's inputs. Returns (dq, dk, dq_weight, dk_weight), the weight gradients [D] in fp32 (fp64 for fp64 data).
-std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(
-    Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor q_weight,
-    Tensor k_weight, double eps, std::string norm, int64_t rotary_dim, std::vector<int64_t> mrope_section,
-    bool mrope_interleaved, bool gptj, double attention_scaling) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k,
+                                                                 Tensor positions, Tensor inv_freq, Tensor q_weight,
+                                                                 Tensor k_weight, double eps, std::string norm,
+                                                                 int64_t rotary_dim, std::vector<int64_t> mrope_section,
+                                                                 bool mrope_interleaved, bool gptj,
+                                                                 double attention_scaling) {
   const char* op = "apply_qk_norm_rope_backward";
   NormPrepared np = prepare_norm(op, q, k, positions, inv_freq, q_weight, k_weight, eps, norm, rotary_dim,
                                  mrope_section, mrope_interleaved, gptj, attention_scaling);
@@ -491,15 +493,14 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
       "Tensor k_weight, float eps, str norm, int rotary_dim, int[] mrope_section, bool mrope_interleaved=False, "
       "bool gptj=False, float attention_scaling=1.) -> ()");
   m.def(
-      "apply_qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor positions, Tensor inv_freq, "
+      "apply_qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor positions, Tensor "
+      "inv_freq, "
       "Tensor q_weight, Tensor k_weight, float eps, str norm, int rotary_dim, int[] mrope_section, "
       "bool mrope_interleaved=False, bool gptj=False, float attention_scaling=1.) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("rope_max_rotary_dim() -> int");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
-  PC_IMPL(m, "rope_max_rotary_dim", &packcuda::th::rope_max_rotary_dim);
-}
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) { PC_IMPL(m, "rope_max_rotary_dim", &packcuda::th::rope_max_rotary_dim); }
 
 #define PC_ROPE_APPLY_IMPLS(m)                                     \
   PC_IMPL(m, "apply_rope", &packcuda::th::apply_rope);             \

@@ -122,7 +122,9 @@ PC_HD F norm_xhat(F x, F rstd, int norm, Round round) {
 
 // Effective per-channel factor: w (kNormRms) or 1 + w (kNormRmsOffset).
 template <typename F>
-PC_HD F norm_gain(F w, int norm) { return norm == kNormRms ? w : F(1) + w; }
+PC_HD F norm_gain(F w, int norm) {
+  return norm == kNormRms ? w : F(1) + w;
+}
 
 // Backward of one row, per channel, given gn = the gradient w.r.t. the normalized value n (the incoming
 // gradient rotated back), x, rstd and the gain:

@@ -134,8 +134,7 @@ PC_HD SlotSource local_slot_source(const I* cu, int64_t nseq, const P* pieces, c
 // The per-slot tables of local slot s: index (source row), position, label_index (label source row).
 template <typename I, typename P>
 PC_HD void write_slot_tables(int64_t* index, int64_t* position, int64_t* label_index, const I* cu, int64_t nseq,
-                             const P* pieces, const P* piece_offset, const P* piece_seq, int64_t npieces,
-                             int64_t s) {
+                             const P* pieces, const P* piece_offset, const P* piece_seq, int64_t npieces, int64_t s) {
   const SlotSource src = local_slot_source(cu, nseq, pieces, piece_offset, piece_seq, npieces, s);
   index[s] = src.row;
   position[s] = src.position;
@@ -189,8 +188,8 @@ PC_HD int64_t padded_row(int layout, const I* cu_padded, int64_t nseg, int64_t c
 // Row of original token t in the concatenation of all ranks' local buffers ([cp * total_local] rows,
 // rank-major, as produced by an all-gather).
 template <typename I, typename J>
-PC_HD int64_t unshard_slot(int layout, const I* cu, int64_t nseq, const J* cu_padded, int64_t cp,
-                           int64_t total_local, int64_t t) {
+PC_HD int64_t unshard_slot(int layout, const I* cu, int64_t nseq, const J* cu_padded, int64_t cp, int64_t total_local,
+                           int64_t t) {
   const int64_t seg = find_segment(cu, nseq, t);
   const Location loc = locate(layout, cu_padded, cp, total_local, seg, t - static_cast<int64_t>(cu[seg]));
   return loc.rank * total_local + loc.slot;

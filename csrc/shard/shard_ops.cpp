@@ -32,8 +32,7 @@ void check_total_local(const char* op, int64_t total_local) {
 }  // namespace
 
 Layout parse_layout(const char* op, const char* name, const std::string& value) {
-  PC_ARG(value == "zigzag" || value == "contiguous", op, name, " must be 'zigzag' or 'contiguous', got '", value,
-         "'");
+  PC_ARG(value == "zigzag" || value == "contiguous", op, name, " must be 'zigzag' or 'contiguous', got '", value, "'");
   return value == "zigzag" ? Layout::Zigzag : Layout::Contiguous;
 }
 
@@ -51,7 +50,8 @@ std::vector<int64_t> checked_layout_args(const char* op, const Tensor& cu_seqlen
     // 2 * cp_size <= 2 * kMax: no overflow
     PC_ARG(align % (2 * cp_size) == 0, op, "zigzag align must be a multiple of 2*cp_size=", 2 * cp_size, ", got ",
            align);
-    PC_ARG(!bucket_opt || bucket % align == 0, op, "zigzag bucket must be a multiple of align=", align, ", got ", bucket);
+    PC_ARG(!bucket_opt || bucket % align == 0, op, "zigzag bucket must be a multiple of align=", align, ", got ",
+           bucket);
   }
   PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
          device_str(cu_seqlens));
@@ -67,7 +67,6 @@ std::vector<int64_t> checked_layout_args(const char* op, const Tensor& cu_seqlen
   return cu;
 }
 
-
 namespace {
 
 // Host cu_seqlens and the layout of one rank, after every argument check (shard_plan).
@@ -76,13 +75,13 @@ struct CheckedLayout {
   shard::HostLayout h;
 };
 
-CheckedLayout checked_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank,
-                             Layout layout, int64_t align, std::optional<int64_t> bucket_opt) {
+CheckedLayout checked_layout(const char* op, const Tensor& cu_seqlens, int64_t cp_size, int64_t cp_rank, Layout layout,
+                             int64_t align, std::optional<int64_t> bucket_opt) {
   CheckedLayout out;
   out.cu = checked_layout_args(op, cu_seqlens, cp_size, cp_rank, layout, align, bucket_opt);
   const int64_t nseq = static_cast<int64_t>(out.cu.size()) - 1;
-  out.h = shard::build_layout(out.cu.data(), nseq, cp_size, cp_rank, layout_code(layout), align,
-                              bucket_opt.value_or(1));
+  out.h =
+      shard::build_layout(out.cu.data(), nseq, cp_size, cp_rank, layout_code(layout), align, bucket_opt.value_or(1));
   return out;
 }
 
@@ -113,7 +112,13 @@ enum PlanSection : int { kSecCuPadded, kSecCuLocal, kSecPieces, kSecPieceSeq, kS
 constexpr const char* kSectionNames[kSections] = {"cu_seqlens_padded", "cu_seqlens_local", "pieces",
                                                   "piece_seq",         "piece_offset",     "cu_seqlens"};
 enum PlanScalar : int {
-  kInfoTotal, kInfoTotalPadded, kInfoTotalLocal, kInfoPadSize, kInfoMaxPadded, kInfoMaxLocal, kScalars
+  kInfoTotal,
+  kInfoTotalPadded,
+  kInfoTotalLocal,
+  kInfoPadSize,
+  kInfoMaxPadded,
+  kInfoMaxLocal,
+  kScalars
 };
 constexpr const char* kScalarNames[kScalars] = {"total",    "total_padded",      "total_local",
                                                 "pad_size", "max_seqlen_padded", "max_seqlen_local"};
@@ -205,9 +210,7 @@ PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, std:
   Tensor index = new_tensor({h.total_local}, ST::Long, target);
   Tensor position = new_tensor({h.total_local}, ST::Long, target);
   Tensor label = new_tensor({h.total_local}, ST::Long, target);
-  const auto section_tensor = [&](int k) {
-    return new_tensor({offs[k + 1] - offs[k]}, ST::Int, target);
-  };
+  const auto section_tensor = [&](int k) { return new_tensor({offs[k + 1] - offs[k]}, ST::Int, target); };
   Tensor cu_padded = section_tensor(kSecCuPadded);
   Tensor cu_local = section_tensor(kSecCuLocal);
   Tensor pieces = section_tensor(kSecPieces);
@@ -215,8 +218,7 @@ PlanOutputs shard_plan(Tensor cu_seqlens, int64_t cp_size, int64_t cp_rank, std:
   Tensor piece_offset = new_tensor({np}, ST::Long, target);
 
   shard::PlanTables t = plan_tables(base + offs[kSecCu], nseq, base + offs[kSecPieces], base + offs[kSecPieceOffset],
-                                    base + offs[kSecPieceSeq], np, h.total_local, index, position, label,
-                                    piece_offset);
+                                    base + offs[kSecPieceSeq], np, h.total_local, index, position, label, piece_offset);
   Tensor* copies[shard::PlanTables::kCopies] = {};
   copies[kSecCuPadded] = &cu_padded;
   copies[kSecCuLocal] = &cu_local;
@@ -239,18 +241,17 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
   check_total_local(op, total_local);
   // rows of the rank-major concatenation of all local buffers (the plan's padded total)
   const int64_t concat = checked::mul(op, "cp_size * total_local", cp_size, total_local);
-  PC_ARG(concat <= kMax, op, "cp_size * total_local = ", concat, " does not fit int32 boundaries (at most ", kMax,
-         ")");
+  PC_ARG(concat <= kMax, op, "cp_size * total_local = ", concat, " does not fit int32 boundaries (at most ", kMax, ")");
   const Device target = target_device(op, cu_seqlens, device);
   PC_ARG(cu_seqlens.is_cpu(), op, "cu_seqlens must be host metadata (a CPU tensor), got a tensor on ",
          device_str(cu_seqlens));
-  PC_ARG(cu_seqlens_padded.is_cpu(), op,
-         "cu_seqlens_padded must be host metadata (a CPU tensor), got a tensor on ", device_str(cu_seqlens_padded));
+  PC_ARG(cu_seqlens_padded.is_cpu(), op, "cu_seqlens_padded must be host metadata (a CPU tensor), got a tensor on ",
+         device_str(cu_seqlens_padded));
   Segments cu = segments(op, "cu_seqlens", cu_seqlens, target, -1);
   Segments cp = segments(op, "cu_seqlens_padded", cu_seqlens_padded, target, concat);
   const int64_t nseq = cu.count;
-  PC_ARG(cp.count == nseq || cp.count == nseq + 1, op, "cu_seqlens_padded must have ", nseq + 1, " or ",
-         nseq + 2, " entries (one more with a bucket segment), got ", cp.count + 1);
+  PC_ARG(cp.count == nseq || cp.count == nseq + 1, op, "cu_seqlens_padded must have ", nseq + 1, " or ", nseq + 2,
+         " entries (one more with a bucket segment), got ", cp.count + 1);
   for (int64_t i = 0; i < cp.count; ++i) {
     const int64_t p = cp.host[i + 1] - cp.host[i];
     const int64_t len = i < nseq ? cu.host[i + 1] - cu.host[i] : 0;
@@ -262,13 +263,16 @@ Tensor shard_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t 
   const int64_t total = cu.host.back();
   Tensor out = new_tensor({total}, ST::Long, target);
   if (total == 0) return out;
-  run_kernel(out, [&] {
-    shard::unshard_index_cpu(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
-                             layout_code(layout), total_local);
-  }, [&](auto stream) {
-    shard::unshard_index_cuda(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
-                              layout_code(layout), total_local, stream);
-  });
+  run_kernel(
+      out,
+      [&] {
+        shard::unshard_index_cpu(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
+                                 layout_code(layout), total_local);
+      },
+      [&](auto stream) {
+        shard::unshard_index_cuda(out.mutable_data_ptr<int64_t>(), total, cu.ptr(), nseq, cp.ptr(), cp_size,
+                                  layout_code(layout), total_local, stream);
+      });
   return out;
 }
 
@@ -387,20 +391,23 @@ StaticOutputs static_shard_plan(Tensor cu_seqlens, std::optional<Tensor> num_seq
 
   const shard::PlanTables t = plan_tables(b.cu_clean, max_seqs, b.pieces, b.piece_offset, b.piece_seq, np,
                                           b.total_local, index, position, label, piece_offset);
-  run_kernel(cu, [&] {
-    shard::static_build_cpu(b);
-    shard::plan_tables_cpu(t);
-  }, [&](auto stream) {
-    shard::static_build_cuda(b, stream);
-    shard::plan_tables_cuda(t, stream);
-  });
+  run_kernel(
+      cu,
+      [&] {
+        shard::static_build_cpu(b);
+        shard::plan_tables_cpu(t);
+      },
+      [&](auto stream) {
+        shard::static_build_cuda(b, stream);
+        shard::plan_tables_cuda(t, stream);
+      });
   return {index, position, label, cu_padded, cu_local, pieces, piece_offset, piece_seq, cu_clean, status};
 }
 
 // Row of each original token t < capacity in the rank-major concatenation of all local buffers of a static
 // plan (-1 past the real tokens), from the plan's cu_seqlens [max_seqs+1] and cu_seqlens_padded [max_seqs+2].
-Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t cp_size,
-                                  std::string layout_str, int64_t capacity) {
+Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, int64_t cp_size, std::string layout_str,
+                                  int64_t capacity) {
   const char* op = "shard_static_unshard_index";
   const Layout layout = parse_layout(op, "layout", layout_str);
   check_cp_size(op, cp_size);
@@ -408,24 +415,27 @@ Tensor shard_static_unshard_index(Tensor cu_seqlens, Tensor cu_seqlens_padded, i
   PC_ARG(capacity % cp_size == 0, op, "capacity must be a multiple of cp_size=", cp_size, ", got ", capacity);
   check_dim(op, "cu_seqlens", cu_seqlens, 1);
   const int64_t max_seqs = cu_seqlens.numel() - 1;
-  PC_ARG(max_seqs >= 1 && max_seqs <= kMaxStaticSeqs, op, "cu_seqlens must have max_seqs + 1 entries with max_seqs in [1, ",
-         kMaxStaticSeqs, "], got ", cu_seqlens.numel(), " entries");
-  check_static_table(op, "cu_seqlens", cu_seqlens, {ST::Int}, max_seqs + 1, "max_seqs + 1", cu_seqlens,
+  PC_ARG(max_seqs >= 1 && max_seqs <= kMaxStaticSeqs, op,
+         "cu_seqlens must have max_seqs + 1 entries with max_seqs in [1, ", kMaxStaticSeqs, "], got ",
+         cu_seqlens.numel(), " entries");
+  check_static_table(op, "cu_seqlens", cu_seqlens, {ST::Int}, max_seqs + 1, "max_seqs + 1", cu_seqlens, "cu_seqlens");
+  check_static_table(op, "cu_seqlens_padded", cu_seqlens_padded, {ST::Int}, max_seqs + 2, "max_seqs + 2", cu_seqlens,
                      "cu_seqlens");
-  check_static_table(op, "cu_seqlens_padded", cu_seqlens_padded, {ST::Int}, max_seqs + 2, "max_seqs + 2",
-                     cu_seqlens, "cu_seqlens");
   const Tensor cu = dense(cu_seqlens), cp = dense(cu_seqlens_padded);
   Tensor out = new_tensor({capacity}, ST::Long, cu.device());
   const int64_t total_local = capacity / cp_size;
-  run_kernel(out, [&] {
-    shard::static_unshard_index_cpu(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
-                                    max_seqs, cp.const_data_ptr<int32_t>(), cp_size, layout_code(layout),
-                                    total_local);
-  }, [&](auto stream) {
-    shard::static_unshard_index_cuda(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
-                                     max_seqs, cp.const_data_ptr<int32_t>(), cp_size, layout_code(layout),
-                                     total_local, stream);
-  });
+  run_kernel(
+      out,
+      [&] {
+        shard::static_unshard_index_cpu(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
+                                        max_seqs, cp.const_data_ptr<int32_t>(), cp_size, layout_code(layout),
+                                        total_local);
+      },
+      [&](auto stream) {
+        shard::static_unshard_index_cuda(out.mutable_data_ptr<int64_t>(), capacity, cu.const_data_ptr<int32_t>(),
+                                         max_seqs, cp.const_data_ptr<int32_t>(), cp_size, layout_code(layout),
+                                         total_local, stream);
+      });
   return out;
 }
 
@@ -447,9 +457,8 @@ int64_t checked_static_layout(const char* op, const Tensor& cu_seqlens_padded, i
   return max_seqs;
 }
 
-int64_t checked_static_pieces(const char* op, const Tensor& pieces, const Tensor& piece_offset,
-                              const Tensor& piece_seq, const Tensor& cu_seqlens_padded, Layout layout,
-                              int64_t max_seqs) {
+int64_t checked_static_pieces(const char* op, const Tensor& pieces, const Tensor& piece_offset, const Tensor& piece_seq,
+                              const Tensor& cu_seqlens_padded, Layout layout, int64_t max_seqs) {
   const int64_t np = shard::static_pieces(layout_code(layout), max_seqs);
   check_static_table(op, "pieces", pieces, {ST::Int}, np + 1, "the plan's piece count + 1", cu_seqlens_padded,
                      "cu_seqlens_padded");
@@ -481,15 +490,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(packcuda, m) {
 
 // The host-plan ops take host metadata (their CUDA registration only answers a device tensor with a clear error);
 // the static-plan ops run on the device of their inputs.
-#define PC_SHARD_IMPLS(m)                                                              \
-  PC_IMPL(m, "shard_plan", &packcuda::th::shard_plan);                                 \
-  PC_IMPL(m, "shard_unshard_index", &packcuda::th::shard_unshard_index);               \
-  PC_IMPL(m, "static_shard_plan", &packcuda::th::static_shard_plan);                   \
+#define PC_SHARD_IMPLS(m)                                                \
+  PC_IMPL(m, "shard_plan", &packcuda::th::shard_plan);                   \
+  PC_IMPL(m, "shard_unshard_index", &packcuda::th::shard_unshard_index); \
+  PC_IMPL(m, "static_shard_plan", &packcuda::th::static_shard_plan);     \
   PC_IMPL(m, "shard_static_unshard_index", &packcuda::th::shard_static_unshard_index);
 
-STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) {
-  PC_IMPL(m, "shard_plan_fields", &packcuda::th::shard_plan_fields);
-}
+STABLE_TORCH_LIBRARY_IMPL(packcuda, CompositeExplicitAutograd, m) { PC_IMPL(m, "shard_plan_fields", &packcuda::th::shard_plan_fields); }
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CPU, m) { PC_SHARD_IMPLS(m) }
 #ifdef USE_CUDA
 STABLE_TORCH_LIBRARY_IMPL(packcuda, CUDA, m) { PC_SHARD_IMPLS(m) }

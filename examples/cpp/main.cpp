@@ -45,8 +45,7 @@ int main() {
   std::memcpy(cu_t.mutable_data_ptr(), cu.data(), cu.size() * sizeof(int64_t));
   std::array<StableIValue, 3> stack{torch::stable::detail::from(cu_t), torch::stable::detail::from(total),
                                     torch::stable::detail::from(std::nullopt)};
-  TORCH_ERROR_CODE_CHECK(
-      torch_call_dispatcher("packcuda::segment_positions", "", stack.data(), TORCH_ABI_VERSION));
+  TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("packcuda::segment_positions", "", stack.data(), TORCH_ABI_VERSION));
   torch::stable::Tensor out = torch::stable::detail::to<torch::stable::Tensor>(stack[0]);
   check(out.numel() == total && std::memcmp(out.const_data_ptr(), pos.data(), total * sizeof(int64_t)) == 0,
         "dispatcher: packcuda::segment_positions == core");
@@ -57,8 +56,8 @@ int main() {
   std::vector<int> seen(total, 0);
   bool pos_ok = true;
   for (int64_t rank = 0; rank < cp; ++rank) {
-    packcuda::shard::HostLayout L = packcuda::shard::build_layout(cu.data(), nseg, cp, rank,
-                                                                  packcuda::shard::kZigzag, align, /*bucket=*/1);
+    packcuda::shard::HostLayout L =
+        packcuda::shard::build_layout(cu.data(), nseg, cp, rank, packcuda::shard::kZigzag, align, /*bucket=*/1);
     const int64_t npieces = static_cast<int64_t>(L.piece_seq.size());
     // the per-slot tables read the layout as int32 (every value fits once the padded total does)
     const auto i32 = [](const std::vector<int64_t>& v) { return std::vector<int32_t>(v.begin(), v.end()); };

@@ -63,9 +63,8 @@ void karmarkar_karp(const int64_t* weights, int64_t n, int64_t k, bool equal_cou
     // item per subset.
     std::vector<int64_t> order(n);
     std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return weights[a] != weights[b] ? weights[a] < weights[b] : a < b;
-    });
+    std::sort(order.begin(), order.end(),
+              [&](int64_t a, int64_t b) { return weights[a] != weights[b] ? weights[a] < weights[b] : a < b; });
     states.reserve(2 * (n / k));
     for (int64_t g = 0; g < n / k; ++g) {
       std::vector<Sub> s(k);
@@ -198,8 +197,7 @@ struct Bins {
   }
   // First position in v[from, to) whose length is >= l.
   int64_t first_len_at_least(const std::vector<int64_t>& v, int64_t from, int64_t to, int64_t l) const {
-    return std::partition_point(v.begin() + from, v.begin() + to, [&](int64_t j) { return len[j] < l; }) -
-           v.begin();
+    return std::partition_point(v.begin() + from, v.begin() + to, [&](int64_t j) { return len[j] < l; }) - v.begin();
   }
 };
 
@@ -291,17 +289,18 @@ Step best_step(Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
     int64_t s0 = 0;
     if (!repairing) {
       const int64_t need = Wp - std::min(limit, best.key);
-      s0 = std::partition_point(P.begin(), P.end(), [&](int64_t x) {
-             return w[x] - bins.wl(std::max<int64_t>(len[x] + lo, 0)) <= need;
-           }) - P.begin();
+      s0 = std::partition_point(P.begin(), P.end(),
+                                [&](int64_t x) { return w[x] - bins.wl(std::max<int64_t>(len[x] + lo, 0)) <= need; }) -
+           P.begin();
       if (s0 == np) return;
     }
     if (kinds.moves) {  // p gives x: dT = -l_x
       const int64_t a = bins.first_len_at_least(P, s0, np, -hi), b = bins.first_len_at_least(P, a, np, -lo + 1);
       const int64_t za = std::max(a, bins.first_len_at_least(P, s0, np, -z));
       if (za < b) {
-        const int64_t m = std::partition_point(P.begin() + za, P.begin() + b,
-                                               [&](int64_t x) { return -2 * w[x] >= target; }) - P.begin();
+        const int64_t m =
+            std::partition_point(P.begin() + za, P.begin() + b, [&](int64_t x) { return -2 * w[x] >= target; }) -
+            P.begin();
         if (m < b) offer(q, P[m], -1, -1, -1);
         if (m > za) offer(q, P[m - 1], -1, -1, -1);
       } else if (a < b && best.over > 0) {
@@ -348,7 +347,8 @@ Step best_step(Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
       pair_windows(bins, Q, li + lo, li + z, [&](int64_t a, int64_t x0, int64_t x1) {
         const int64_t base = w[Q[a]] - w[i];
         const int64_t m = std::partition_point(Q.begin() + x0, Q.begin() + x1,
-                                               [&](int64_t x) { return 2 * (base + w[x]) < target; }) - Q.begin();
+                                               [&](int64_t x) { return 2 * (base + w[x]) < target; }) -
+                          Q.begin();
         if (m < x1) offer(q, i, -1, Q[a], Q[m]);
         if (m > x0) offer(q, i, -1, Q[a], Q[m - 1]);
       });
@@ -357,19 +357,20 @@ Step best_step(Bins& bins, int64_t p, int64_t limit, Kinds kinds) {
     }
     // Giving two items of total length <= l_j + room_q for j gains at most w(l_j + room_q) - w(l_j) (w is
     // superadditive), which grows with l_j.
-    if (!repairing && -lo <= (int64_t{1} << 31) && bins.wl(len[Q.back()] - lo) - bins.wl(len[Q.back()]) <= need)
-      return;
+    if (!repairing && -lo <= (int64_t{1} << 31) && bins.wl(len[Q.back()] - lo) - bins.wl(len[Q.back()]) <= need) return;
     for (int64_t j : Q) {  // p gives P[a] and P[x], takes j: dT = l_j - l_Pa - l_Px
       const int64_t lj = len[j];
       pair_windows(bins, P, lj - z, lj - lo, [&](int64_t a, int64_t x0, int64_t x1) {
         const int64_t base = w[j] - w[P[a]];
         const int64_t m = std::partition_point(P.begin() + x0, P.begin() + x1,
-                                               [&](int64_t x) { return 2 * (base - w[x]) >= target; }) - P.begin();
+                                               [&](int64_t x) { return 2 * (base - w[x]) >= target; }) -
+                          P.begin();
         if (m < x1) offer(q, P[a], P[m], j, -1);
         if (m > x0) offer(q, P[a], P[m - 1], j, -1);
       });
       if (best.over > 0)
-        pair_windows(bins, P, lj - hi, lj - lo, [&](int64_t a, int64_t, int64_t x1) { offer(q, P[a], P[x1 - 1], j, -1); });
+        pair_windows(bins, P, lj - hi, lj - lo,
+                     [&](int64_t a, int64_t, int64_t x1) { offer(q, P[a], P[x1 - 1], j, -1); });
     }
   };
 
@@ -470,8 +471,7 @@ void refine(Bins& bins, Kinds kinds, int64_t max_steps, int64_t work_limit) {
 // The least loaded bin with room is found in O(log k): a min segment tree over the bins holds (W, index) of
 // every bin with room for the current sequence; the others wait in a max-heap by room and rejoin the tree
 // once the (non-increasing) lengths fit them again.
-void first_fit_decreasing(const int64_t* w, const int64_t* len, int64_t n, int64_t k, int64_t cap,
-                          int64_t* part) {
+void first_fit_decreasing(const int64_t* w, const int64_t* len, int64_t n, int64_t k, int64_t cap, int64_t* part) {
   using Key = std::pair<int64_t, int64_t>;
   const Key none{kNone, kNone};
   std::vector<int64_t> order(n);
@@ -525,9 +525,7 @@ int64_t min_bins(const int64_t* len, int64_t n, int64_t cap) {
   for (int64_t i = 0; i < n; ++i) pre[i + 1] = pre[i] + v[i];
   const __int128 c = cap;
   // count of lengths l with pred(l) true, where pred holds for a prefix of the (descending) order
-  auto count = [&](auto pred) {
-    return std::partition_point(v.begin(), v.end(), pred) - v.begin();
-  };
+  auto count = [&](auto pred) { return std::partition_point(v.begin(), v.end(), pred) - v.begin(); };
   __int128 best = (pre[n] + c - 1) / c;
   for (int64_t j = 1; j <= 64 && (n + j - 1) / j > best; ++j) {  // ceil(n / j) bounds the j-th term
     const int64_t cj = count([&](int64_t l) { return static_cast<__int128>(l) * (j + 1) > c; });
@@ -556,7 +554,8 @@ int64_t pack_tokens(const int64_t* len, int64_t n, int64_t cap, int64_t* part) {
   if (n == 0) return 0;
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len[a] != len[b] ? len[a] > len[b] : a < b; });
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return len[a] != len[b] ? len[a] > len[b] : a < b; });
   int64_t size = 1;
   while (size < n) size *= 2;
   std::vector<int64_t> room(2 * size, cap);  // a leaf per possible bin (n at most); node = max room below
@@ -590,7 +589,8 @@ Partition to_partition(const Bins& bins, Order order) {
     for (int64_t j = 1; j < bins.k; j += 2) out.push_back(ids[j]);
     ids.swap(out);
   } else {
-    std::sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) { return first[a] < first[b] || (first[a] == first[b] && a < b); });
+    std::sort(ids.begin(), ids.end(),
+              [&](int64_t a, int64_t b) { return first[a] < first[b] || (first[a] == first[b] && a < b); });
   }
   Partition res;
   res.offsets.reserve(bins.k + 1);
@@ -640,21 +640,20 @@ Partition plan_micro_batches(const int64_t* seqlens, int64_t n, int64_t max_toke
     w[i] = workload_of(seqlens[i], workload, coef);
     total = checked::add(op, "the total of seqlens", total, seqlens[i]);
   }
-  const int64_t k_start = checked::round_up(op, "the micro-batch count",
-                                            std::max(total / max_tokens + (total % max_tokens != 0), min_micro_batches), multiple_of);
+  const int64_t k_start =
+      checked::round_up(op, "the micro-batch count",
+                        std::max(total / max_tokens + (total % max_tokens != 0), min_micro_batches), multiple_of);
   // No count below min_bins can meet the cap, so starting the scan at the first multiple above it gives the
   // same plan as scanning up from k_start, without the attempts that must fail.
-  int64_t k = std::max(k_start, checked::round_up(op, "the micro-batch count", min_bins(seqlens, n, max_tokens),
-                                                  multiple_of));
+  int64_t k =
+      std::max(k_start, checked::round_up(op, "the micro-batch count", min_bins(seqlens, n, max_tokens), multiple_of));
   std::vector<int64_t> packed(n);
   const int64_t k_pack = pack_tokens(seqlens, n, max_tokens, packed.data());  // always meets the cap
   std::vector<int64_t> part(n);
   int64_t scan = 0, repair_work = 0;
   for (;;) {
-    if (method == Method::KarmarkarKarp)
-      karmarkar_karp(w.data(), n, k, /*equal_count=*/false, part.data());
-    else
-      first_fit_decreasing(w.data(), seqlens, n, k, max_tokens, part.data());
+    if (method == Method::KarmarkarKarp) karmarkar_karp(w.data(), n, k, /*equal_count=*/false, part.data());
+    else first_fit_decreasing(w.data(), seqlens, n, k, max_tokens, part.data());
     Bins bins(k, max_tokens, w.data(), seqlens, workload, coef, n, part.data());
     bool ok = repair(bins, Kinds{true, true, false}, kRepairWork - repair_work);
     repair_work += bins.work;

@@ -39,10 +39,16 @@ const char* dtype_name(ST t) {
 
 int64_t element_size(ST t) {
   switch (t) {
-    case ST::Byte: case ST::Char: case ST::Bool: return 1;
-    case ST::Short: case ST::Half: case ST::BFloat16: return 2;
-    case ST::Int: case ST::Float: return 4;
-    case ST::Long: case ST::Double: return 8;
+    case ST::Byte:
+    case ST::Char:
+    case ST::Bool: return 1;
+    case ST::Short:
+    case ST::Half:
+    case ST::BFloat16: return 2;
+    case ST::Int:
+    case ST::Float: return 4;
+    case ST::Long:
+    case ST::Double: return 8;
     default: return 0;
   }
 }
@@ -81,8 +87,7 @@ void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim) {
   PC_ARG(t.dim() == dim, op, name, " must be ", dim, "-D, got shape ", shape_str(t));
 }
 
-void check_same_device(const char* op, const char* name, const Tensor& t, const char* ref_name,
-                       const Tensor& ref) {
+void check_same_device(const char* op, const char* name, const Tensor& t, const char* ref_name, const Tensor& ref) {
   bool same = t.is_cpu() == ref.is_cpu() && t.is_cuda() == ref.is_cuda() &&
               (!t.is_cuda() || t.get_device_index() == ref.get_device_index());
   PC_ARG(same, op, name, " is on ", device_str(t), " but ", ref_name, " is on ", device_str(ref));
@@ -108,8 +113,8 @@ std::vector<int64_t> read_host_segments(const char* op, const char* name, const 
   const int64_t n = static_cast<int64_t>(host.size());
   PC_ARG(host[0] == 0, op, name, "[0] must be 0, got ", host[0]);
   for (int64_t i = 1; i < n; ++i)
-    PC_ARG(host[i] >= host[i - 1], op, name, " must be non-decreasing, but ", name, "[", i, "]=", host[i], " < ",
-           name, "[", i - 1, "]=", host[i - 1]);
+    PC_ARG(host[i] >= host[i - 1], op, name, " must be non-decreasing, but ", name, "[", i, "]=", host[i], " < ", name,
+           "[", i - 1, "]=", host[i - 1]);
   if (expected_total >= 0)
     PC_ARG(host.back() == expected_total, op, name, "[-1]=", host.back(), " does not match the number of tokens (",
            expected_total, ")");
@@ -129,9 +134,9 @@ Segments segments(const char* op, const char* name, const Tensor& cu, const torc
     s.host = read_host_segments(op, name, cu, expected_total);
     if (upload) s.tensor = upload_i64(s.host, target);
   } else {
-    PC_ARG(cu.is_cuda() && target.type() == torch::headeronly::DeviceType::CUDA &&
-               cu.get_device_index() == target.index(),
-           op, name, " is on ", device_str(cu), " but the data is on ", device_str(target));
+    PC_ARG(
+        cu.is_cuda() && target.type() == torch::headeronly::DeviceType::CUDA && cu.get_device_index() == target.index(),
+        op, name, " is on ", device_str(cu), " but the data is on ", device_str(target));
     Tensor t = cu;
     if (t.scalar_type() != ST::Long) t = torch::stable::to(t, ST::Long);
     if (!t.is_contiguous()) t = torch::stable::contiguous(t);
@@ -169,9 +174,24 @@ uint64_t float_fill_bits(const char* op, const char* name, ST t, double value) {
   auto put = [&](auto v) { std::memcpy(&bits, &v, sizeof(v)); };
   double held = value;
   switch (t) {
-    case ST::Half: { const c10::Half h(static_cast<float>(value)); held = static_cast<float>(h); put(h); break; }
-    case ST::BFloat16: { const c10::BFloat16 h(static_cast<float>(value)); held = static_cast<float>(h); put(h); break; }
-    case ST::Float: { const float f = static_cast<float>(value); held = f; put(f); break; }
+    case ST::Half: {
+      const c10::Half h(static_cast<float>(value));
+      held = static_cast<float>(h);
+      put(h);
+      break;
+    }
+    case ST::BFloat16: {
+      const c10::BFloat16 h(static_cast<float>(value));
+      held = static_cast<float>(h);
+      put(h);
+      break;
+    }
+    case ST::Float: {
+      const float f = static_cast<float>(value);
+      held = f;
+      put(f);
+      break;
+    }
     case ST::Double: put(value); break;
     default: PC_ARG(false, op, name, ": dtype ", dtype_name(t), " is not supported");
   }
@@ -184,7 +204,8 @@ uint64_t int_fill_bits(ST t, int64_t v) {
   uint64_t bits = 0;
   auto put = [&](auto x) { std::memcpy(&bits, &x, sizeof(x)); };
   switch (t) {
-    case ST::Bool: case ST::Byte: put(static_cast<uint8_t>(v)); break;
+    case ST::Bool:
+    case ST::Byte: put(static_cast<uint8_t>(v)); break;
     case ST::Char: put(static_cast<int8_t>(v)); break;
     case ST::Short: put(static_cast<int16_t>(v)); break;
     case ST::Int: put(static_cast<int32_t>(v)); break;
@@ -200,21 +221,20 @@ uint64_t fill_bits(const char* op, const char* name, ST t, double value) {
   // -2^63 and 2^63 are exact doubles: the range test is exact for every double (NaN fails it too)
   const bool in_range = value >= static_cast<double>(lo) &&
                         (t == ST::Long ? value < 9223372036854775808.0 : value <= static_cast<double>(hi));
-  PC_ARG(in_range && std::trunc(value) == value, op, name, "=", value, " cannot be held exactly by ",
-         dtype_name(t), " (integral values in [", lo, ", ", hi, "] only)");
+  PC_ARG(in_range && std::trunc(value) == value, op, name, "=", value, " cannot be held exactly by ", dtype_name(t),
+         " (integral values in [", lo, ", ", hi, "] only)");
   return int_fill_bits(t, static_cast<int64_t>(value));
 }
 
 uint64_t fill_bits(const char* op, const char* name, ST t, int64_t value) {
   int64_t lo, hi;
   if (!int_dtype_range(t, lo, hi)) return float_fill_bits(op, name, t, static_cast<double>(value));
-  PC_ARG(value >= lo && value <= hi, op, name, "=", value, " is out of range for ", dtype_name(t), " [", lo, ", ",
-         hi, "]");
+  PC_ARG(value >= lo && value <= hi, op, name, "=", value, " is out of range for ", dtype_name(t), " [", lo, ", ", hi,
+         "]");
   return int_fill_bits(t, value);
 }
 
-void check_index_range(const char* op, const char* name, const Tensor& index, int64_t lo, int64_t hi,
-                       bool unique) {
+void check_index_range(const char* op, const char* name, const Tensor& index, int64_t lo, int64_t hi, bool unique) {
   const int64_t* p = index.const_data_ptr<int64_t>();
   const int64_t n = index.numel();
   for (int64_t i = 0; i < n; ++i)

@@ -33,26 +33,24 @@ std::string device_str(const Tensor& t);
 std::string device_str(const torch::stable::Device& d);  // "cpu", "cuda:0", "meta", ...
 
 // Throws std::invalid_argument("packcuda.<op>: <message>") when cond is false.
-#define PC_ARG(cond, op, ...)                                                         \
-  do {                                                                                \
-    if (!(cond))                                                                      \
-      throw std::invalid_argument(::packcuda::detail::cat("packcuda.", op, ": ", __VA_ARGS__)); \
+#define PC_ARG(cond, op, ...)                                                                              \
+  do {                                                                                                     \
+    if (!(cond)) throw std::invalid_argument(::packcuda::detail::cat("packcuda.", op, ": ", __VA_ARGS__)); \
   } while (0)
 
 // Registers `fn` as the kernel of packcuda::<name> (m.impl with TORCH_BOX) behind run_boxed, so that an
 // allocation failure inside it names the op: "packcuda.<name>: could not allocate <bytes> for a <dtype> tensor of
 // shape <shape> on <device> ...". Every op registers through it.
-#define PC_IMPL(m, name, fn)                                                                   \
-  (m).impl(name, [](StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {              \
-    ::packcuda::th::run_boxed(name, TORCH_BOX(fn), stack, num_args, num_outputs);              \
+#define PC_IMPL(m, name, fn)                                                        \
+  (m).impl(name, [](StableIValue* stack, uint64_t num_args, uint64_t num_outputs) { \
+    ::packcuda::th::run_boxed(name, TORCH_BOX(fn), stack, num_args, num_outputs);   \
   })
-void run_boxed(const char* op, void (*boxed)(StableIValue*, uint64_t, uint64_t), StableIValue* stack,
-               uint64_t num_args, uint64_t num_outputs);
+void run_boxed(const char* op, void (*boxed)(StableIValue*, uint64_t, uint64_t), StableIValue* stack, uint64_t num_args,
+               uint64_t num_outputs);
 
 void check_dtype(const char* op, const char* name, const Tensor& t, std::initializer_list<ST> allowed);
 void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim);
-void check_same_device(const char* op, const char* name, const Tensor& t, const char* ref_name,
-                       const Tensor& ref);
+void check_same_device(const char* op, const char* name, const Tensor& t, const char* ref_name, const Tensor& ref);
 int64_t element_size(ST t);
 
 // Segment boundaries (cu_seqlens) given either on the host (CPU tensor) or on the data's device.
@@ -88,8 +86,7 @@ uint64_t fill_bits(const char* op, const char* name, ST t, int64_t value);
 bool int_dtype_range(ST t, int64_t& lo, int64_t& hi);
 // Host check of an int64 index tensor: values in [lo, hi), unique among those >= 0 when asked. Memory use is
 // bounded by the index length (a huge hi with a short index does not allocate hi bytes).
-void check_index_range(const char* op, const char* name, const Tensor& index, int64_t lo, int64_t hi,
-                       bool unique);
+void check_index_range(const char* op, const char* name, const Tensor& index, int64_t lo, int64_t hi, bool unique);
 // Bytes of a contiguous tensor of `sizes` and dtype t, with checked arithmetic (an overflow is refused naming
 // op and what).
 int64_t checked_nbytes(const char* op, const char* what, const std::vector<int64_t>& sizes, ST t);

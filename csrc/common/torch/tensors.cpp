@@ -34,9 +34,9 @@ Tensor new_tensor(const std::vector<int64_t>& sizes, ST dtype, const torch::stab
   const int32_t dt = static_cast<int32_t>(dtype);
   const int32_t dev = static_cast<int32_t>(device.type());
   const int32_t idx = device.index();
-  const AOTITorchError err =
-      pinned ? aoti_torch_empty_strided_pinned(nd, sizes.data(), strides.data(), dt, dev, idx, &h)
-             : aoti_torch_empty_strided(nd, sizes.data(), strides.data(), dt, dev, idx, &h);
+  const AOTITorchError err = pinned
+                                 ? aoti_torch_empty_strided_pinned(nd, sizes.data(), strides.data(), dt, dev, idx, &h)
+                                 : aoti_torch_empty_strided(nd, sizes.data(), strides.data(), dt, dev, idx, &h);
   if (err != AOTI_TORCH_SUCCESS)
     throw AllocError(detail::cat("could not allocate ", bytes_str(sizes, dtype), " for a ", dtype_name(dtype),
                                  " tensor of shape ", list_str(sizes), " on ",

@@ -52,8 +52,7 @@ cudaStream_t current_stream(int32_t device_index);
 struct CudaScope {
   torch::stable::accelerator::DeviceGuard guard;
   cudaStream_t stream;
-  explicit CudaScope(const Tensor& t)
-      : guard(t.get_device_index()), stream(current_stream(t.get_device_index())) {}
+  explicit CudaScope(const Tensor& t) : guard(t.get_device_index()), stream(current_stream(t.get_device_index())) {}
 };
 
 // The one device split of the torch layer: runs an op's kernel on the device of `t` - cpu() on the host, or

@@ -16,7 +16,6 @@ using detail::shape_of;
 
 constexpr int64_t kCpuTile = 128;
 
-
 }  // namespace
 
 int64_t conv_bwd_tiles_cpu(int64_t T) { return make_tiles(T, ceil_div(T, kCpuTile)).count; }
@@ -32,17 +31,17 @@ void causal_conv1d_fwd_cpu(const ConvArgs& a, void* y) {
         const int64_t t1 = t0 + kCpuTile < a.T ? t0 + kCpuTile : a.T;
         const int64_t s0 = find_segment(a.cu, a.nseg, t0);
         for (int64_t c = 0; c < a.C; ++c)
-          conv_fwd_tile<S, KM>(DenseRows<S>{static_cast<const S*>(a.x), a.C},
-                               ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
-                                                  a.K, KM - a.K, c),
-                               pf, a.cu, sh, static_cast<S*>(y), c, t0, t1, s0);
+          conv_fwd_tile<S, KM>(
+              DenseRows<S>{static_cast<const S*>(a.x), a.C},
+              ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias), a.K, KM - a.K, c), pf,
+              a.cu, sh, static_cast<S*>(y), c, t0, t1, s0);
       }
     });
   });
 }
 
-void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias,
-                           void* dprefix, void* work, int64_t tiles) {
+void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias, void* dprefix,
+                           void* work, int64_t tiles) {
   const ConvShape sh = shape_of(a);
   const Tiles tl = make_tiles(a.T, tiles);
   if (tl.count != tiles && a.T > 0) throw std::invalid_argument("packcuda conv: inconsistent tile count");
@@ -61,11 +60,10 @@ void causal_conv1d_bwd_cpu(const ConvArgs& a, const void* dy, void* dx, void* dw
         for (int64_t c = 0; c < a.C; ++c) {
           A dw[1][KM], db[1];
           conv_zero_partials(dw, db);
-          conv_bwd_tile<S, KM>(DenseRows<S>{static_cast<const S*>(dy), a.C},
-                               DenseRows<S>{static_cast<const S*>(a.x), a.C},
-                               ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
-                                                  a.K, KM - a.K, c),
-                               pf, a.cu, sh, static_cast<S*>(dx), static_cast<S*>(dprefix), c, t0, t1, s1, dw, db);
+          conv_bwd_tile<S, KM>(
+              DenseRows<S>{static_cast<const S*>(dy), a.C}, DenseRows<S>{static_cast<const S*>(a.x), a.C},
+              ConvTaps<S, KM, 1>(static_cast<const S*>(a.weight), static_cast<const S*>(a.bias), a.K, KM - a.K, c), pf,
+              a.cu, sh, static_cast<S*>(dx), static_cast<S*>(dprefix), c, t0, t1, s1, dw, db);
           conv_store_partials(dw, db, a.K, part + (i * a.C + c) * (a.K + 1));
         }
       }

@@ -42,9 +42,9 @@ constexpr int kRowBytes = 512;  // one staged slab row: 32 lanes x 16 bytes
 template <typename S, int P_> struct Slab {
   static constexpr int P = P_;
   static constexpr int kWidth = kRowBytes / static_cast<int>(sizeof(S));  // channels
-  static constexpr int kChunk = 16 / static_cast<int>(sizeof(S));         // elements per 16-byte copy
-  static constexpr int kAcross = kWidth / (32 * P);                        // warps across the slab
-  static constexpr int kGroups = kWarps / kAcross;                         // token groups (one run each)
+  static constexpr int kChunk = 16 / static_cast<int>(sizeof(S));  // elements per 16-byte copy
+  static constexpr int kAcross = kWidth / (32 * P);  // warps across the slab
+  static constexpr int kGroups = kWarps / kAcross;  // token groups (one run each)
   static_assert(kAcross >= 1 && kWarps % kAcross == 0, "slab layout");
 };
 
@@ -56,7 +56,7 @@ template <typename S, int P_> struct Slab {
 template <typename S, bool kVec> struct FwdCfg {
   static constexpr int P = !kVec ? 1 : (sizeof(S) == 8 ? 1 : 8 / static_cast<int>(sizeof(S)));
   static constexpr int TT = 64;
-  static constexpr int NB = 4;   // rows per batch of shared-memory loads
+  static constexpr int NB = 4;  // rows per batch of shared-memory loads
   static constexpr int NST = 3;  // sub-tile buffers (NST - 1 sub-tiles load while one computes)
   static constexpr int kSmallNST = 2;
 };
@@ -69,9 +69,9 @@ template <typename S, bool kVec> struct BwdCfg {
 
 // Staged rows per sub-tile and dynamic shared bytes (NST buffers) of window size KM.
 template <int KM, int TT, int NST> struct Stage {
-  static constexpr int kFwdRows = TT + KM - 1;         // x rows [tb - (KM-1), tb + TT)
-  static constexpr int kBwdXRows = TT + 2 * KM - 1;    // x rows [tb - KM, tb + TT + KM - 1)
-  static constexpr int kBwdDyRows = TT + KM - 1;       // dy rows [tb, tb + TT + KM - 1)
+  static constexpr int kFwdRows = TT + KM - 1;  // x rows [tb - (KM-1), tb + TT)
+  static constexpr int kBwdXRows = TT + 2 * KM - 1;  // x rows [tb - KM, tb + TT + KM - 1)
+  static constexpr int kBwdDyRows = TT + KM - 1;  // dy rows [tb, tb + TT + KM - 1)
   static constexpr int kFwdBytes = NST * kFwdRows * kRowBytes;
   static constexpr int kBwdBytes = NST * (kBwdXRows + kBwdDyRows) * kRowBytes;
 };
@@ -193,8 +193,7 @@ __device__ __forceinline__ void walk_subtiles(int64_t s0, int64_t s1, int nsub, 
 // then moved on run by run (cu is read only when a run enters another segment).
 struct SegCursor {
   int64_t seg, lo, hi;
-  __device__ __forceinline__ SegCursor(const int64_t* cu, const ConvShape& sh, int64_t s0, int64_t s1,
-                                       int64_t lead) {
+  __device__ __forceinline__ SegCursor(const int64_t* cu, const ConvShape& sh, int64_t s0, int64_t s1, int64_t lead) {
     seg = find_segment(cu, sh.nseg, s0 + lead < s1 ? s0 + lead : s0);
     lo = cu[seg];
     hi = cu[seg + 1];
@@ -208,8 +207,8 @@ struct SegCursor {
   }
 };
 
-template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = FwdCfg<S, kVec>::P,
-          int TT = FwdCfg<S, kVec>::TT, int NB = FwdCfg<S, kVec>::NB, int NST = FwdCfg<S, kVec>::NST>
+template <typename S, int KM, bool kVec, int ACT, bool kExact, int P = FwdCfg<S, kVec>::P, int TT = FwdCfg<S, kVec>::TT,
+          int NB = FwdCfg<S, kVec>::NB, int NST = FwdCfg<S, kVec>::NST>
 __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : (NST > 2 ? 2 : 3))  // (what the staging allows)
     conv_fwd_kernel(const S* __restrict__ x, const S* __restrict__ w, const S* __restrict__ b,
                     const S* __restrict__ prefix, const int64_t* cu_dev, const __grid_constant__ CuParam cu_inl,
@@ -238,8 +237,8 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : (NST > 2 ? 2 : 3))
       if (t1 - t0 == R && t0 - (K - 1) >= seg.lo && t1 <= seg.hi)
         conv_fwd_interior<S, KM, P, R, NB, ACT, kExact>(rows, tp, sh, y + t0 * sh.C + c, sh.C, t0, c);
       else
-        conv_fwd_tile<S, KM, P, NB, ACT, kExact>(rows, tp, DensePrefix<S>{prefix, sh.C, K - 1}, cu, sh, y, c, t0,
-                                                 t1, seg.seg);
+        conv_fwd_tile<S, KM, P, NB, ACT, kExact>(rows, tp, DensePrefix<S>{prefix, sh.C, K - 1}, cu, sh, y, c, t0, t1,
+                                                 seg.seg);
     }
   });
 }
@@ -250,10 +249,9 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : (NST > 2 ? 2 : 3))
 template <typename S, int KM, bool kVec, int ACT, bool kExact, bool kPre, int P = BwdCfg<S, kVec>::P,
           int TT = BwdCfg<S, kVec>::TT, int NB = BwdCfg<S, kVec>::NB, int NST = BwdCfg<S, kVec>::NST>
 __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
-    conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
-                    const S* __restrict__ b, const S* __restrict__ prefix, const int64_t* cu_dev,
-                    const __grid_constant__ CuParam cu_inl, ConvShape sh, S* dx, S* dprefix,
-                    typename Acc<S>::type* part, int64_t span_len) {
+    conv_bwd_kernel(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w, const S* __restrict__ b,
+                    const S* __restrict__ prefix, const int64_t* cu_dev, const __grid_constant__ CuParam cu_inl,
+                    ConvShape sh, S* dx, S* dprefix, typename Acc<S>::type* part, int64_t span_len) {
   using L = Slab<S, P>;
   const int64_t* const cu = cu_of(cu_dev, cu_inl);
   using A = typename Acc<S>::type;
@@ -289,8 +287,8 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
           conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, DensePrefix<S>{prefix, sh.C, K - 1}, cu, sh, dx,
                                                    dprefix, c, t0, t1, seg.seg, dw, db);
         else
-          conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, NoPrefix<S>{}, cu, sh, dx,
-                                                   static_cast<S*>(nullptr), c, t0, t1, seg.seg, dw, db);
+          conv_bwd_tile<S, KM, P, NB, ACT, kExact>(dyr, xr, tp, NoPrefix<S>{}, cu, sh, dx, static_cast<S*>(nullptr), c,
+                                                   t0, t1, seg.seg, dw, db);
       }
     }
   });
@@ -312,7 +310,6 @@ __global__ void __launch_bounds__(kThreads, KM == kMaxK ? 1 : 2)
   }
 }
 
-
 // One thread per element e of [C, K+1]: adjacent threads read adjacent partials of a tile (coalesced).
 template <typename S>
 __global__ void conv_reduce_kernel(const typename Acc<S>::type* part, int64_t ntiles, ConvShape sh, S* dweight,
@@ -330,16 +327,15 @@ template <typename S> bool vector_ok(int64_t C, std::initializer_list<const void
 }
 
 template <typename F> void dispatch_conv(const ConvArgs& a, F&& f) {
-  dispatch_dtype(a.dtype, [&](auto tag) {
-    dispatch_k(a.K, [&](auto km) { f(tag, km); });
-  });
+  dispatch_dtype(a.dtype, [&](auto tag) { dispatch_k(a.K, [&](auto km) { f(tag, km); }); });
 }
 
 // The vector path compiles the activation and, where the window size is the kernel size (K = 2, 3, 4, 8), K
 // itself into the kernel; the element-wise path reads both at run time.
 template <int KM, typename F> void dispatch_vec_math(const ConvArgs& a, F&& f) {
   auto with_act = [&](auto exact) {
-    dispatch_bool(a.activation == 1, [&](auto silu) { f(std::integral_constant<int, decltype(silu)::value>{}, exact); });
+    dispatch_bool(a.activation == 1,
+                  [&](auto silu) { f(std::integral_constant<int, decltype(silu)::value>{}, exact); });
   };
   if constexpr (KM == 2 || KM == kMaxK) {
     if (a.K != KM) return with_act(std::false_type{});
@@ -376,8 +372,8 @@ void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
   const Spans sp = make_spans(a.T, slabs, occ, TT);
   const dim3 grid(static_cast<unsigned>(slabs), static_cast<unsigned>(sp.count));
   kernel<<<grid, kThreads, smem, stream>>>(static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
-                                          static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu,
-                                          cu_param(a), shape_of(a), static_cast<S*>(y), sp.len);
+                                           static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu,
+                                           cu_param(a), shape_of(a), static_cast<S*>(y), sp.len);
 }
 
 // The backward's spans (and so its partial count) follow the vector path's occupancy; the element-wise path
@@ -387,13 +383,12 @@ void launch_fwd(const ConvArgs& a, void* y, cudaStream_t stream) {
 // alone gives more spans than the others fit, and their launches take more than a wave (docs/design.md "Spans and
 // occupancy": the prefix backward 5 to 39 % slower at K = 2 and 3).
 template <typename S, int KM, int P, int TT, int NB = BwdCfg<S, true>::NB> Spans bwd_spans(int64_t T, int64_t C) {
-  static const int occ = blocks_per_sm(conv_bwd_kernel<S, KM, true, 1, KM != 2 && KM != kMaxK, false, P, TT, NB>,
+  static const int occ = blocks_per_sm(conv_bwd_kernel < S, KM, true, 1, KM != 2 && KM != kMaxK, false, P, TT, NB >,
                                        Stage<KM, TT, BwdCfg<S, true>::NST>::kBwdBytes);
   return make_spans(T, ceil_div(C, Slab<S, P>::kWidth), occ, TT);
 }
 
-template <typename S, int KM, bool kVec, int ACT, bool kExact, bool kPre, int P, int TT,
-          int NB = BwdCfg<S, kVec>::NB>
+template <typename S, int KM, bool kVec, int ACT, bool kExact, bool kPre, int P, int TT, int NB = BwdCfg<S, kVec>::NB>
 void launch_bwd(const ConvArgs& a, const void* dy, void* dx, void* dprefix, void* work, const Spans& sp,
                 cudaStream_t stream) {
   using A = typename Acc<S>::type;
@@ -401,11 +396,10 @@ void launch_bwd(const ConvArgs& a, const void* dy, void* dx, void* dprefix, void
   auto kernel = conv_bwd_kernel<S, KM, kVec, ACT, kExact, kPre, P, TT, NB>;
   PC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(ceil_div(a.C, Slab<S, P>::kWidth)), static_cast<unsigned>(sp.count));
-  kernel<<<grid, kThreads, smem, stream>>>(static_cast<const S*>(dy), static_cast<const S*>(a.x),
-                                          static_cast<const S*>(a.weight), static_cast<const S*>(a.bias),
-                                          static_cast<const S*>(a.prefix), a.cu, cu_param(a), shape_of(a),
-                                          static_cast<S*>(dx), static_cast<S*>(dprefix), static_cast<A*>(work),
-                                          sp.len);
+  kernel<<<grid, kThreads, smem, stream>>>(
+      static_cast<const S*>(dy), static_cast<const S*>(a.x), static_cast<const S*>(a.weight),
+      static_cast<const S*>(a.bias), static_cast<const S*>(a.prefix), a.cu, cu_param(a), shape_of(a),
+      static_cast<S*>(dx), static_cast<S*>(dprefix), static_cast<A*>(work), sp.len);
 }
 
 }  // namespace
@@ -434,8 +428,8 @@ void causal_conv1d_fwd_cuda(const ConvArgs& a, void* y, cudaStream_t stream) {
   PC_CUDA_LAUNCH_CHECK();
 }
 
-void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias,
-                            void* dprefix, void* work, int64_t tiles, cudaStream_t stream) {
+void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* dweight, void* dbias, void* dprefix,
+                            void* work, int64_t tiles, cudaStream_t stream) {
   if (dprefix && a.nseg * (a.K - 1) * a.C > 0)
     PC_CUDA_CHECK(cudaMemsetAsync(dprefix, 0, a.nseg * (a.K - 1) * a.C * dtype_size(a.dtype), stream));
   if (a.C == 0) return;
@@ -452,8 +446,8 @@ void causal_conv1d_bwd_cuda(const ConvArgs& a, const void* dy, void* dx, void* d
         constexpr bool kPre = decltype(pre)::value;
         if (vector_ok<S>(a.C, {a.x, dy, dx}))
           dispatch_vec_math<KM>(a, [&](auto act, auto exact) {
-            launch_bwd<S, KM, true, decltype(act)::value, decltype(exact)::value, kPre, V::P, V::TT>(
-                a, dy, dx, dprefix, work, sp, stream);
+            launch_bwd<S, KM, true, decltype(act)::value, decltype(exact)::value, kPre, V::P, V::TT>(a, dy, dx, dprefix,
+                                                                                                     work, sp, stream);
           });
         else launch_bwd<S, KM, false, -1, false, kPre, 1, V::TT>(a, dy, dx, dprefix, work, sp, stream);
       });

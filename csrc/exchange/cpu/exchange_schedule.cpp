@@ -32,14 +32,13 @@ Schedule build_schedule(const char* op, int64_t cp, int64_t rank, int64_t n_src,
                         std::vector<Move> moves) {
   PC_CHECK(cp >= 1 && cp <= kMaxCp, "packcuda.", op, ": cp must be in [1, ", kMaxCp, "], got ", cp);
   PC_CHECK(rank >= 0 && rank < cp, "packcuda.", op, ": rank ", rank, " is not in [0, cp=", cp, ")");
-  PC_CHECK(n_src >= 0 && n_out >= 0, "packcuda.", op, ": n_src and n_out must be >= 0, got ", n_src, " and ",
-           n_out);
+  PC_CHECK(n_src >= 0 && n_out >= 0, "packcuda.", op, ": n_src and n_out must be >= 0, got ", n_src, " and ", n_out);
   // The moves of this rank, checked.
   size_t kept = 0;
   for (size_t i = 0; i < moves.size(); ++i) {
     const Move& m = moves[i];
-    PC_CHECK(m.src_rank >= 0 && m.src_rank < cp && m.dst_rank >= 0 && m.dst_rank < cp, "packcuda.", op, ": move ",
-             i, " goes from rank ", m.src_rank, " to rank ", m.dst_rank, "; ranks must be in [0, cp=", cp, ")");
+    PC_CHECK(m.src_rank >= 0 && m.src_rank < cp && m.dst_rank >= 0 && m.dst_rank < cp, "packcuda.", op, ": move ", i,
+             " goes from rank ", m.src_rank, " to rank ", m.dst_rank, "; ranks must be in [0, cp=", cp, ")");
     PC_CHECK(m.src_row >= 0 && m.dst_slot >= 0, "packcuda.", op, ": move ", i, " has src_row ", m.src_row,
              " and dst_slot ", m.dst_slot, "; rows and slots must be >= 0");
     const bool sends = m.src_rank == rank, fills = m.dst_rank == rank;

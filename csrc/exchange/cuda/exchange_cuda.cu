@@ -72,9 +72,9 @@ void gather_sum_cuda(const GatherSum& g, cudaStream_t stream) {
     dispatch_dtype(g.dtype, [&](auto tag) {
       using S = decltype(tag);
       with_width<S>(g, [&](auto w, int blocks) {
-        gather_sum_kernel<S, decltype(w)::value><<<blocks, kThreads, 0, stream>>>(
-            static_cast<S*>(g.out), g.n_out, static_cast<const S*>(g.a), g.na, static_cast<const S*>(g.b), g.index,
-            g.M, g.C);
+        gather_sum_kernel<S, decltype(w)::value>
+            <<<blocks, kThreads, 0, stream>>>(static_cast<S*>(g.out), g.n_out, static_cast<const S*>(g.a), g.na,
+                                              static_cast<const S*>(g.b), g.index, g.M, g.C);
       });
     });
   }

@@ -7,12 +7,12 @@
 #include "exchange/exchange.h"
 #include "pack/pack.h"
 
-#define PC_NCCL_CHECK(expr)                                                                            \
-  do {                                                                                                 \
-    ncclResult_t _r = (expr);                                                                          \
-    if (_r != ncclSuccess)                                                                             \
-      throw std::runtime_error(::packcuda::detail::cat("packcuda NCCL error: ", ncclGetErrorString(_r), \
-                                                       " at ", __FILE__, ":", __LINE__));              \
+#define PC_NCCL_CHECK(expr)                                                                                           \
+  do {                                                                                                                \
+    ncclResult_t _r = (expr);                                                                                         \
+    if (_r != ncclSuccess)                                                                                            \
+      throw std::runtime_error(                                                                                       \
+          ::packcuda::detail::cat("packcuda NCCL error: ", ncclGetErrorString(_r), " at ", __FILE__, ":", __LINE__)); \
   } while (0)
 
 namespace packcuda::exchange {
@@ -57,8 +57,8 @@ void exchange_rows_nccl(const ExchangeArgs& a, ncclComm_t comm, cudaStream_t str
     const char* from = direct ? static_cast<const char*>(a.src) + a.send_first[p] * row_bytes
                               : static_cast<const char*>(a.send_buf) + so;
     if (sb) PC_NCCL_CHECK(ncclSend(from, sb, ncclChar, static_cast<int>(p), comm, stream));
-    if (rb) PC_NCCL_CHECK(ncclRecv(static_cast<char*>(a.recv_buf) + ro, rb, ncclChar, static_cast<int>(p), comm,
-                                   stream));
+    if (rb)
+      PC_NCCL_CHECK(ncclRecv(static_cast<char*>(a.recv_buf) + ro, rb, ncclChar, static_cast<int>(p), comm, stream));
     so += sb;
     ro += rb;
   }

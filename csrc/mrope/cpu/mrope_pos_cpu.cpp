@@ -50,8 +50,7 @@ int64_t pass(int64_t* pos, int64_t* text_pos, int64_t* deltas, const I* ids, int
 }
 
 template <typename I>
-int64_t run_cpu(int64_t* pos, int64_t* text_pos, int64_t* deltas, const I* ids, int64_t total,
-                const MRopeTables& tb) {
+int64_t run_cpu(int64_t* pos, int64_t* text_pos, int64_t* deltas, const I* ids, int64_t total, const MRopeTables& tb) {
   // every run against its block before anything is written
   const int64_t key = pass<false>(pos, text_pos, deltas, ids, total, tb);
   if (key != kMRopeOk) return key;

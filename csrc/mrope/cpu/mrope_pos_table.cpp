@@ -17,9 +17,9 @@ MRopeTableLayout mrope_table_layout(int64_t head, int64_t n_images, const MRopeG
   return L;
 }
 
-void fill_mrope_block_table(int64_t* out, const MRopeTableLayout& L, const MRopeGrid* images,
-                            const MRopeGrid* videos, int64_t n_videos, const float* secs, int64_t merge,
-                            const double* tokens_per_second, bool per_frame, bool text_after_max) {
+void fill_mrope_block_table(int64_t* out, const MRopeTableLayout& L, const MRopeGrid* images, const MRopeGrid* videos,
+                            int64_t n_videos, const float* secs, int64_t merge, const double* tokens_per_second,
+                            bool per_frame, bool text_after_max) {
   const MergeDiv md(merge);
   for (int m = 0; m < 2; ++m) {
     int64_t* row = out + L.offset_blocks(m);

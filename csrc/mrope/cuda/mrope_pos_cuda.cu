@@ -63,8 +63,7 @@ __device__ __forceinline__ void load_types(int (&ty)[kSteps], const I* __restric
     v[k] = t < total ? ids[t] : I(0);
   }
 #pragma unroll
-  for (int k = 0; k < kSteps; ++k)
-    ty[k] = t0 + k * 32 + lane < total ? token_type(static_cast<int64_t>(v[k]), tb) : 0;
+  for (int k = 0; k < kSteps; ++k) ty[k] = t0 + k * 32 + lane < total ? token_type(static_cast<int64_t>(v[k]), tb) : 0;
 }
 
 template <typename I>
@@ -176,8 +175,7 @@ __device__ void scan_tiles(MRopeScan* tiles, int64_t ntiles, MRopeScan* seg_base
   __syncthreads();  // every tile prefix written (and visible to the block) before the segments read them
   for (int64_t s = threadIdx.x; s < tb.nseg; s += kThreads) {
     const int64_t a = tb.cu[s];
-    if (a < tb.cu[s + 1])
-      seg_base[s] = MRopeScan{__ldcg(&tiles[a / kTile].counts) + __ldcg(&seg_base[s].counts), -1};
+    if (a < tb.cu[s + 1]) seg_base[s] = MRopeScan{__ldcg(&tiles[a / kTile].counts) + __ldcg(&seg_base[s].counts), -1};
   }
   if (threadIdx.x == 0) {
     const int64_t key = mrope_check_counts(warp_sums[kWarps - 1], tb, total);
@@ -233,10 +231,9 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename I>
 __global__ void __launch_bounds__(kThreads)
-    mrope_positions_kernel(int64_t* __restrict__ pos, int64_t* __restrict__ text_pos, int64_t* deltas,
-                           int64_t* status, const MRopeScan* __restrict__ tiles,
-                           const MRopeScan* __restrict__ seg_base, const I* __restrict__ ids, int64_t total,
-                           int64_t ntiles, MRopeTables tb) {
+    mrope_positions_kernel(int64_t* __restrict__ pos, int64_t* __restrict__ text_pos, int64_t* deltas, int64_t* status,
+                           const MRopeScan* __restrict__ tiles, const MRopeScan* __restrict__ seg_base,
+                           const I* __restrict__ ids, int64_t total, int64_t ntiles, MRopeTables tb) {
   const int lane = threadIdx.x & 31;
   const int64_t w = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
   if (w >= ntiles) return;  // warp-uniform
@@ -280,8 +277,7 @@ __global__ void __launch_bounds__(kThreads)
       pos[2 * total + t] = p[2];
       text_pos[t] = t - my.a;
       if (t + 1 == my.end || next != ty[k]) {  // last token of its run
-        atomicMax(reinterpret_cast<long long*>(deltas + my.seg),
-                  static_cast<long long>(mrope_delta(p, my.end - my.a)));
+        atomicMax(reinterpret_cast<long long*>(deltas + my.seg), static_cast<long long>(mrope_delta(p, my.end - my.a)));
         if (ty[k] != 0) {
           const int m = ty[k] - 1;
           const int64_t key = mrope_check_run(m, sv.start, t + 1, scan_count(sv, m) - 1, my.end, total, next, tb);
@@ -305,9 +301,8 @@ void launch(int64_t* pos, int64_t* text_pos, int64_t* deltas, int64_t* status, v
       tiles, segs, deltas, status, done, ids, total, ntiles, tb);
   PC_CUDA_LAUNCH_CHECK();
   if (total == 0) return;
-  mrope_positions_kernel<I><<<static_cast<int>(tile_blocks), kThreads, 0, stream>>>(pos, text_pos, deltas, status,
-                                                                                     tiles, segs, ids, total,
-                                                                                     ntiles, tb);
+  mrope_positions_kernel<I><<<static_cast<int>(tile_blocks), kThreads, 0, stream>>>(
+      pos, text_pos, deltas, status, tiles, segs, ids, total, ntiles, tb);
   PC_CUDA_LAUNCH_CHECK();
 }
 
@@ -325,8 +320,7 @@ void mrope_pos_cuda(int64_t* pos, int64_t* text_pos, int64_t* deltas, int64_t* s
   auto* done = reinterpret_cast<unsigned long long*>(counter);
   if (id_elem_size == 4)
     launch(pos, text_pos, deltas, status, workspace, done, static_cast<const int32_t*>(ids), total, tb, stream);
-  else
-    launch(pos, text_pos, deltas, status, workspace, done, static_cast<const int64_t*>(ids), total, tb, stream);
+  else launch(pos, text_pos, deltas, status, workspace, done, static_cast<const int64_t*>(ids), total, tb, stream);
 }
 
 }  // namespace packcuda::rope

@@ -26,8 +26,8 @@ void gather_rows_cpu(void* out, const void* src, const int64_t* index, int64_t n
   }
 }
 
-void scatter_rows_cpu(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
-                      int64_t row_bytes, int64_t lead, int64_t src_lead_bytes) {
+void scatter_rows_cpu(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src, int64_t row_bytes,
+                      int64_t lead, int64_t src_lead_bytes) {
   if (n_out > 0 && lead > 0) std::memset(out, 0, lead * n_out * row_bytes);
   for (int64_t l = 0; l < lead; ++l) {
     auto* o = static_cast<unsigned char*>(out) + l * n_out * row_bytes;
@@ -56,14 +56,12 @@ static void next_token_labels_impl(T* out, const T* ids, const int64_t* cu, int6
   }
 }
 
-void next_token_labels_cpu(void* out, const void* ids, int elem_size, const int64_t* cu, int64_t nseg,
-                           int64_t total, int64_t ignore_index) {
+void next_token_labels_cpu(void* out, const void* ids, int elem_size, const int64_t* cu, int64_t nseg, int64_t total,
+                           int64_t ignore_index) {
   if (elem_size == 4)
-    next_token_labels_impl(static_cast<int32_t*>(out), static_cast<const int32_t*>(ids), cu, nseg, total,
-                           ignore_index);
+    next_token_labels_impl(static_cast<int32_t*>(out), static_cast<const int32_t*>(ids), cu, nseg, total, ignore_index);
   else
-    next_token_labels_impl(static_cast<int64_t*>(out), static_cast<const int64_t*>(ids), cu, nseg, total,
-                           ignore_index);
+    next_token_labels_impl(static_cast<int64_t*>(out), static_cast<const int64_t*>(ids), cu, nseg, total, ignore_index);
 }
 
 void right_pad_indices_cpu(int64_t* out, const int64_t* cu, int64_t nseg, int64_t seqlen, int64_t total) {

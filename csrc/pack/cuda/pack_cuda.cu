@@ -17,10 +17,9 @@ constexpr int kUnroll = 4;
 // Lead blocks (grid y): block l reads src + l * src_lead and writes out + l * out_lead (in vectors); the index
 // is shared by all blocks.
 template <bool kScatter, typename V, typename I>
-__global__ void __launch_bounds__(kThreads) move_rows_kernel(V* __restrict__ out, const V* __restrict__ src,
-                                                             const int64_t* __restrict__ index, I n_vec, I vpr,
-                                                             V fill, int64_t lead, int64_t out_lead,
-                                                             int64_t src_lead) {
+__global__ void __launch_bounds__(kThreads)
+    move_rows_kernel(V* __restrict__ out, const V* __restrict__ src, const int64_t* __restrict__ index, I n_vec, I vpr,
+                     V fill, int64_t lead, int64_t out_lead, int64_t src_lead) {
   const I base = static_cast<I>(blockIdx.x) * (kThreads * kUnroll) + threadIdx.x;
   for (int64_t l = blockIdx.y; l < lead; l += gridDim.y) {
     V* __restrict__ o = out + l * out_lead;
@@ -55,8 +54,8 @@ __global__ void __launch_bounds__(kThreads) move_rows_kernel(V* __restrict__ out
 // n_rows: rows per lead block that the kernel walks (out rows for a gather, src rows for a scatter);
 // out_rows: rows of each output block.
 template <bool kScatter, int VW>
-void launch_move(void* out, const void* src, const int64_t* index, int64_t n_rows, int64_t row_bytes,
-                 const Fill16& f, int64_t lead, int64_t out_rows, int64_t src_lead_bytes, cudaStream_t stream) {
+void launch_move(void* out, const void* src, const int64_t* index, int64_t n_rows, int64_t row_bytes, const Fill16& f,
+                 int64_t lead, int64_t out_rows, int64_t src_lead_bytes, cudaStream_t stream) {
   using V = typename Word<VW>::type;  // rows moved as machine words of VW bytes
   const int64_t vpr = row_bytes / VW;
   const int64_t n_vec = n_rows * vpr;
@@ -78,8 +77,8 @@ void launch_move(void* out, const void* src, const int64_t* index, int64_t n_row
 
 // Widest vector (16, 8, 4, 2 or 1 bytes) that divides the row, both base pointers and the lead stride.
 template <bool kScatter>
-void move_rows(void* out, const void* src, const int64_t* index, int64_t n_rows, int64_t row_bytes,
-               const Fill16& f, int64_t lead, int64_t out_rows, int64_t src_lead_bytes, cudaStream_t stream) {
+void move_rows(void* out, const void* src, const int64_t* index, int64_t n_rows, int64_t row_bytes, const Fill16& f,
+               int64_t lead, int64_t out_rows, int64_t src_lead_bytes, cudaStream_t stream) {
   auto fits = [&](int w) {
     return row_bytes % w == 0 && cuda::aligned(out, w) && cuda::aligned(src, w) &&
            (lead <= 1 || src_lead_bytes % w == 0);
@@ -111,16 +110,15 @@ __global__ void next_token_labels_kernel(T* out, const T* ids, const int64_t* cu
   }
 }
 
-__global__ void right_pad_indices_kernel(int64_t* out, const int64_t* cu, int64_t nseg, int64_t seqlen,
-                                         int64_t total) {
+__global__ void right_pad_indices_kernel(int64_t* out, const int64_t* cu, int64_t nseg, int64_t seqlen, int64_t total) {
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x)
     out[t] = right_pad_flat_index(cu, nseg, seqlen, t);
 }
 
 // One block per mask row: a block-wide exclusive scan over chunks of the row writes the flat positions.
 constexpr int kScanItems = 4;
-__global__ void __launch_bounds__(kThreads) mask_indices_kernel(int64_t* out, const uint8_t* mask, int64_t cols,
-                                                                const int64_t* cu) {
+__global__ void __launch_bounds__(kThreads)
+    mask_indices_kernel(int64_t* out, const uint8_t* mask, int64_t cols, const int64_t* cu) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int64_t running;
@@ -154,8 +152,8 @@ __global__ void __launch_bounds__(kThreads) mask_indices_kernel(int64_t* out, co
 
 void gather_rows_cuda(void* out, const void* src, const int64_t* index, int64_t n_out, int64_t row_bytes,
                       uint64_t fill_elem, int elem_size, cudaStream_t stream, int64_t lead, int64_t src_lead_bytes) {
-  move_rows<false>(out, src, index, n_out, row_bytes, replicate_fill(fill_elem, elem_size), lead, n_out,
-                   src_lead_bytes, stream);
+  move_rows<false>(out, src, index, n_out, row_bytes, replicate_fill(fill_elem, elem_size), lead, n_out, src_lead_bytes,
+                   stream);
 }
 
 void scatter_rows_cuda(void* out, int64_t n_out, const void* src, const int64_t* index, int64_t n_src,
@@ -177,26 +175,23 @@ void segment_positions_cuda(int64_t* out, const int64_t* cu, int64_t nseg, int64
   PC_CUDA_LAUNCH_CHECK();
 }
 
-void next_token_labels_cuda(void* out, const void* ids, int elem_size, const int64_t* cu, int64_t nseg,
-                            int64_t total, int64_t ignore_index, cudaStream_t stream) {
+void next_token_labels_cuda(void* out, const void* ids, int elem_size, const int64_t* cu, int64_t nseg, int64_t total,
+                            int64_t ignore_index, cudaStream_t stream) {
   if (total == 0) return;
   const int g = cuda::grid_for(total, kThreads);
   if (elem_size == 4)
-    next_token_labels_kernel<<<g, kThreads, 0, stream>>>(static_cast<int32_t*>(out),
-                                                         static_cast<const int32_t*>(ids), cu, nseg, total,
-                                                         ignore_index);
+    next_token_labels_kernel<<<g, kThreads, 0, stream>>>(static_cast<int32_t*>(out), static_cast<const int32_t*>(ids),
+                                                         cu, nseg, total, ignore_index);
   else
-    next_token_labels_kernel<<<g, kThreads, 0, stream>>>(static_cast<int64_t*>(out),
-                                                         static_cast<const int64_t*>(ids), cu, nseg, total,
-                                                         ignore_index);
+    next_token_labels_kernel<<<g, kThreads, 0, stream>>>(static_cast<int64_t*>(out), static_cast<const int64_t*>(ids),
+                                                         cu, nseg, total, ignore_index);
   PC_CUDA_LAUNCH_CHECK();
 }
 
 void right_pad_indices_cuda(int64_t* out, const int64_t* cu, int64_t nseg, int64_t seqlen, int64_t total,
                             cudaStream_t stream) {
   if (total == 0) return;
-  right_pad_indices_kernel<<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(out, cu, nseg, seqlen,
-                                                                                     total);
+  right_pad_indices_kernel<<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(out, cu, nseg, seqlen, total);
   PC_CUDA_LAUNCH_CHECK();
 }
 

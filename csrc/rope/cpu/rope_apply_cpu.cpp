@@ -8,7 +8,6 @@
 namespace packcuda::rope {
 namespace {
 
-
 template <typename T>
 void rotate_heads(const RopeArgs& a, const HeadsView& v, int64_t t, const typename Acc<T>::type* cs) {
   using F = typename Acc<T>::type;
@@ -40,8 +39,8 @@ void run(const RopeArgs& a) {
     for (int64_t j = 0; j < n; ++j) {
       const int r = slot_axis(j, a.layout, a.section[0], a.section[1], a.section[2]);
       const int64_t off = r * a.pos_row_stride + pos_t;
-      const int64_t pos = a.pos_int64 ? static_cast<const int64_t*>(a.pos)[off]
-                                      : static_cast<const int32_t*>(a.pos)[off];
+      const int64_t pos =
+          a.pos_int64 ? static_cast<const int64_t*>(a.pos)[off] : static_cast<const int32_t*>(a.pos)[off];
       rope_cos_sin(rope_angle(pos, a.inv_freq[j]), static_cast<F>(a.scaling), a.inverse, &cs[2 * j], &cs[2 * j + 1]);
     }
     rotate_heads<T>(a, a.q, t, cs.data());
@@ -117,9 +116,8 @@ void norm_rotate_heads(const NormArgs& na, const HeadsView& v, const void* w, in
 
 // Backward of the heads of one view at token t; dw accumulates (in double) over the rows in token order.
 template <typename T>
-void norm_rotate_heads_backward(const NormArgs& na, const HeadsView& v, const HeadsView& g, const void* w,
-                                int64_t t, const typename Acc<T>::type* cs, typename Acc<T>::type* buf,
-                                double* dw) {
+void norm_rotate_heads_backward(const NormArgs& na, const HeadsView& v, const HeadsView& g, const void* w, int64_t t,
+                                const typename Acc<T>::type* cs, typename Acc<T>::type* buf, double* dw) {
   using F = typename Acc<T>::type;
   using R = NormRow<T>;
   const RopeArgs& a = na.r;
@@ -192,14 +190,17 @@ template <template <typename> class Run, typename A>
 void by_dtype(DType d, const A& a) {
   dispatch_dtype(d, [&](auto tag) { Run<decltype(tag)>::go(a); });
 }
-template <typename T> struct NormFwd { static void go(const NormArgs& a) { run_norm<T>(a); } };
-template <typename T> struct NormBwd { static void go(const NormArgs& a) { run_norm_backward<T>(a); } };
+template <typename T> struct NormFwd {
+  static void go(const NormArgs& a) { run_norm<T>(a); }
+};
+template <typename T> struct NormBwd {
+  static void go(const NormArgs& a) { run_norm_backward<T>(a); }
+};
 
 }  // namespace
 
 void qk_norm_rope_cpu(const NormArgs& a) { by_dtype<NormFwd>(a.r.dtype, a); }
 
 void qk_norm_rope_backward_cpu(const NormArgs& a) { by_dtype<NormBwd>(a.r.dtype, a); }
-
 
 }  // namespace packcuda::rope

@@ -54,7 +54,6 @@ struct NBase {
   int64_t x[2], y[2], g[2], pos;  // token offsets: inputs, outputs, gradients of q / k; positions
 };
 
-
 template <typename F>
 __device__ __forceinline__ F group_sum(F v, int G) {
 #pragma unroll
@@ -64,7 +63,8 @@ __device__ __forceinline__ F group_sum(F v, int G) {
 }
 
 template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, bool BWD, int NK>
-__global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 1 ? 3 : 2)) qk_norm_kernel(const NParams p) {
+__global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 1 ? 3 : 2))
+    qk_norm_kernel(const NParams p) {
   using V = Vec<T, VE, ALIGN>;
   using F = typename Elem<T>::compute;
   // frequency slots per rotary unit: neox VE (the unit's first-half chunk), gptj VE / 2 (pairs in the vector)
@@ -149,176 +149,178 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
     __syncthreads();
     // table entry e of a token -> slot j (the inverse of the layout above): consecutive threads store
     // consecutive entries
-    fill_cos_sin<F>(cs, r, ntok, n, BWD, [&](int tl) { return base[tl].pos; }, [&](int e) {
-      if constexpr (NS % 2 == 0) {
-        const int q2 = e >> 1, mp = q2 / P, u = q2 - mp * P;
-        return u * NS + 2 * mp + (e & 1);
-      } else {
-        return e;
-      }
-    });
+    fill_cos_sin<F>(
+        cs, r, ntok, n, BWD, [&](int tl) { return base[tl].pos; },
+        [&](int e) {
+          if constexpr (NS % 2 == 0) {
+            const int q2 = e >> 1, mp = q2 / P, u = q2 - mp * P;
+            return u * NS + 2 * mp + (e & 1);
+          } else {
+            return e;
+          }
+        });
     __syncthreads();
 
     // q rows first, then k rows: the phase (and so the weight) is uniform over the block
 #pragma unroll 1
     for (int ph = 0; ph < 2; ++ph) {
-    const bool is_q = ph == 0;
-    const int Hp = is_q ? hq : H - hq;
-    const int rows = ntok * Hp;
-    const F* w = static_cast<const F*>(is_q ? a.w_q : a.w_k);
-    const int dq = is_q ? p.dq[0] : p.dq[1], dr = is_q ? p.dr[0] : p.dr[1];
-    // this group's row (tl, hh) = (row / Hp, row % Hp), advanced by gpb rows per step
-    int ctl = Hp > 0 ? grp / Hp : 0;
-    int chh = grp - ctl * Hp;
-    for (int rb = 0; rb < rows; rb += gpb) {  // uniform trip count: every lane reaches the shuffles
-      const bool active = ctl < ntok;
-      const int tl = active ? ctl : 0;
-      const int hh = active ? chh : 0;
-      chh += dr;
-      ctl += dq;
-      if (chh >= Hp) {
-        chh -= Hp;
-        ++ctl;
-      }
-      // (fields picked one by one: no dynamic reference into the kernel parameters)
-      const T* xin = is_q ? static_cast<const T*>(r.q.in) + base[tl].x[0] + hh * r.q.in_sh
-                          : static_cast<const T*>(r.k.in) + base[tl].x[1] + hh * r.k.in_sh;
-      T* yout = is_q ? static_cast<T*>(r.q.out) + base[tl].y[0] + hh * r.q.out_sh
-                     : static_cast<T*>(r.k.out) + base[tl].y[1] + hh * r.k.out_sh;
-      const T* gin = nullptr;
-      if constexpr (BWD)
-        gin = is_q ? static_cast<const T*>(a.g_q.in) + base[tl].g[0] + hh * a.g_q.in_sh
-                   : static_cast<const T*>(a.g_k.in) + base[tl].g[1] + hh * a.g_k.in_sh;
-      const CosSin<F>* cst = cs + tl * n;
-
-      F x[UPL][2][VE], g[UPL][2][VE];
-      F ss = F(0);
-#pragma unroll
-      for (int i = 0; i < UPL; ++i) {
-        const int u = lane + i * G;
-        const bool ok = active && u < U;
-        const bool pair = !GPTJ && u < P;
-        const int lo = unit_lo(u);
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          V xv, gv;
-          const bool load = ok && (s == 0 || pair);
-          if (load) {
-            const int c = s == 0 ? lo : lo + n;
-            xv = *reinterpret_cast<const V*>(xin + c);
-            if constexpr (BWD) gv = *reinterpret_cast<const V*>(gin + c);
-          }
-#pragma unroll
-          for (int m = 0; m < VE; ++m) {
-            x[i][s][m] = load ? Elem<T>::load(xv.v[m]) : F(0);
-            if constexpr (BWD) g[i][s][m] = load ? Elem<T>::load(gv.v[m]) : F(0);
-            ss += x[i][s][m] * x[i][s][m];
-          }
+      const bool is_q = ph == 0;
+      const int Hp = is_q ? hq : H - hq;
+      const int rows = ntok * Hp;
+      const F* w = static_cast<const F*>(is_q ? a.w_q : a.w_k);
+      const int dq = is_q ? p.dq[0] : p.dq[1], dr = is_q ? p.dr[0] : p.dr[1];
+      // this group's row (tl, hh) = (row / Hp, row % Hp), advanced by gpb rows per step
+      int ctl = Hp > 0 ? grp / Hp : 0;
+      int chh = grp - ctl * Hp;
+      for (int rb = 0; rb < rows; rb += gpb) {  // uniform trip count: every lane reaches the shuffles
+        const bool active = ctl < ntok;
+        const int tl = active ? ctl : 0;
+        const int hh = active ? chh : 0;
+        chh += dr;
+        ctl += dq;
+        if (chh >= Hp) {
+          chh -= Hp;
+          ++ctl;
         }
-      }
-      ss = group_sum(ss, G);
-      const F rstd = norm_rstd_of_var(div_d(ss), eps);
+        // (fields picked one by one: no dynamic reference into the kernel parameters)
+        const T* xin = is_q ? static_cast<const T*>(r.q.in) + base[tl].x[0] + hh * r.q.in_sh
+                            : static_cast<const T*>(r.k.in) + base[tl].x[1] + hh * r.k.in_sh;
+        T* yout = is_q ? static_cast<T*>(r.q.out) + base[tl].y[0] + hh * r.q.out_sh
+                       : static_cast<T*>(r.k.out) + base[tl].y[1] + hh * r.k.out_sh;
+        const T* gin = nullptr;
+        if constexpr (BWD)
+          gin = is_q ? static_cast<const T*>(a.g_q.in) + base[tl].g[0] + hh * a.g_q.in_sh
+                     : static_cast<const T*>(a.g_k.in) + base[tl].g[1] + hh * a.g_k.in_sh;
+        const CosSin<F>* cst = cs + tl * n;
 
-      if constexpr (!BWD) {
-#pragma unroll
-        for (int i = 0; i < UPL; ++i) {
-          const int u = lane + i * G;
-          if (!(active && u < U)) continue;
-          const bool rot = u < P;
-          const int lo = unit_lo(u);
-          // the unit's weights (cached reads of the [D] weights), after the reduction: fewer live registers
-          const WV w0 = *reinterpret_cast<const WV*>(w + lo);
-          WV w1;
-          if constexpr (!GPTJ) {
-            if (rot) {
-              w1 = *reinterpret_cast<const WV*>(w + lo + n);
-            } else {
-#pragma unroll
-              for (int m = 0; m < VE; ++m) w1.v[m] = F(0);
-            }
-          }
-          // the normalized values of the unit; the rotary units rotate them in place (the branch holds only the
-          // rotation, so a row group with rotary and pass-through lanes runs the normalization once)
-          F nv[2][VE];
-#pragma unroll
-          for (int s = 0; s < (GPTJ ? 1 : 2); ++s)
-#pragma unroll
-            for (int m = 0; m < VE; ++m)
-              nv[s][m] = norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s][m], rstd, kind, round);
-          if (rot) rotate_unit(cst, u, nv[0], nv[1]);
-          V y0, y1;
-#pragma unroll
-          for (int m = 0; m < VE; ++m) {
-            y0.v[m] = Elem<T>::store(nv[0][m]);
-            if (!GPTJ) y1.v[m] = Elem<T>::store(nv[1][m]);
-          }
-          *reinterpret_cast<V*>(yout + lo) = y0;
-          if (!GPTJ && rot) *reinterpret_cast<V*>(yout + lo + n) = y1;
-        }
-      } else {
-        // gn = R(-a) g on the rotary pairs; then dxh = gn * gain, dot = sum(dxh * xhat), weight gradients
-        F dot = F(0);
+        F x[UPL][2][VE], g[UPL][2][VE];
+        F ss = F(0);
 #pragma unroll
         for (int i = 0; i < UPL; ++i) {
           const int u = lane + i * G;
           const bool ok = active && u < U;
-          const bool rot = u < P;
-          const int lo = unit_lo(u);
-          WV w0, w1;
-          if (ok) w0 = *reinterpret_cast<const WV*>(w + lo);
-          if (ok && !GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
-          if (ok && rot) rotate_unit(cst, u, g[i][0], g[i][1]);
-#pragma unroll
-          for (int s = 0; s < 2; ++s)
-#pragma unroll
-            for (int m = 0; m < VE; ++m) {
-              const bool live = ok && (s == 0 || (!GPTJ && rot));
-              const F xh = norm_xhat(x[i][s][m], rstd, kind, round);
-              acc[i][s][m] += live ? g[i][s][m] * xh : F(0);
-              g[i][s][m] = live ? g[i][s][m] * norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) : F(0);  // dxh
-              dot += g[i][s][m] * (x[i][s][m] * rstd);
-            }
-        }
-        dot = group_sum(dot, G);
-        const F dot_d = div_d(dot);
-#pragma unroll
-        for (int i = 0; i < UPL; ++i) {
-          const int u = lane + i * G;
-          if (!(active && u < U)) continue;
           const bool pair = !GPTJ && u < P;
           const int lo = unit_lo(u);
 #pragma unroll
           for (int s = 0; s < 2; ++s) {
-            if (s == 1 && !pair) continue;
-            V y;
+            V xv, gv;
+            const bool load = ok && (s == 0 || pair);
+            if (load) {
+              const int c = s == 0 ? lo : lo + n;
+              xv = *reinterpret_cast<const V*>(xin + c);
+              if constexpr (BWD) gv = *reinterpret_cast<const V*>(gin + c);
+            }
 #pragma unroll
-            for (int m = 0; m < VE; ++m) y.v[m] = Elem<T>::store(norm_dx_of(g[i][s][m], x[i][s][m], rstd, dot_d));
-            *reinterpret_cast<V*>(yout + (s == 0 ? lo : lo + n)) = y;
+            for (int m = 0; m < VE; ++m) {
+              x[i][s][m] = load ? Elem<T>::load(xv.v[m]) : F(0);
+              if constexpr (BWD) g[i][s][m] = load ? Elem<T>::load(gv.v[m]) : F(0);
+              ss += x[i][s][m] * x[i][s][m];
+            }
+          }
+        }
+        ss = group_sum(ss, G);
+        const F rstd = norm_rstd_of_var(div_d(ss), eps);
+
+        if constexpr (!BWD) {
+#pragma unroll
+          for (int i = 0; i < UPL; ++i) {
+            const int u = lane + i * G;
+            if (!(active && u < U)) continue;
+            const bool rot = u < P;
+            const int lo = unit_lo(u);
+            // the unit's weights (cached reads of the [D] weights), after the reduction: fewer live registers
+            const WV w0 = *reinterpret_cast<const WV*>(w + lo);
+            WV w1;
+            if constexpr (!GPTJ) {
+              if (rot) {
+                w1 = *reinterpret_cast<const WV*>(w + lo + n);
+              } else {
+#pragma unroll
+                for (int m = 0; m < VE; ++m) w1.v[m] = F(0);
+              }
+            }
+            // the normalized values of the unit; the rotary units rotate them in place (the branch holds only the
+            // rotation, so a row group with rotary and pass-through lanes runs the normalization once)
+            F nv[2][VE];
+#pragma unroll
+            for (int s = 0; s < (GPTJ ? 1 : 2); ++s)
+#pragma unroll
+              for (int m = 0; m < VE; ++m)
+                nv[s][m] = norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) * norm_xhat(x[i][s][m], rstd, kind, round);
+            if (rot) rotate_unit(cst, u, nv[0], nv[1]);
+            V y0, y1;
+#pragma unroll
+            for (int m = 0; m < VE; ++m) {
+              y0.v[m] = Elem<T>::store(nv[0][m]);
+              if (!GPTJ) y1.v[m] = Elem<T>::store(nv[1][m]);
+            }
+            *reinterpret_cast<V*>(yout + lo) = y0;
+            if (!GPTJ && rot) *reinterpret_cast<V*>(yout + lo + n) = y1;
+          }
+        } else {
+          // gn = R(-a) g on the rotary pairs; then dxh = gn * gain, dot = sum(dxh * xhat), weight gradients
+          F dot = F(0);
+#pragma unroll
+          for (int i = 0; i < UPL; ++i) {
+            const int u = lane + i * G;
+            const bool ok = active && u < U;
+            const bool rot = u < P;
+            const int lo = unit_lo(u);
+            WV w0, w1;
+            if (ok) w0 = *reinterpret_cast<const WV*>(w + lo);
+            if (ok && !GPTJ && rot) w1 = *reinterpret_cast<const WV*>(w + lo + n);
+            if (ok && rot) rotate_unit(cst, u, g[i][0], g[i][1]);
+#pragma unroll
+            for (int s = 0; s < 2; ++s)
+#pragma unroll
+              for (int m = 0; m < VE; ++m) {
+                const bool live = ok && (s == 0 || (!GPTJ && rot));
+                const F xh = norm_xhat(x[i][s][m], rstd, kind, round);
+                acc[i][s][m] += live ? g[i][s][m] * xh : F(0);
+                g[i][s][m] = live ? g[i][s][m] * norm_gain(s == 0 ? w0.v[m] : w1.v[m], kind) : F(0);  // dxh
+                dot += g[i][s][m] * (x[i][s][m] * rstd);
+              }
+          }
+          dot = group_sum(dot, G);
+          const F dot_d = div_d(dot);
+#pragma unroll
+          for (int i = 0; i < UPL; ++i) {
+            const int u = lane + i * G;
+            if (!(active && u < U)) continue;
+            const bool pair = !GPTJ && u < P;
+            const int lo = unit_lo(u);
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+              if (s == 1 && !pair) continue;
+              V y;
+#pragma unroll
+              for (int m = 0; m < VE; ++m) y.v[m] = Elem<T>::store(norm_dx_of(g[i][s][m], x[i][s][m], rstd, dot_d));
+              *reinterpret_cast<V*>(yout + (s == 0 ? lo : lo + n)) = y;
+            }
           }
         }
       }
-    }
-    if constexpr (BWD) {
-      // this phase's weight gradients of the tile into the group's own slot (lanes own disjoint channels), one
-      // vector of VE channels at a time
+      if constexpr (BWD) {
+        // this phase's weight gradients of the tile into the group's own slot (lanes own disjoint channels), one
+        // vector of VE channels at a time
 #pragma unroll
-      for (int i = 0; i < UPL; ++i) {
-        const int u = lane + i * G;
-        const bool pair = !GPTJ && u < P;
+        for (int i = 0; i < UPL; ++i) {
+          const int u = lane + i * G;
+          const bool pair = !GPTJ && u < P;
 #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          if (u < U && (s == 0 || pair)) {
-            WV* slot = reinterpret_cast<WV*>(wacc + (grp * 2 + ph) * D + (s == 0 ? unit_lo(u) : unit_lo(u) + n));
-            WV v = *slot;
+          for (int s = 0; s < 2; ++s) {
+            if (u < U && (s == 0 || pair)) {
+              WV* slot = reinterpret_cast<WV*>(wacc + (grp * 2 + ph) * D + (s == 0 ? unit_lo(u) : unit_lo(u) + n));
+              WV v = *slot;
 #pragma unroll
-            for (int m = 0; m < VE; ++m) v.v[m] += acc[i][s][m];
-            *slot = v;
+              for (int m = 0; m < VE; ++m) v.v[m] += acc[i][s][m];
+              *slot = v;
+            }
+#pragma unroll
+            for (int m = 0; m < VE; ++m) acc[i][s][m] = F(0);
           }
-#pragma unroll
-          for (int m = 0; m < VE; ++m) acc[i][s][m] = F(0);
         }
       }
-    }
     }  // phases
   }
 
@@ -390,7 +392,8 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
   if (!bwd) {
     auto kern = qk_norm_kernel<T, VE, ALIGN, UPL, GPTJ, false, NK>;
     if (cs_bytes + sizeof(NBase) * kNMaxTok > 48 * 1024)
-      PC_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cs_bytes)));
+      PC_CUDA_CHECK(
+          cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cs_bytes)));
     kern<<<static_cast<unsigned>(p.tiles), kNThreads, cs_bytes, stream>>>(p);
     PC_CUDA_LAUNCH_CHECK();
     return;
@@ -411,12 +414,13 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
 template <typename T, int VE, int ALIGN, bool GPTJ, int NK, int... UPLS>
 void launch_upl(const NormArgs& a, int U, int P, bool bwd, cudaStream_t stream) {
   PC_CHECK(((U <= 32 * UPLS) || ...), "qk_norm_rope_cuda: ", U, " units per row exceed the kernel's registers");
-  dispatch_first<UPLS...>([&](int upl) { return U <= 32 * upl; }, [&](auto upl_c) {
-    constexpr int UPL = decltype(upl_c)::value;
-    int G = 1;
-    while (G * UPL < U) G <<= 1;
-    launch<T, VE, ALIGN, UPL, GPTJ, NK>(a, U, P, G, bwd, stream);
-  });
+  dispatch_first<UPLS...>([&](int upl) { return U <= 32 * upl; },
+                          [&](auto upl_c) {
+                            constexpr int UPL = decltype(upl_c)::value;
+                            int G = 1;
+                            while (G * UPL < U) G <<= 1;
+                            launch<T, VE, ALIGN, UPL, GPTJ, NK>(a, U, P, G, bwd, stream);
+                          });
 }
 
 template <typename T, bool GPTJ>

@@ -34,17 +34,17 @@ constexpr int kWtokBwdBlocks = 2 * 132;  // backward grid: two blocks on each of
                                          // tokens); a constant, not the device's count, so the order of the
                                          // weight-gradient sums depends on the shape only
 static_assert(kWtokBwdBlocks <= kNormBwdBlocks, "the workspace holds kNormBwdBlocks partials");
-constexpr int kWtokFwdAhead = 2;         // forward: steps whose loads are issued ahead of the math (A; a step
-                                         // reads 1 KB per warp; the fastest of the variants, docs/design.md
-                                         // "Look-ahead of the forward")
-constexpr int kWtokFwdMinBlocks = 3;     // forward: blocks per SM the registers are bounded for (80 registers)
+constexpr int kWtokFwdAhead = 2;  // forward: steps whose loads are issued ahead of the math (A; a step
+                                  // reads 1 KB per warp; the fastest of the variants, docs/design.md
+                                  // "Look-ahead of the forward")
+constexpr int kWtokFwdMinBlocks = 3;  // forward: blocks per SM the registers are bounded for (80 registers)
 
 struct WParams {
   NormArgs a;
-  int hq, hk;          // q heads, k heads
-  int sq, steps;       // warp steps of a token over its q heads (ceil(hq / RW)) and over its q and k heads
-  int n, P;            // rotary_dim / 2, rotary lanes of a row (n / 8)
-  int64_t ntok;        // tokens
+  int hq, hk;  // q heads, k heads
+  int sq, steps;  // warp steps of a token over its q heads (ceil(hq / RW)) and over its q and k heads
+  int n, P;  // rotary_dim / 2, rotary lanes of a row (n / 8)
+  int64_t ntok;  // tokens
   int64_t nw_b, nw_s;  // NW tokens as a (batch, seq) step: NW / seq, NW % seq
 };
 
@@ -277,8 +277,8 @@ __device__ __forceinline__ float wtok_rstd(const float* x, float eps, bool act) 
 // e holds slot j = u * 8 + 2 * mp + (e & 1) with (mp, u) = ((e / 2) / P, (e / 2) % P), so that the rotary lanes
 // (consecutive u) read consecutive 16-byte pairs (the tile kernel's layout of a token). Warp-wide (warp-uniform
 // control flow): the previous token's reads are done before, the entries visible to the warp after.
-__device__ __forceinline__ void wtok_table(CosSin<float>* tab, const RopeArgs& r, const WCur& c, int n, int P,
-                                           int lane, bool inverse) {
+__device__ __forceinline__ void wtok_table(CosSin<float>* tab, const RopeArgs& r, const WCur& c, int n, int P, int lane,
+                                           bool inverse) {
   const float scaling = static_cast<float>(r.scaling);
   const int64_t pb = c.b * r.pos_sb + c.s * r.pos_ss;
   __syncwarp();
@@ -287,8 +287,8 @@ __device__ __forceinline__ void wtok_table(CosSin<float>* tab, const RopeArgs& r
     const int j = u * 8 + 2 * mp + (e & 1);
     const int ax = slot_axis(j, r.layout, r.section[0], r.section[1], r.section[2]);
     const int64_t off = ax * r.pos_row_stride + pb;
-    const int64_t pos = r.pos_int64 ? __ldg(static_cast<const long long*>(r.pos) + off)
-                                    : __ldg(static_cast<const int*>(r.pos) + off);
+    const int64_t pos =
+        r.pos_int64 ? __ldg(static_cast<const long long*>(r.pos) + off) : __ldg(static_cast<const int*>(r.pos) + off);
     CosSin<float> w;
     rope_cos_sin(rope_angle(pos, __ldg(r.inv_freq + j)), scaling, inverse, &w.c, &w.s);
     tab[e] = w;
@@ -323,8 +323,8 @@ __global__ void __launch_bounds__(kWtokWarps * 32, kWtokBwdMinBlocks) qk_norm_bw
   constexpr unsigned kFull = 0xffffffffu;
   const NormArgs& a = p.a;
   const RopeArgs& r = a.r;
-  __shared__ __align__(16) float gsm[2][D];                // gains of q, k: w (rms) or 1 + w (rms_offset)
-  __shared__ __align__(16) float red[WPB][2][D];           // the warps' weight-gradient sums
+  __shared__ __align__(16) float gsm[2][D];  // gains of q, k: w (rms) or 1 + w (rms_offset)
+  __shared__ __align__(16) float red[WPB][2][D];  // the warps' weight-gradient sums
   __shared__ __align__(16) CosSin<float> cst[WPB][D / 2];  // each warp's cos/sin of its current token
   const W w(p);
   const float eps = static_cast<float>(a.eps);
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(kWtokWarps * 32, kWtokBwdMinBlocks) qk_norm_bw
   wtok_gains<D, NK>(gsm, a);
 
   // the step's loads: x and the gradient, two vectors each (zeros for an idle row slot)
-  auto issue = [&](const WCur& c, uint4 (&b)[4]) {
+  auto issue = [&](const WCur& c, uint4(&b)[4]) {
     bool act;
     const int h = w.head_of(c.st, act);
     if (act) {
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kWtokWarps * 32, kWtokBwdMinBlocks) qk_norm_bw
 
   // one row per row slot: gn = R(-a) g on the rotary pairs; dxh = gn * gain, dot = sum(dxh * xhat),
   // dx = rstd * (dxh - xhat * dot / D); acc += gn * xhat (rounded to T for rms)
-  auto math = [&](const uint4 (&b)[4], const WCur& c, auto ph_c) {
+  auto math = [&](const uint4(&b)[4], const WCur& c, auto ph_c) {
     constexpr int PH = decltype(ph_c)::value;
     bool act;
     const int h = w.head_of(c.st, act);
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kWtokWarps * 32, kWtokBwdMinBlocks) qk_norm_bw
   };
 
   uint4 buf[2][4];
-  wtok_walk<1>(w, buf, issue, [&](const uint4 (&b)[4], const WCur& c) {
+  wtok_walk<1>(w, buf, issue, [&](const uint4(&b)[4], const WCur& c) {
     if (c.st == 0) wtok_table(&cst[w.warp][0], r, c, w.n, w.P, w.lane, true);
     if (c.st < w.SQ) math(b, c, std::integral_constant<int, 0>{});
     else math(b, c, std::integral_constant<int, 1>{});
@@ -443,7 +443,7 @@ __global__ void __launch_bounds__(kWtokWarps * 32, kWtokFwdMinBlocks) qk_norm_fw
   constexpr int A = kWtokFwdAhead;
   const NormArgs& a = p.a;
   const RopeArgs& r = a.r;
-  __shared__ __align__(16) float gsm[2][D];                       // gains of q, k: w (rms) or 1 + w (rms_offset)
+  __shared__ __align__(16) float gsm[2][D];  // gains of q, k: w (rms) or 1 + w (rms_offset)
   __shared__ __align__(16) CosSin<float> cst[kWtokWarps][D / 2];  // each warp's cos/sin of its current token
   const WTok<D> w(p);
   const float eps = static_cast<float>(a.eps);
@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(kWtokWarps * 32, kWtokFwdMinBlocks) qk_norm_fw
   wtok_gains<D, NK>(gsm, a);
 
   // the step's loads: x, two vectors (zeros for an idle row slot)
-  auto issue = [&](const WCur& c, uint4 (&b)[2]) {
+  auto issue = [&](const WCur& c, uint4(&b)[2]) {
     bool act;
     const int h = w.head_of(c.st, act);
     if (act) {
@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(kWtokWarps * 32, kWtokFwdMinBlocks) qk_norm_fw
     }
   };
   // one row per row slot
-  auto step = [&](const uint4 (&b)[2], const WCur& c) {
+  auto step = [&](const uint4(&b)[2], const WCur& c) {
     if (c.st == 0) wtok_table(&cst[w.warp][0], r, c, w.n, w.P, w.lane, false);
     bool act;
     const int h = w.head_of(c.st, act);

@@ -193,18 +193,16 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
   // 1. the tile's token base offsets; the staged walk's first loads; cos/sin of every (token, slot) of the tile.
   for (int tl = threadIdx.x; tl < ntok; tl += kThreads) {
     const TokenIndex ti(t0 + tl, a.seq);
-    base[tl] = TokenBase{ti.offset(a.q.in_sb, a.q.in_ss), ti.offset(a.q.out_sb, a.q.out_ss),
-                         ti.offset(a.k.in_sb, a.k.in_ss), ti.offset(a.k.out_sb, a.k.out_ss),
-                         ti.offset(a.pos_sb, a.pos_ss)};
+    base[tl] =
+        TokenBase{ti.offset(a.q.in_sb, a.q.in_ss), ti.offset(a.q.out_sb, a.q.out_ss), ti.offset(a.k.in_sb, a.k.in_ss),
+                  ti.offset(a.k.out_sb, a.k.out_ss), ti.offset(a.pos_sb, a.pos_ss)};
   }
   __syncthreads();
   // Both staged walks issue their first loads now, so they overlap the cos/sin phase (and the passthrough
   // copies overlap the rotary chunks). Waiting on copy groups counts both walks' groups: a walk may wait for
   // a few of the other's loads early, never too few of its own.
   const int rd = static_cast<int>(a.rotary_dim);
-  auto psrc = [&](int tl, int h, int c, const void*& lo, const void*& hi) {
-    lo = hi = row_in(tl, h) + rd + c * VE;
-  };
+  auto psrc = [&](int tl, int h, int c, const void*& lo, const void*& hi) { lo = hi = row_in(tl, h) + rd + c * VE; };
   StagedWalk sw, pw;
   const bool staged = kStaged && p.rot.lanes == p.rot.chunks;
   const bool pass_staged = kStaged && p.pass_staged;
@@ -212,10 +210,12 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
   if (staged) sw.start<!GPTJ>(p.rot, ntok, H, stage, src_of);
   if (pass_staged) pw.start<false>(p.pass, ntok, H, stage + 2 * kStages * kThreads, psrc);
   // entry e = m * cpr + c of a token holds slot j = c * NS + m
-  fill_cos_sin<F>(cs, a, ntok, n, a.inverse, [&](int tl) { return base[tl].pos; }, [&](int e) {
-    const int m = e / cpr;
-    return (e - m * cpr) * NS + m;
-  });
+  fill_cos_sin<F>(
+      cs, a, ntok, n, a.inverse, [&](int tl) { return base[tl].pos; },
+      [&](int e) {
+        const int m = e / cpr;
+        return (e - m * cpr) * NS + m;
+      });
   __syncthreads();
 
   // 2. rotary chunks: rotate (lo, hi) of row (tl, h), chunk c, and store.
@@ -294,13 +294,10 @@ __global__ void __launch_bounds__(kThreads, 4) rope_kernel(const KParams p) {
           },
           [&](const Copy& r) { *reinterpret_cast<E*>(r.dst) = r.v; });
     };
-    if (p.pass_vec)
-      copy_walk(CopyUnit<V, VE>{});
-    else
-      copy_walk(CopyUnit<T, 1>{});
+    if (p.pass_vec) copy_walk(CopyUnit<V, VE>{});
+    else copy_walk(CopyUnit<T, 1>{});
   }
 }
-
 
 template <typename T, int VE, int ALIGN, bool GPTJ>
 void launch(const RopeArgs& a, cudaStream_t stream) {

@@ -36,8 +36,8 @@ __device__ __forceinline__ void fill_cos_sin(CosSin<F>* cs, const RopeArgs& a, i
     const int tl = i / n, j = slot_of(i - tl * n);
     const int r = slot_axis(j, a.layout, a.section[0], a.section[1], a.section[2]);
     const int64_t off = r * a.pos_row_stride + pos_base(tl);
-    const int64_t pos = a.pos_int64 ? __ldg(static_cast<const long long*>(a.pos) + off)
-                                    : __ldg(static_cast<const int*>(a.pos) + off);
+    const int64_t pos =
+        a.pos_int64 ? __ldg(static_cast<const long long*>(a.pos) + off) : __ldg(static_cast<const int*>(a.pos) + off);
     CosSin<F> w;
     rope_cos_sin(rope_angle(pos, __ldg(a.inv_freq + j)), static_cast<F>(a.scaling), inverse, &w.c, &w.s);
     cs[i] = w;
@@ -46,8 +46,8 @@ __device__ __forceinline__ void fill_cos_sin(CosSin<F>* cs, const RopeArgs& a, i
 
 // A view's strides are multiples of ve elements (a vector of ve elements never straddles a row).
 inline bool strides_ok(const HeadsView& v, int64_t ve) {
-  return v.in_sb % ve == 0 && v.in_ss % ve == 0 && v.in_sh % ve == 0 && v.out_sb % ve == 0 &&
-         v.out_ss % ve == 0 && v.out_sh % ve == 0;
+  return v.in_sb % ve == 0 && v.in_ss % ve == 0 && v.in_sh % ve == 0 && v.out_sb % ve == 0 && v.out_ss % ve == 0 &&
+         v.out_sh % ve == 0;
 }
 
 // The QK-norm backward's weight gradients: dw_q / dw_k [D] = the blocks' [2, D] partials in part summed in block

@@ -22,8 +22,8 @@ int64_t checked_padded_total(const char* op, const int64_t* cu, int64_t nseq, in
       layout == kContiguous ? checked::mul(op, "lcm(bucket, cp_size)", bucket / std::gcd(bucket, cp), cp) : bucket;
   const int64_t total = checked::round_up(op, "the bucketed padded total", seq_total, unit);
   PC_CHECK(total <= kMaxPaddedTotal, "packcuda.", op, ": the padded stream (", total, " tokens, ", seq_total,
-           " before rounding up to a multiple of ", unit, ") does not fit int32 boundaries (at most ",
-           kMaxPaddedTotal, ")");
+           " before rounding up to a multiple of ", unit, ") does not fit int32 boundaries (at most ", kMaxPaddedTotal,
+           ")");
   return total;
 }
 

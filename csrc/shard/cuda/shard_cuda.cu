@@ -14,8 +14,7 @@ constexpr int kThreads = 256;
 // from the packed int32 metadata; plus the widened piece offsets and the int32 copies, over
 // max(total_local, npieces, copy sizes) items in one launch.
 __global__ void plan_tables_kernel(const PlanTables p, int64_t n_items) {
-  for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < n_items;
-       s += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < n_items; s += int64_t(gridDim.x) * blockDim.x) {
     if (s < p.total_local)
       write_slot_tables(p.index, p.position, p.label_index, p.cu, p.nseq, p.pieces, p.piece_offset, p.piece_seq,
                         p.npieces, s);
@@ -91,12 +90,10 @@ __global__ void __launch_bounds__(kBuildThreads) static_build_kernel(const Stati
   for (int64_t k = carry_pieces + threadIdx.x; k < b.npieces; k += kBuildThreads) static_fill_piece(b, k);
 }
 
-__global__ void static_unshard_index_kernel(int64_t* __restrict__ out, int64_t capacity,
-                                            const int32_t* __restrict__ cu, int64_t max_seqs,
-                                            const int32_t* __restrict__ cu_padded, int64_t cp, int layout,
-                                            int64_t total_local) {
-  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < capacity;
-       t += int64_t(gridDim.x) * blockDim.x)
+__global__ void static_unshard_index_kernel(int64_t* __restrict__ out, int64_t capacity, const int32_t* __restrict__ cu,
+                                            int64_t max_seqs, const int32_t* __restrict__ cu_padded, int64_t cp,
+                                            int layout, int64_t total_local) {
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < capacity; t += int64_t(gridDim.x) * blockDim.x)
     out[t] = static_unshard_slot(layout, cu, max_seqs, cu_padded, cp, total_local, t);
 }
 
@@ -113,8 +110,8 @@ void plan_tables_cuda(const PlanTables& p, cudaStream_t stream) {
 void unshard_index_cuda(int64_t* out, int64_t total, const int64_t* cu, int64_t nseq, const int64_t* cu_padded,
                         int64_t cp, int layout, int64_t total_local, cudaStream_t stream) {
   if (total == 0) return;
-  unshard_index_kernel<<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(out, total, cu, nseq, cu_padded,
-                                                                                 cp, layout, total_local);
+  unshard_index_kernel<<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(out, total, cu, nseq, cu_padded, cp,
+                                                                                 layout, total_local);
   PC_CUDA_LAUNCH_CHECK();
 }
 

@@ -35,8 +35,7 @@ std::vector<int64_t> checked_layout_args(const char* op, const Tensor& cu_seqlen
 // [S]) with S = the plan's piece count for `layout` and max_seqs, on cu_seqlens_padded's device; returns S.
 int64_t checked_static_layout(const char* op, const Tensor& cu_seqlens_padded, int64_t cp_size, int64_t cp_rank,
                               int64_t capacity);
-int64_t checked_static_pieces(const char* op, const Tensor& pieces, const Tensor& piece_offset,
-                              const Tensor& piece_seq, const Tensor& cu_seqlens_padded, Layout layout,
-                              int64_t max_seqs);
+int64_t checked_static_pieces(const char* op, const Tensor& pieces, const Tensor& piece_offset, const Tensor& piece_seq,
+                              const Tensor& cu_seqlens_padded, Layout layout, int64_t max_seqs);
 
 }  // namespace packcuda::th

@@ -38,11 +38,22 @@ Under context parallelism compute the positions on the global stream, then shard
 """
 from __future__ import annotations
 
-from ._common import (PATCHABLE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, SUPPORTED_TRANSFORMERS, UnsupportedModelError,
-                      UnsupportedTransformersError, transformers_version)  # noqa: F401
+from ._common import (
+                      PATCHABLE_MODEL_TYPES,
+                      SUPPORTED_MODEL_TYPES,
+                      SUPPORTED_TRANSFORMERS,
+                      UnsupportedModelError,
+                      UnsupportedTransformersError,  # noqa: F401
+                      transformers_version,
+)
 from .linear_attention import LinearAttentionPatch, patch_qwen3_5_linear_attention
-from .positions import (mm_token_type_ids, packed_position_ids, shard_position_ids, truncates_video_seconds,  # noqa: F401
-                        video_seconds_default)
+from .positions import (  # noqa: F401
+                      mm_token_type_ids,
+                      packed_position_ids,
+                      shard_position_ids,
+                      truncates_video_seconds,
+                      video_seconds_default,
+)
 from .rope_patch import RopePatch, is_patched, patch_qwen_vl_rope, unpatch_qwen_vl_rope
 from .vision import VisionPatch, patch_qwen_vl_vision, qwen_vl_vision_plan
 

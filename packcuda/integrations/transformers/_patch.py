@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import List, Tuple
 
+
 class _Patch:
     """What a patch handle shares: the attributes it set (restored in reverse order) and ``with`` semantics."""
 

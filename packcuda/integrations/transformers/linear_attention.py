@@ -13,11 +13,20 @@ import types
 import torch
 
 import packcuda
-from packcuda._meta import config_field as _get
-from packcuda._meta import host_list
+from packcuda._meta import config_field as _get, host_list
 
-from ._common import (_ALIASES, _FAMILIES, UnsupportedModelError, UnsupportedTransformersError, _check_source,
-                      _check_version, _config_of, _import_family, _src, transformers_version)
+from ._common import (
+    _ALIASES,
+    _FAMILIES,
+    UnsupportedModelError,
+    UnsupportedTransformersError,
+    _check_source,
+    _check_version,
+    _config_of,
+    _import_family,
+    _src,
+    transformers_version,
+)
 from ._patch import _Patch
 
 _QWEN3_5 = _FAMILIES["qwen3_5"]

@@ -14,9 +14,20 @@ import torch
 import packcuda
 from packcuda._families import Family
 
-from ._common import (_ALIASES, _FAMILIES, _TEXT_FAMILIES, PATCHABLE_MODEL_TYPES, UnsupportedModelError,
-                      UnsupportedTransformersError, _check_source, _check_version, _family_of, _import_family,
-                      _require, transformers_version)
+from ._common import (
+    _ALIASES,
+    _FAMILIES,
+    _TEXT_FAMILIES,
+    PATCHABLE_MODEL_TYPES,
+    UnsupportedModelError,
+    UnsupportedTransformersError,
+    _check_source,
+    _check_version,
+    _family_of,
+    _import_family,
+    _require,
+    transformers_version,
+)
 from ._patch import _Patch
 
 # rope types whose inverse frequencies change during a forward (dynamic_rope_update): not supported

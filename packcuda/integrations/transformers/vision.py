@@ -10,8 +10,15 @@ import torch
 
 import packcuda
 
-from ._common import (UnsupportedModelError, UnsupportedTransformersError, _check_source, _check_version,
-                      _config_of, _family_of, _import_family)
+from ._common import (
+    UnsupportedModelError,
+    UnsupportedTransformersError,
+    _check_source,
+    _check_version,
+    _config_of,
+    _family_of,
+    _import_family,
+)
 from ._patch import _Patch
 
 # per family: the multimodal model class whose forward is wrapped, its vision tower class, whether the tower
