@@ -125,7 +125,8 @@ def hf_packed_position_ids(model, input_ids, cu_seqlens, *, image_grid_thw=None,
                     frames_left -= 1
         if frames_left:
             raise ValueError(f"packcuda.{fn}: a video's frames cross the end of sample [{a}, {b})")
-        if n_img > (0 if igrid is None else igrid.shape[0]) - ii or n_vid > (0 if vgrid is None else vgrid.shape[0]) - vi:
+        if (n_img > (0 if igrid is None else igrid.shape[0]) - ii
+                or n_vid > (0 if vgrid is None else vgrid.shape[0]) - vi):
             raise ValueError(f"packcuda.{fn}: input_ids has more vision blocks than image_grid_thw / video_grid_thw "
                              f"describe (sample [{a}, {b}))")
         L = b - a

@@ -98,9 +98,10 @@ def run_conv(quick=False, device=None) -> list[dict]:
                  "0.396 ms against 0.258 ms eager at T=32768 C=8192 on the H200 of 2026-12-02), and their fwd+bwd "
                  "is the sum of the fwd and bwd graphs (the kernels alone: the eager fwd+bwd row also carries "
                  "autograd's host work and its hand-off to the backward thread, which a short kernel cannot hide). "
-                 "bwd is the raw backward op (dx, dweight, dbias and, with a prefix, its gradient) as autograd calls it. "
-                 "FLA rows: no prefix (its varlen conv takes no per-sequence prefix rows). Qwen3.5's layer shape "
-                 "(transformers' Qwen3_5TextConfig: 2*16*128 key + 32*128 value channels = 8192, K=4) is the C=8192 K=4 row.")
+                 "bwd is the raw backward op (dx, dweight, dbias and, with a prefix, its gradient) as autograd calls "
+                 "it. FLA rows: no prefix (its varlen conv takes no per-sequence prefix rows). Qwen3.5's layer shape "
+                 "(transformers' Qwen3_5TextConfig: 2*16*128 key + 32*128 value channels = 8192, K=4) is the C=8192 "
+                 "K=4 row.")
     return rows, notes
 
 
@@ -142,7 +143,8 @@ def _one_shape(t, dev, dtype, nseq, n_cfg, cfg, fla_conv, quick, rows, notes):
         over it, else the floor of `op` (fwd 1, bwd 1.5, fwd+bwd 2.5)."""
         row = dict(op=f"causal_conv1d {op}", shape=shape, packcuda_ms=ms, copy_ms=copy_ms, x_copy=ms / copy_ms)
         if base is None:
-            row.update(floor_x_copy=_FLOORS[op.split()[0]], baseline="-", baseline_ms=float("nan"), speedup=float("nan"))
+            row.update(floor_x_copy=_FLOORS[op.split()[0]], baseline="-", baseline_ms=float("nan"),
+                       speedup=float("nan"))
             print(f"{row['op']:45s} {shape:45s} {ms:.4f} ms  {ms / copy_ms:.2f}x copy", flush=True)
         else:
             row.update(baseline=base[0], baseline_ms=base[1], speedup=base[1] / ms)
@@ -187,7 +189,8 @@ def run_exchange(quick=False) -> list[dict]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) if torch.cuda.is_available() else torch.device("cpu")
+    dev = (torch.device("cuda", rank % max(1, torch.cuda.device_count())) if torch.cuda.is_available()
+           else torch.device("cpu"))
     C, K, nseq = (64, 4, 8) if quick else (8192, 4, 64)
     rng = random.Random(1)
     lens = [rng.randint(64, 1024) for _ in range(nseq)]
@@ -327,7 +330,8 @@ def run(quick=False, device=None, write=False, exchange_only=False) -> list[dict
             record("conv-prefix exchange (cp=2)", xr, device=dev, notes=" ".join(sorted(set(xn))))
         rows += xr
     elif dev.type == "cuda":
-        notes.append("exchange rows need `torch distributed launch`: torchrun --nproc_per_node=2 benchmarks/bench_conv.py")
+        notes.append("exchange rows need `torch distributed launch`: "
+                     "torchrun --nproc_per_node=2 benchmarks/bench_conv.py")
     if write and not exchange_only and (not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0):
         record("causal_conv1d fwd+bwd (varlen, silu)", [r for r in rows if not r["op"].startswith("conv_prefix")],
                device=dev, notes=" ".join(notes), write=not quick)

@@ -169,7 +169,8 @@ def balance_across_ranks(
     """Partition a global batch across data-parallel ranks, minimizing the largest rank workload.
 
     Karmarkar–Karp followed by a local search; never above verl's
-    ``get_seqlen_balanced_partitions``, whose split is the search's start. Deterministic; host work only: no device, no sync.
+    ``get_seqlen_balanced_partitions``, whose split is the search's start. Deterministic; host work only: no
+    device, no sync.
 
     Args:
         seqlens: host ``[n]`` lengths in ``[0, 2^30]`` (list, numpy array or CPU tensor).

@@ -142,8 +142,8 @@ def _rope(rep: _Report, device: torch.device, rng: random.Random):
         outs_k.append(kl)
     sq = plans[0].unshard(torch.stack(outs_q))
     sk = plans[0].unshard(torch.stack(outs_k))
-    rep.check("CP shards (2 ranks, zigzag) rotated locally == whole stream", torch.equal(sq, qo) and torch.equal(sk, ko),
-              f"{T} tokens, {plans[0].total_local} per rank")
+    rep.check("CP shards (2 ranks, zigzag) rotated locally == whole stream",
+              torch.equal(sq, qo) and torch.equal(sk, ko), f"{T} tokens, {plans[0].total_local} per rank")
 
 
 def _mrope(rep: _Report, device: torch.device, rng: random.Random):

@@ -224,7 +224,8 @@ def mrope_position_ids(
         raise ValueError(f"packcuda.mrope_position_ids: input_ids on {input_ids.device} is not supported (packcuda "
                          "runs on cpu and cuda)")
     if video_frames not in ("whole", "per_frame"):
-        raise ValueError(f"packcuda.mrope_position_ids: video_frames must be 'whole' or 'per_frame', got {video_frames!r}")
+        raise ValueError(
+            f"packcuda.mrope_position_ids: video_frames must be 'whole' or 'per_frame', got {video_frames!r}")
     if text_after_vision not in ("grid", "max"):
         raise ValueError(
             f"packcuda.mrope_position_ids: text_after_vision must be 'grid' or 'max', got {text_after_vision!r}")

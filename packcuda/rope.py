@@ -379,7 +379,8 @@ def apply_rope(
         positions: int32/int64 (or a nested list of ints; floats are refused, never truncated): ``[T]`` (or
             ``[1, T]``) for plain RoPE, or ``[3, T]`` / ``[3, 1, T]`` (t, h, w rows) with ``mrope_section``; the
             4-row form of transformers' Qwen-VL / Qwen3.5 models (``[4, 1, T]`` or ``[4, T]``, text positions
-            first) is read as its last three rows (``[B, S]`` / ``[3, B, S]`` / ``[4, B, S]`` for 4-D q/k). Per token: packed sequences restart wherever the positions restart; CP shards pass their own.
+            first) is read as its last three rows (``[B, S]`` / ``[3, B, S]`` / ``[4, B, S]`` for 4-D q/k). Per
+            token: packed sequences restart wherever the positions restart; CP shards pass their own.
             On ``q``'s device (no sync), or host positions with CUDA q/k (uploaded without a sync).
         rope_theta: the base of the default frequencies (ignored with ``inv_freq``).
         inv_freq: fp32 ``[rotary_dim / 2]``; default: computed from ``rope_theta`` over ``rotary_dim`` exactly

@@ -24,8 +24,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULES = ("catalogue_pack", "catalogue_shard", "catalogue_rope", "catalogue_mrope", "catalogue_conv",
-           "catalogue_exchange", "catalogue_relayout", "catalogue_balance", "catalogue_integrations", "catalogue_vision",
-           "catalogue_devices")
+           "catalogue_exchange", "catalogue_relayout", "catalogue_balance", "catalogue_integrations",
+           "catalogue_vision", "catalogue_devices")
 
 
 @dataclasses.dataclass
@@ -145,7 +145,7 @@ def run_in_child(module: str, case: Case, timeout: float = 120.0) -> None:
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"{case.target}/{case.name}: hung for {timeout} s in a child process")
+        raise AssertionError(f"{case.target}/{case.name}: hung for {timeout} s in a child process") from None
     assert r.returncode == 0 and "CASE-OK" in r.stdout, (
         f"{case.target}/{case.name}: child process ended with code {r.returncode}\n{r.stdout[-2000:]}"
         f"\n{r.stderr[-4000:]}")

@@ -3,9 +3,10 @@
 The rule the ops are held to (stated here on its own; ``packcuda/_meta.py: check_devices`` implements it for the
 fake kernels, each C++ op for real tensors): every tensor argument is on the data's device — the op's ``device``
 argument when given, else the device of its first tensor argument that is not metadata. Metadata arguments
-(``Baseline.host``) may also be on the CPU; host-only ones (``Baseline.host_only``) must be. A meta tensor is the data's device
-only when the data is meta too (as under FakeTensor, where every tensor carries its real device): mixed with real
-tensors it goes to the fake kernel, which must refuse it rather than return uninitialized memory.
+(``Baseline.host``) may also be on the CPU; host-only ones (``Baseline.host_only``) must be. A meta tensor is
+the data's device only when the data is meta too (as under FakeTensor, where every tensor carries its real
+device): mixed with real tensors it goes to the fake kernel, which must refuse it rather than return
+uninitialized memory.
 
 From one valid CPU call per raw op (``BASELINES``), each tensor argument A gives two calls: A alone on the other
 device, and every tensor but A on it. A call the rule refuses becomes a Case: a ValueError naming the op, the
@@ -345,9 +346,10 @@ PUBLIC = {
 # public callables without a tensor argument (nothing to put on another device)
 NO_TENSOR_ARGUMENT = {
     "ConvPrefixSchedule.on", "RowSchedule.on", "VisionPatch.set_plan", "VisionPatch.unpatch",
-    "exchange.check_agreement", "transformers.patch_qwen_vl_vision", "LinearAttentionPatch.set_plan", "LinearAttentionPatch.unpatch",
-    "MRopeSpec.from_hf_config", "RopePatch.unpatch", "StaticShardPlan.check", "megatron.packed_seq_params",
-    "packcuda.conv_prefix_schedule", "packcuda.default_inv_freq", "packcuda.hybrid_plans", "packcuda.rope_kwargs_from_config",
+    "exchange.check_agreement", "transformers.patch_qwen_vl_vision", "LinearAttentionPatch.set_plan",
+    "LinearAttentionPatch.unpatch", "MRopeSpec.from_hf_config", "RopePatch.unpatch", "StaticShardPlan.check",
+    "megatron.packed_seq_params", "packcuda.conv_prefix_schedule", "packcuda.default_inv_freq", "packcuda.hybrid_plans",
+    "packcuda.rope_kwargs_from_config",
     "transformers.is_patched", "transformers.patch_qwen3_5_linear_attention", "transformers.patch_qwen_vl_rope",
     "transformers.unpatch_qwen_vl_rope",
 }

@@ -195,7 +195,8 @@ CASES = [
     Case("ShardPlan.gather", "x_local_wrong_rows", lambda: _gather_call(extra_rows=-1), arg="x_local",
          op="ShardPlan.gather"),
     Case("ShardPlan.gather", "group_wrong_type", risky=True, exc=TypeError, arg="group", op="ShardPlan.gather",
-         make=lambda: _gather_with_group(lambda: (_plan(1), torch.zeros(_plan(1).total_local, 2), dict(group="world")))),
+         make=lambda: _gather_with_group(
+             lambda: (_plan(1), torch.zeros(_plan(1).total_local, 2), dict(group="world")))),
     Case("ShardPlan.gather", "plan_cp_size_mismatch", risky=True, arg="cp_size", op="ShardPlan.gather",
          make=lambda: _gather_with_group(lambda: (_plan(2), torch.zeros(_plan(2).total_local, 2), {}))),
     Case("ShardPlan.gather", "x_local_cpu_plan_cuda", cuda=True, arg="x_local", op="ShardPlan.gather",

@@ -334,7 +334,7 @@ def mrope_position_ids(ids, cu, image_grid_thw=(), video_grid_thw=(), second_per
     text_pos = position_ids(cu)
     return torch.tensor(rows, dtype=torch.int64).reshape(3, -1), text_pos, torch.tensor(deltas, dtype=torch.int64)
 
-# ------------------------------------------------------------------------------------------ conv (causal conv1d, conv-prefix)
+# -------------------------------------------------------------------------------- conv (causal conv1d, conv-prefix)
 def causal_conv1d(x, weight, bias=None, cu_seqlens=None, prefix=None, activation=None):
     """torch.nn.functional.conv1d per segment, with the segment's K-1 prefix rows (or zeros) in front."""
     T, C = x.shape

@@ -140,7 +140,7 @@ def test_gap_to_exhaustive_search(capsys):
     """Small inputs against the optimum found by exhaustive search; the gap is printed (run with -s)."""
     rng = random.Random(7)
     gaps = {"ranks": [], "micro_batches": [], "micro_batches_ffd": []}
-    for trial in range(40):
+    for _ in range(40):
         n = rng.randint(4, 8)
         k = rng.choice([2, 3])
         lens = [rng.randint(1, 64) for _ in range(n)]
@@ -242,13 +242,16 @@ def test_adds_micro_batches_only_when_cap_forces_it():
         (lambda: packcuda.plan_micro_batches([1, 70000], 65536), r"seqlens\[1\]=70000 exceeds max_tokens=65536"),
         (lambda: packcuda.plan_micro_batches([1, -2], 10), r"seqlens\[1\]=-2 is negative"),
         (lambda: packcuda.plan_micro_batches([1], 0), r"max_tokens=0 is out of range \[1, "),
-        (lambda: packcuda.plan_micro_batches([1], 10, min_micro_batches=0), r"min_micro_batches=0 is out of range \[1, 1048576\]"),
+        (lambda: packcuda.plan_micro_batches([1], 10, min_micro_batches=0),
+         r"min_micro_batches=0 is out of range \[1, 1048576\]"),
         (lambda: packcuda.plan_micro_batches([1], 10, multiple_of=0), r"multiple_of=0 is out of range \[1, 1048576\]"),
         (lambda: packcuda.plan_micro_batches([1], 10, workload="flops"), r"workload must be .* got 'flops'"),
         (lambda: packcuda.plan_micro_batches([1], 10, method="greedy"), r"method must be .* got 'greedy'"),
         (lambda: packcuda.plan_micro_batches([1], 10, order="zigzag"), r"order must be .* got 'zigzag'"),
-        (lambda: packcuda.plan_micro_batches([1], 10, workload_coef=-1), r"workload_coef=-1 is out of range \[0, 1099511627776\]"),
-        (lambda: packcuda.plan_micro_batches([2**30] * 4, 2**31, workload_coef=2**40), r"workload of seqlens .* overflows int64"),
+        (lambda: packcuda.plan_micro_batches([1], 10, workload_coef=-1),
+         r"workload_coef=-1 is out of range \[0, 1099511627776\]"),
+        (lambda: packcuda.plan_micro_batches([2**30] * 4, 2**31, workload_coef=2**40),
+         r"workload of seqlens .* overflows int64"),
         (lambda: packcuda.plan_micro_batches([2**30] * 4, 2**31, workload_coef=2**30), r"total workload"),
         (lambda: packcuda.balance_across_ranks([1, 2, 3], 2, equal_count=True),
          r"number of sequences \(3\) to be a multiple of world_size \(2\)"),

@@ -54,14 +54,14 @@ def _config(fam, full_attention_only=False):
     ids = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
     if fam == "qwen2_vl":  # head_dim 128 = hidden / heads, sectioned [16, 24, 24], theta 1e6
         c = T.Qwen2VLConfig(
-            text_config=_text(hidden_size=128, num_attention_heads=1, rope_parameters=dict(rope_type="default", rope_theta=1e6,
-                                                                    mrope_section=[16, 24, 24])),
+            text_config=_text(hidden_size=128, num_attention_heads=1,
+                              rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
             vision_config=_vision(embed_dim=32, hidden_size=128, mlp_ratio=2), **ids)
         cls = T.Qwen2VLForConditionalGeneration
     elif fam == "qwen2_5_vl":  # as Qwen2-VL, plus windowed vision attention and tokens_per_second 2
         c = T.Qwen2_5_VLConfig(
-            text_config=_text(hidden_size=128, num_attention_heads=1, rope_parameters=dict(rope_type="default", rope_theta=1e6,
-                                                                    mrope_section=[16, 24, 24])),
+            text_config=_text(hidden_size=128, num_attention_heads=1,
+                              rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
             vision_config=_vision(hidden_size=32, out_hidden_size=128, intermediate_size=64, window_size=16,
                                   fullatt_block_indexes=[1], tokens_per_second=2), **ids)
         cls = T.Qwen2_5_VLForConditionalGeneration
@@ -579,7 +579,7 @@ def test_video_seconds_rules_match_reference(rule):
     cfg, _ = _config("qwen2_5_vl")
     secs = [0.5, 1.5, 0.25, 2.0, 1.0 / 3.0]
     ids, cu, vids = [], [0], []
-    for i, sec in enumerate(secs):
+    for i, _sec in enumerate(secs):
         ids += [5, VS] + [VID] * (3 + i) * 2 + [VE, 6]
         cu.append(len(ids))
         vids.append([3 + i, 2, 4])

@@ -81,8 +81,9 @@ def mcore(monkeypatch):
     """megatron.core.utils with TransformerEngine's partition answered by the reference and, for 0.19's
     process-group based split, the CP size and rank of a stand-in group answered as set by ``split``."""
     mcu = pytest.importorskip("megatron.core.utils", reason=NEEDS_MCORE)
-    monkeypatch.setattr(mcu, "tex", types.SimpleNamespace(thd_get_partitioned_indices=lambda cup, n, cp, r: torch.tensor(
-        ref.thd_partitioned_indices(cup.tolist(), n, cp, r), dtype=torch.int64)))
+    monkeypatch.setattr(mcu, "tex", types.SimpleNamespace(
+        thd_get_partitioned_indices=lambda cup, n, cp, r: torch.tensor(
+            ref.thd_partitioned_indices(cup.tolist(), n, cp, r), dtype=torch.int64)))
     if hasattr(mcu, "is_te_min_version"):
         monkeypatch.setattr(mcu, "is_te_min_version", lambda *a, **k: True)
     group = types.SimpleNamespace(cp=None)

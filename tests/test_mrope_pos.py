@@ -84,7 +84,8 @@ def make_pack(rng, *, merge=2, per_frame=False, nseg=None, max_items=5, max_t=5,
 
 def _hf_takes_types(family):
     mod, cls, *_ = FAMILIES[family]
-    return "mm_token_type_ids" in inspect.signature(getattr(importlib.import_module(mod), cls).get_rope_index).parameters
+    return "mm_token_type_ids" in inspect.signature(
+        getattr(importlib.import_module(mod), cls).get_rope_index).parameters
 
 
 def hf_segment(family, ids, imgs, vids, secs, merge, tps):
@@ -112,7 +113,8 @@ def hf_segment(family, ids, imgs, vids, secs, merge, tps):
 def ours(p, device, *, per_frame=False, tps=None, rule="grid", merge=2, validate=True, use_secs=True):
     return packcuda.mrope_position_ids(
         torch.tensor(p.ids, dtype=torch.int64, device=device), p.cu, image_grid_thw=p.images or None,
-        video_grid_thw=p.videos or None, second_per_grid_ts=p.secs if (use_secs and p.videos and tps is not None) else None,
+        video_grid_thw=p.videos or None,
+        second_per_grid_ts=p.secs if (use_secs and p.videos and tps is not None) else None,
         image_token_id=IMG, video_token_id=VID, spatial_merge_size=merge, tokens_per_second=tps,
         video_frames="per_frame" if per_frame else "whole", text_after_vision=rule, validate=validate)
 
@@ -597,7 +599,7 @@ def test_cuda_status_is_the_earliest_error():
     assert n_bad >= len(BAD_RUNS) + 10
 
 
-# ---------------------------------------------------------------------------------------------- hypothesis: forms, sizes
+# ---------------------------------------------------------------------------------------- hypothesis: forms, sizes
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), per_frame=st.booleans(), rule=st.sampled_from(["grid", "max"]),
        merge=st.sampled_from([1, 2, 4]), form=st.sampled_from(["list", "tuple", "int32", "int64", "numpy"]),
@@ -615,7 +617,8 @@ def test_host_forms_match_reference_hypothesis(seed, per_frame, rule, merge, for
             return np.array(rows, dtype=np.int64).reshape(-1, 3)
         return torch.tensor(rows, dtype=torch.int32 if form == "int32" else torch.int64).reshape(-1, 3)
 
-    cu = p.cu if form in ("list", "tuple") else torch.tensor(p.cu, dtype=torch.int32 if form == "int32" else torch.int64)
+    cu = (p.cu if form in ("list", "tuple")
+          else torch.tensor(p.cu, dtype=torch.int32 if form == "int32" else torch.int64))
     secs = (p.secs if form != "numpy" else [np.float32(s) for s in p.secs]) if (tps is not None and p.videos) else None
     got = packcuda.mrope_position_ids(
         torch.tensor(p.ids, dtype=torch.int64), cu, image_grid_thw=conv(p.images, form),

@@ -291,9 +291,9 @@ def test_opcheck(device):
     opcheck(op.apply_qk_norm_rope.default, (q, k, pos[0], inv[:4], wq, wk, 1e-5, "rms_offset", 8, [], False, True, 0.5))
     opcheck(op.apply_qk_norm_rope_.default, (q.detach().clone(), k.detach().clone(), pos, inv, wq.detach(), wk.detach(),
                                        1e-6, "rms_offset", D, [2, 3, 3], False, False, 1.0))
-    opcheck(op.apply_qk_norm_rope_backward.default, (torch.randn_like(q), torch.randn_like(k), q.detach(), k.detach(), pos,
-                                               inv, wq.detach(), wk.detach(), 1e-6, "rms", D, [2, 3, 3], True, False,
-                                               1.0))
+    opcheck(op.apply_qk_norm_rope_backward.default,
+            (torch.randn_like(q), torch.randn_like(k), q.detach(), k.detach(), pos, inv, wq.detach(), wk.detach(), 1e-6,
+             "rms", D, [2, 3, 3], True, False, 1.0))
 
 
 def test_compile_fullgraph(device):
@@ -496,7 +496,8 @@ def test_cuda_no_sync_graph_capture_and_bitwise_deterministic():
     dpos = pos.cuda()
     _, D, rd, section, inter, theta = LAYOUTS[2]
     inv = packcuda.default_inv_freq(theta, rd).cuda()
-    bw = (1e-6, 1, rd, section, inter, False, 1.0)  # eps, norm (rms_offset), rotary_dim, section, interleaved, gptj, scaling
+    # eps, norm (rms_offset), rotary_dim, section, interleaved, gptj, scaling
+    bw = (1e-6, 1, rd, section, inter, False, 1.0)
     op = torch.ops.packcuda.apply_qk_norm_rope_backward
 
     def captured():

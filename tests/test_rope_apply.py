@@ -476,7 +476,8 @@ def test_bad_inputs():
         packcuda.apply_rope(q, k, pos, rope_theta=1e4, rotary_dim=18)
     with pytest.raises(ValueError, match=r"positions must be \[3, T\]"):
         packcuda.apply_rope(q, k, pos, rope_theta=1e4, mrope_section=[2, 3, 3])
-    with pytest.raises(ValueError, match=r"positions of shape \[3, 5\] hold mRoPE rows \(t, h, w\): give mrope_section"):
+    with pytest.raises(ValueError,
+                       match=r"positions of shape \[3, 5\] hold mRoPE rows \(t, h, w\): give mrope_section"):
         packcuda.apply_rope(q, k, pos3, rope_theta=1e4)
     with pytest.raises(ValueError, match=r"positions must be \[T\] or \[1, T\] \(plain RoPE\)"):
         packcuda.apply_rope(q, k, pos3[None], rope_theta=1e4)

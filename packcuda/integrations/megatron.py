@@ -146,8 +146,8 @@ def thd_batch_on_this_cp_rank(batch: Dict[str, Optional[torch.Tensor]], plan, *,
             correct at every chunk boundary; ``loss_mask`` ``[1, T_local]``, the given mask sharded (0 on pads)
             or ``labels != ignore_index`` as float; ``position_ids`` with ``T_local`` tokens in the form given,
             sharded with ``ShardPlan.shard_positions`` (pads continue counting through each sequence's tail, as
-            Megatron's padded stream does), built per sequence from 0 when absent and the batch has tokens; ``attention_mask`` None.
-            A tensor that cannot be built (no tokens, no labels) is None.
+            Megatron's padded stream does), built per sequence from 0 when absent and the batch has tokens;
+            ``attention_mask`` None. A tensor that cannot be built (no tokens, no labels) is None.
     """
     op = "megatron.thd_batch_on_this_cp_rank"
     _check_plan(op, plan)

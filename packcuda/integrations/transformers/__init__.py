@@ -38,12 +38,12 @@ Under context parallelism compute the positions on the global stream, then shard
 """
 from __future__ import annotations
 
-from ._common import (
+from ._common import (  # noqa: F401
                       PATCHABLE_MODEL_TYPES,
                       SUPPORTED_MODEL_TYPES,
                       SUPPORTED_TRANSFORMERS,
                       UnsupportedModelError,
-                      UnsupportedTransformersError,  # noqa: F401
+                      UnsupportedTransformersError,
                       transformers_version,
 )
 from .linear_attention import LinearAttentionPatch, patch_qwen3_5_linear_attention

@@ -113,5 +113,6 @@ def _import_family(fam: Family):
         return importlib.import_module(fam.module)
     except ImportError as e:
         raise UnsupportedTransformersError(
-            f"packcuda.integrations.transformers: transformers {transformers_version()} has no {fam.module} ({e})")
+            f"packcuda.integrations.transformers: transformers {transformers_version()} has no {fam.module} ({e})"
+        ) from e
 

@@ -162,7 +162,8 @@ def _check_qk_norms(fam: Family, mod, model, fn: str) -> list:
     checks = [(attn_cls.forward, f"{fam.attention}.forward", ["self.q_norm(", "self.k_norm("])]
     if kind == "rms":
         checks.append((norm_cls.forward if is_cls else None, f"{cls_name}.forward",
-                       ["torch.rsqrt(variance + self.variance_epsilon)", "self.weight * hidden_states.to(input_dtype)"]))
+                       ["torch.rsqrt(variance + self.variance_epsilon)",
+                        "self.weight * hidden_states.to(input_dtype)"]))
     else:
         checks += [(norm_cls.forward if is_cls else None, f"{cls_name}.forward",
                     ["self._norm(x.float())", "output * (1.0 + self.weight.float())", "output.type_as(x)"]),
