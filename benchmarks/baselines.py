@@ -70,6 +70,8 @@ def _hf_grid(g, name, fn):
     from packcuda.mrope import _grid
 
     g = _grid(g, name, op=fn).to(torch.int64)
+    if g.dim() != 2 or g.shape[1] != 3:  # (the op checks it where it runs; this reference never calls it)
+        raise ValueError(f"packcuda.{fn}: {name} must have shape [n, 3] (rows [t, h, w]), got {list(g.shape)}")
     return g if g.shape[0] else None
 
 

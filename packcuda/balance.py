@@ -19,11 +19,9 @@ __all__ = ["plan_micro_batches", "balance_across_ranks", "sequence_workloads"]
 
 DEFAULT_WORKLOAD_COEF = 24576
 
-# Bounds shared with the C++ torch layer (csrc/balance/balance_ops.cpp): the planners allocate one bin per
-# micro-batch (rank), so counts are bounded; lengths and coefficients are bounded so that every workload and
-# every sum of workloads is exact in int64.
-MAX_PARTS = 2**20  # world_size, min_micro_batches, multiple_of
-MAX_LENGTH = 2**30  # one sequence's tokens (planners)
+# The planners' ranges (counts, lengths, workload names and coefficients) are checked by the ops
+# (csrc/balance/balance_ops.cpp). sequence_workloads has no op: it checks its own workload and coefficient, with the
+# ops' bounds.
 MAX_WORKLOAD_COEF = 2**40
 _WORKLOADS = ("attention", "tokens")
 
@@ -41,6 +39,10 @@ def _plan_micro_batches_fake(seqlens, max_tokens, min_micro_batches=1, multiple_
 @fake_kernel("balance_across_ranks", host_only=["seqlens"])
 def _balance_across_ranks_fake(seqlens, world_size, equal_count=False, workload="attention",
                                workload_coef=DEFAULT_WORKLOAD_COEF):
+    # the output size depends on world_size: its range check (the op's own, which does not run on fake tensors)
+    # comes first, so that a bad value is refused by name rather than as a negative or huge fake size
+    if not 1 <= world_size <= 2**20:
+        raise ValueError(f"packcuda.balance_across_ranks: world_size must be in [1, 2^20], got {world_size}")
     return (seqlens.new_empty(seqlens.shape, dtype=torch.int64),
             seqlens.new_empty(world_size + 1, dtype=torch.int64))
 
@@ -55,20 +57,12 @@ def _seqlens(seqlens: IntsLike, op: str) -> torch.Tensor:
     return host_tensor(seqlens, "seqlens", op=op)
 
 
-def _choice(op: str, name: str, value, allowed) -> str:
+def _string(op: str, name: str, value) -> str:
+    """A str argument as the ops take it: its Python type checked here (the schema would refuse another type
+    with a RuntimeError), its value by the op."""
     if not isinstance(value, str):
-        raise TypeError(f"packcuda.{op}: {name} must be a string, one of {list(allowed)}, got {value!r} "
-                        f"({type(value).__name__})")
-    if value not in allowed:
-        raise ValueError(f"packcuda.{op}: {name} must be " + " or ".join(repr(a) for a in allowed)
-                         + f", got {value!r}")
+        raise TypeError(f"packcuda.{op}: {name} must be a string, got {value!r} ({type(value).__name__})")
     return value
-
-
-def _workload_args(op: str, workload, workload_coef):
-    workload = _choice(op, "workload", workload, _WORKLOADS)
-    coef = check_int(op, "workload_coef", workload_coef, lo=0, hi=MAX_WORKLOAD_COEF)
-    return workload, coef
 
 
 def _lists(indices: torch.Tensor, offsets: torch.Tensor) -> List[List[int]]:
@@ -89,7 +83,9 @@ def sequence_workloads(seqlens: IntsLike, workload: str = "attention",
         A list of ``n`` Python ints (every cost fits in int64, the planners' integer type). Host work only.
     """
     op = "sequence_workloads"
-    workload, coef = _workload_args(op, workload, workload_coef)
+    if _string(op, "workload", workload) not in _WORKLOADS:
+        raise ValueError(f"packcuda.{op}: workload must be 'attention' or 'tokens', got {workload!r}")
+    coef = check_int(op, "workload_coef", workload_coef, lo=0, hi=MAX_WORKLOAD_COEF)
     lens = _seqlens(seqlens, op).tolist()
     out = []
     for i, n in enumerate(lens):
@@ -147,12 +143,14 @@ def plan_micro_batches(
         exactly once (a micro-batch is empty only when there are fewer sequences than micro-batches).
     """
     op = "plan_micro_batches"
-    max_tokens = check_int(op, "max_tokens", max_tokens, lo=1)
-    min_micro_batches = check_int(op, "min_micro_batches", min_micro_batches, lo=1, hi=MAX_PARTS)
-    multiple_of = check_int(op, "multiple_of", multiple_of, lo=1, hi=MAX_PARTS)
-    workload, coef = _workload_args(op, workload, workload_coef)
-    method = _choice(op, "method", method, ("karmarkar_karp", "first_fit_decreasing"))
-    order = _choice(op, "order", order, ("as_planned", "pipeline"))
+    # Python types here (integers that are integers, within int64; strings); ranges and names in the op
+    max_tokens = check_int(op, "max_tokens", max_tokens)
+    min_micro_batches = check_int(op, "min_micro_batches", min_micro_batches)
+    multiple_of = check_int(op, "multiple_of", multiple_of)
+    workload = _string(op, "workload", workload)
+    coef = check_int(op, "workload_coef", workload_coef)
+    method = _string(op, "method", method)
+    order = _string(op, "order", order)
     s = _seqlens(seqlens, op)
     idx, off = ops.plan_micro_batches(s, max_tokens, min_micro_batches, multiple_of, workload, coef, method, order)
     return _lists(idx, off)
@@ -184,11 +182,13 @@ def balance_across_ranks(
         ``world_size`` lists of sequence indices, ascending: rank ``r`` gets list ``r``.
     """
     op = "balance_across_ranks"
-    world_size = check_int(op, "world_size", world_size, lo=1, hi=MAX_PARTS)
+    # Python types here; ranges and names in the op
+    world_size = check_int(op, "world_size", world_size)
     if not isinstance(equal_count, bool):
         raise TypeError(f"packcuda.{op}: equal_count must be a bool, got {equal_count!r} "
                         f"({type(equal_count).__name__})")
-    workload, coef = _workload_args(op, workload, workload_coef)
+    workload = _string(op, "workload", workload)
+    coef = check_int(op, "workload_coef", workload_coef)
     s = _seqlens(seqlens, op)
     idx, off = ops.balance_across_ranks(s, world_size, equal_count, workload, coef)
     return _lists(idx, off)

@@ -65,22 +65,18 @@ def _cu(cu_seqlens) -> torch.Tensor:
 
 
 def _grid(g: GridLike, name: str, op: str = _FN) -> torch.Tensor:
-    """Host int32/int64 [n, 3] of a grid argument (rows [t, h, w] of integers); a device tensor is read back (one
-    sync). The op checks the values."""
+    """Host int32/int64 tensor of a grid argument (rows [t, h, w] of integers); a device tensor is read back (one
+    sync). The op checks the shape ([n, 3]) and the values."""
     if g is None:
         return _EMPTY_GRID
     if isinstance(g, torch.Tensor):
-        if g.dtype not in (torch.int32, torch.int64):
+        if g.dtype not in (torch.int32, torch.int64):  # (before a device tensor's read-back converts it)
             raise TypeError(f"packcuda.{op}: {name} must be an int32/int64 tensor, got {g.dtype}")
+        if not g.is_cpu:  # read back below: a meta tensor has nothing to read (refused empty or not, as by the op)
+            tensor_device(op, name, g)
         if not g.numel():
-            return _EMPTY_GRID
-        if g.dim() != 2 or g.shape[1] != 3:
-            raise ValueError(f"packcuda.{op}: {name} must have shape [n, 3] (rows [t, h, w]), got "
-                             f"{list(g.shape)}")
-        if g.is_cpu:
-            return g
-        tensor_device(op, name, g)  # read back below: a meta tensor has nothing to read
-        return g.detach().to("cpu", torch.int64)
+            return _EMPTY_GRID  # (a device tensor: no read-back, no sync)
+        return g if g.is_cpu else g.detach().to("cpu", torch.int64)
     if type(g) in (list, tuple) and g and not torch.compiler.is_compiling():
         # Columns at C level: zip(strict=True) insists on rows of one length (unpacking: three of them), then
         # host metadata's fast path packs the columns (plain ints only: bools and other integer-likes take the

@@ -260,13 +260,6 @@ def _section(op, section):
     return s
 
 
-def _meta_together(op, q, *named) -> None:
-    """A meta tensor mixed with real ones would give no real result (the fake kernels do not compare devices)."""
-    for arg, x in named:
-        if x.is_meta != q.is_meta:
-            raise ValueError(f"packcuda.{op}: {arg} is on {x.device} but q is on {q.device}")
-
-
 def _rope_args(op, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section, mrope_interleaved,
                rotary_style, attention_scaling, inplace):
     """``(q, k, positions, inv_freq, rotary_dim, section, interleaved, gptj, scaling)`` as the rotary ops take
@@ -301,8 +294,6 @@ def _rope_args(op, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_sect
         rd = 2 * inv.numel() if rotary_dim is None else check_int(op, "rotary_dim", rotary_dim)
     else:
         raise TypeError(f"packcuda.{op}: inv_freq must be a float32 tensor, got {type(inv_freq).__name__}")
-    if q.is_meta or k.is_meta or positions.is_meta or inv.is_meta:
-        _meta_together(op, q, ("k", k), ("positions", positions), ("inv_freq", inv))
     if q.dim() > 4:
         if k.dim() != q.dim() or k.shape[:-2] != q.shape[:-2]:
             raise ValueError(f"packcuda.{op}: q and k must have the same tokens (leading dims), got q "
@@ -448,13 +439,11 @@ def apply_rope_(
     return q, k
 
 
-def _norm_args(op, q, q_weight, k_weight, eps, norm):
+def _norm_args(op, q_weight, k_weight, eps, norm):
     """(eps, norm) as the QK-norm ops take them, after the weights' Python type."""
     for arg, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if not isinstance(w, torch.Tensor):
             raise TypeError(f"packcuda.{op}: {arg} must be a tensor [head_dim], got {type(w).__name__}")
-    if q_weight.is_meta != q.is_meta or k_weight.is_meta != q.is_meta:
-        _meta_together(op, q, ("q_weight", q_weight), ("k_weight", k_weight))
     if not isinstance(norm, str):
         raise TypeError(f"packcuda.{op}: norm must be 'rms' or 'rms_offset', got {norm!r} ({type(norm).__name__})")
     return (eps if type(eps) is float else _real(op, "eps", eps)), norm
@@ -510,7 +499,7 @@ def apply_qk_norm_rope(
     op = "apply_qk_norm_rope"
     qf, kf, pos, inv, rd, *cfg = _rope_args(op, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section,
                                             mrope_interleaved, rotary_style, attention_scaling, False)
-    eps, norm = _norm_args(op, q, q_weight, k_weight, eps, norm)
+    eps, norm = _norm_args(op, q_weight, k_weight, eps, norm)
     qo, ko = _QK_NORM(q.requires_grad or k.requires_grad or q_weight.requires_grad or k_weight.requires_grad, qf, kf,
                       pos, inv, q_weight, k_weight, eps, norm, rd, *cfg)
     if qf is not q:  # flattened
@@ -556,7 +545,7 @@ def apply_qk_norm_rope_(
     op = "apply_qk_norm_rope_"
     qf, kf, pos, inv, rd, *cfg = _rope_args(op, q, k, positions, rope_theta, inv_freq, rotary_dim, mrope_section,
                                             mrope_interleaved, rotary_style, attention_scaling, True)
-    cfg = (*_norm_args(op, q, q_weight, k_weight, eps, norm), rd, *cfg)
+    cfg = (*_norm_args(op, q_weight, k_weight, eps, norm), rd, *cfg)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or q_weight.requires_grad
                                     or k_weight.requires_grad):
         _check_differentiable_inplace(op, q, k, qf, kf, "apply_qk_norm_rope")

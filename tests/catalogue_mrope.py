@@ -130,6 +130,11 @@ CASES = [
     Case(T, "ids_2d", lambda: _f(_ids()[None]), arg="input_ids"),
     Case(T, "ids_list", lambda: _f([1, 2, 3], cu=[0, 3]), exc=TypeError, arg="input_ids"),
     Case(T, "ids_meta", lambda: _f(_ids(device="meta")), arg="input_ids"),
+    # a meta grid is refused empty or not, as the raw op refuses it (a meta tensor has nothing to read)
+    Case(T, "grid_empty_meta", arg=("image_grid_thw", "meta"),
+         make=lambda: _f(_ids(0), [0, 3], image_grid_thw=torch.empty(0, 3, dtype=torch.int64, device="meta"))),
+    Case(T, "video_grid_empty_meta", arg=("video_grid_thw", "meta"),
+         make=lambda: _f(video_grid_thw=torch.empty(0, 3, dtype=torch.int64, device="meta"))),
     # string options
     Case(T, "video_frames", lambda: _f(video_frames="frames"), arg="video_frames"),
     Case(T, "text_after_vision", lambda: _f(text_after_vision="last"), arg="text_after_vision"),
@@ -169,6 +174,8 @@ CASES = [
          make=lambda: _op(image=torch.tensor([[1.0, 4, 4]]))),
     Case("ops.mrope_position_ids", "grid_shape", op="mrope_position_ids", arg="image_grid_thw",
          make=lambda: _op(image=torch.tensor([[1, 4, 4, 1]]))),
+    Case("ops.mrope_position_ids", "grid_empty_meta", op="mrope_position_ids", arg=("image_grid_thw", "meta"),
+         make=lambda: _op(_ids(0), image=torch.empty(0, 3, dtype=torch.int64, device="meta"))),
     Case("ops.mrope_position_ids", "merge_zero", op="mrope_position_ids", arg="spatial_merge_size",
          make=lambda: _op(merge=0)),
     Case("ops.mrope_position_ids", "cu_2d", op="mrope_position_ids", arg="cu_seqlens",

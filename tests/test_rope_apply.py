@@ -293,6 +293,34 @@ def test_compile_fullgraph(device):
     assert torch.equal(r1[0], r2[0]) and torch.equal(r1[1], r2[1])
 
 
+def test_meta_devices_facade_agrees_with_op():
+    """One device rule, checked once (the fake kernels): meta q/k go with host (CPU) positions / inv_freq, as CUDA
+    q/k do, and give meta results; a meta tensor among real q/k is refused naming it - the same through the
+    facade as through the raw op."""
+    op = torch.ops.packcuda
+    q, k, pos, inv = torch.randn(5, 2, 8), torch.randn(5, 1, 8), torch.arange(5), _inv(1e4, 8)
+    w = torch.ones(8)
+    meta = lambda *xs: [x.to("meta") for x in xs]  # noqa: E731
+    for args in [(*meta(q, k), pos, inv), (*meta(q, k, pos), inv), (*meta(q, k), pos, *meta(inv)),
+                 meta(q, k, pos, inv)]:
+        raw = op.apply_rope(*args, 8, [])
+        out = packcuda.apply_rope(*args[:3], inv_freq=args[3])
+        assert all(t.is_meta for t in (*raw, *out)) and out[0].shape == q.shape
+        qn = packcuda.apply_qk_norm_rope(*args[:3], inv_freq=args[3], q_weight=w.to("meta"), k_weight=w.to("meta"))
+        assert all(t.is_meta for t in qn)
+    assert packcuda.apply_rope(*meta(q, k), pos.tolist(), rope_theta=1e4)[0].is_meta
+    for i, name in enumerate(("k", "positions", "inv_freq")):
+        args = [q, k, pos, inv]
+        args[1 + i] = args[1 + i].to("meta")
+        for call in (lambda: op.apply_rope(*args, 8, []), lambda: packcuda.apply_rope(*args[:3], inv_freq=args[3])):
+            with pytest.raises(ValueError, match=f"packcuda.apply_rope: {name} is on meta but q is on cpu"):
+                call()
+    for call in (lambda: op.apply_qk_norm_rope(q, k, pos, inv, w.to("meta"), w, 1e-6, "rms", 8, []),
+                 lambda: packcuda.apply_qk_norm_rope(q, k, pos, inv_freq=inv, q_weight=w.to("meta"), k_weight=w)):
+        with pytest.raises(ValueError, match="packcuda.apply_qk_norm_rope: q_weight is on meta but q is on cpu"):
+            call()
+
+
 # ------------------------------------------------------------------------------------ transformers oracle
 def _hf_models():
     tf = pytest.importorskip("transformers")  # noqa: F841
