@@ -213,7 +213,7 @@ def conv_prefix_schedule(plan, kernel_size: int) -> ConvPrefixSchedule:
         The plan's ``ConvPrefixSchedule`` for K (host work only, no sync).
     """
     k = _check_schedule_args("conv_prefix_schedule", plan, kernel_size)
-    cache = plan.__dict__.setdefault("_conv_prefix_schedules", {})
+    cache = plan._memo.setdefault("conv_prefix_schedules", {})
     if k not in cache:
         cache[k] = ConvPrefixSchedule(plan, k)
     return cache[k]
@@ -291,7 +291,7 @@ def conv_prefix(
     _check_x_local(op, x_local, plan)
     check = check_flag(op, check, "PACKCUDA_CONV_CHECK")
     backend = check_backend(op, backend)
-    sched = plan.__dict__.get("_conv_prefix_schedules", {}).get(K) or conv_prefix_schedule(plan, K)
+    sched = plan._memo.get("conv_prefix_schedules", {}).get(K) or conv_prefix_schedule(plan, K)
     out = move(x_local, sched, group, op=op, key=sched.fingerprint, fields=lambda: _agreement_fields(plan, K),
                backend=backend, check=check, hint=_HINT, row_what="the channel count x_local.shape[1]",
                name="x_local", join_hint=" with its own rank's plan and the same kernel_size")
@@ -317,7 +317,7 @@ def _conv_static_prefix_tables_fake(pieces, piece_offset, piece_seq, cu_seqlens_
 def _static_schedule(plan, K: int) -> StaticRowSchedule:
     """The conv prefix's fixed-size move of a static plan for kernel size K >= 2 (tables made on first use: one
     launch, no sync)."""
-    cache = plan.__dict__.setdefault("_conv_static_schedules", {})
+    cache = plan._memo.setdefault("conv_static_schedules", {})
     if K not in cache:
         send, unpack, bwd = ops.conv_static_prefix_tables(plan.pieces, plan.piece_offset, plan.piece_seq,
                                                           plan.cu_seqlens_padded, plan.cp_size, plan.cp_rank,

@@ -126,6 +126,7 @@ class ShardPlan:
         self.layout, self.cp_size, self.cp_rank = layout, cp_size, cp_rank
         self.align, self.bucket, self.device = align, bucket, device
         self._unshard_index: Optional[torch.Tensor] = None
+        self._memo: dict = {}  # what is made on first use, by purpose (schedules, tables, host lists, masks)
 
     def __repr__(self) -> str:
         sequences = len(self._host_section("cu_seqlens")) - 1
@@ -139,9 +140,9 @@ class ShardPlan:
         """A signed 64-bit hash of what makes the plans of the ranks of one CP group one plan (cu_seqlens,
         cp_size, layout, align, bucket; not the rank): the collectives that take a plan compare it between the
         ranks before they move data."""
-        fp = self.__dict__.get("_fingerprint")
+        fp = self._memo.get("fingerprint")
         if fp is None:
-            fp = self.__dict__["_fingerprint"] = _hash64(
+            fp = self._memo["fingerprint"] = _hash64(
                 (list(self.cu_seqlens_host), self.cp_size, self.layout, self.align, self.bucket))
         return fp
 
@@ -150,7 +151,7 @@ class ShardPlan:
         passed its own rank's plan of the same batch and rows of one shape and dtype, or every rank raises the
         same ValueError."""
         key = (group, x_local.shape[1:], x_local.dtype)
-        agreed = self.__dict__.setdefault("_agreed", set())
+        agreed = self._memo.setdefault("agreed", set())
         if key in agreed:
             return
         check_agreement(op, group, [
@@ -194,7 +195,7 @@ class ShardPlan:
         return self._host_meta[self._starts[k]:self._starts[k + 1]]
 
     def _host(self, name: str) -> List[int]:
-        cache = self.__dict__.setdefault("_host_lists", {})
+        cache = self._memo.setdefault("host_lists", {})
         if name not in cache:
             cache[name] = self._host_section(name).tolist()
         return cache[name]
@@ -287,9 +288,9 @@ class ShardPlan:
     @property
     def _pad_mask(self) -> torch.Tensor:
         """bool ``[T_local]``: the pad slots (made on first use, on the plan's device, no sync)."""
-        m = self.__dict__.get("_pad_mask_t")
+        m = self._memo.get("pad_mask")
         if m is None:
-            m = self.__dict__["_pad_mask_t"] = self.index < 0
+            m = self._memo["pad_mask"] = self.index < 0
         return m
 
     def labels(self, input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -537,7 +538,7 @@ class StaticShardPlan(ShardPlan):
         self.total = self.total_padded = self.max_seqlen_padded = capacity
         self.total_local = self.max_seqlen_local = capacity // cp_size
         self._unshard_index: Optional[torch.Tensor] = None
-        self._pad_mask_t: Optional[torch.Tensor] = None
+        self._memo: dict = {}
 
     _identity = "capacity / max_seqs / cp_size / layout / align"
 
@@ -574,12 +575,6 @@ class StaticShardPlan(ShardPlan):
             self._unshard_index = ops.shard_static_unshard_index(
                 self.cu_seqlens, self.cu_seqlens_padded, self.cp_size, self.layout, self.capacity)
         return self._unshard_index
-
-    @property
-    def _pad_mask(self) -> torch.Tensor:
-        if self._pad_mask_t is None:
-            self._pad_mask_t = self.index < 0
-        return self._pad_mask_t
 
     def check(self) -> "StaticShardPlan":
         """Raise if the batch did not fit the plan; call it outside captured regions (e.g. every N steps).
