@@ -37,6 +37,11 @@ Contract (what the users of the engine call)::
         every rank sends every peer block = send.shape[0] / cp rows, one equal-split all_to_all_single; no host
         read, no agreement check, capturable. local=True: only the rows this rank holds itself (no group).
 
+    refuse(x, cp, rank, group, *, op, problem, problem_what, backend, ...)  (always raises)
+        For a rank whose arguments have a problem only it can see (e.g. relayout's plan pair that is no pair):
+        instead of its move it joins the agreement check of the other ranks' first call with the problem, so that
+        every rank raises the same ValueError naming `op` and the rank(s) with a problem, before any row moves.
+
     check_agreement(op, group, fields, *, hint="", what="the plan or the call")
         The agreement check itself, for any collective (plan.gather, ...): every rank raises the same ValueError
         when a Field differs between ranks (or a per-rank Field is not the rank's index).
@@ -221,6 +226,7 @@ class RowSchedule:
         self.send_first, self.bwd_send_first = send_first.tolist(), bwd_send_first.tolist()
         self._dev: dict = {}
         self._calls: dict = {}
+        self._agreed: dict = {}  # (group, device, backend) -> agreement keys the ranks were checked to agree on
 
     @classmethod
     def from_moves(cls, cp: int, rank: int, n_src: int, n_out: int, src_rank, src_row, dst_rank,
@@ -420,7 +426,6 @@ class _Call:
 
     def __init__(self, sched: RowSchedule, group, backend: str, device: torch.device):
         self.sched, self.group, self.backend = sched, group, backend
-        self.agreed: set = set()  # agreement keys every rank of the group was checked to agree on
         self.send_index, self.unpack, self.bwd_send_index, self.bwd_unpack = sched.on(device)
         self.handles = None
         if backend == "nccl":
@@ -475,32 +480,42 @@ class _Exchange(torch.autograd.Function):
         return gx.view(ctx.x_shape) if gx.dtype == ctx.x_dtype else gx.view(ctx.x_dtype).view(ctx.x_shape), None
 
 
-def _prepare(op: str, x: torch.Tensor, sched: RowSchedule, group, backend: str) -> _Call:
-    """The cached call of (schedule, group, device, backend), resolving and preparing it on first use."""
-    key = (group, x.device, backend)
-    call = sched._calls.get(key)
-    if call is None:
-        if group is not None:
-            check_group(op, group)
-        if sched.cp == 1 and backend != "nccl":
-            resolved = "local"
-        else:
-            check_group(op, group)
-            check_group_matches(op, sched.cp, sched.rank, group)
-            resolved = _resolve_backend(op, x, group, backend)
-        call = sched._calls[key] = _Call(sched, group, resolved, x.device)
-    return call
+def _resolve(op: str, x: torch.Tensor, cp: int, rank: int, group, backend: str) -> str:
+    """The backend a call of rank `rank` of `cp` resolves to ("local", "torch" or "nccl"), with the group checks
+    (host values only, no communication)."""
+    if group is not None:
+        check_group(op, group)
+    if cp == 1 and backend != "nccl":
+        return "local"
+    check_group(op, group)
+    check_group_matches(op, cp, rank, group)
+    return _resolve_backend(op, x, group, backend)
 
 
-def _agree(op: str, call: _Call, x: torch.Tensor, key, fields: Callable[[], list], hint: str, row_what: str,
-           name: str, join_hint: str) -> None:
-    """The agreement check of a call (first use of `key`, or every call with check=True): the caller's fields,
-    the row shape, dtype and backend, and whether the ranks' schedules fit together."""
-    s = call.sched
+def _agree(op: str, group, backend: str, x: torch.Tensor, counts: tuple, fields: Callable[[], list], hint: str,
+           row_what: str, name: str, join_hint: str, problem: Optional[tuple] = None) -> None:
+    """The agreement check of a call (first use of a key, or every call with check=True): one all_gather of the
+    caller's fields, the row shape, dtype and backend, the schedule's counts and this rank's local problem
+    (``(what, why, hint)``: what is wrong with this rank's arguments, found on this rank only; None: nothing).
+    Every rank raises the same ValueError (built from the gathered values only): first for the ranks with a
+    problem (naming them), else for fields that differ or schedules that do not fit together."""
     all_fields = list(fields()) + [Field(row_what, tuple(x.shape[1:])), Field(f"{name}.dtype", x.dtype),
-                                   Field("the exchange backend", call.backend)]
-    rows = _gather_objects(op, call.group, (tuple(f.value for f in all_fields), s.send_counts, s.recv_counts),
+                                   Field("the exchange backend", backend)]
+    rows = _gather_objects(op, group, (tuple(f.value for f in all_fields), counts[0], counts[1], problem),
                            join_hint)
+    bad = [(r, row[3]) for r, row in enumerate(rows) if row[3] is not None]
+    if bad:
+        what, _, bad_hint = bad[0][1]
+        if len(bad) == 1:
+            where = f"on rank {bad[0][0]} of the group's {len(rows)}: {bad[0][1][1]}"
+        else:
+            shown = "; ".join(f"rank {r}: {p[1]}" for r, p in bad[:2])
+            more = f"; ... ({len(bad) - 2} more)" if len(bad) > 2 else ""
+            where = f"on ranks {[r for r, _ in bad]} of the group's {len(rows)}: {shown}{more}"
+        raise ValueError(f"packcuda.{op}: {what} {where} (refused on every rank before any data moved)"
+                         + (f". {bad_hint}" if bad_hint else ""))
+    if problem is not None:  # pragma: no cover - this rank's own row carries it
+        raise AssertionError("packcuda: a local problem was not gathered")
     diffs = _field_diffs(all_fields, [r[0] for r in rows])
     if not diffs:
         mismatch = _schedule_mismatch([(r[1], r[2]) for r in rows])
@@ -508,24 +523,53 @@ def _agree(op: str, call: _Call, x: torch.Tensor, key, fields: Callable[[], list
             diffs = ["the schedules do not fit together (" + "; ".join(mismatch) + ")"]
     if diffs:
         _raise_disagreement(op, "the plan or the call", diffs, hint)
-    call.agreed.add(key)
 
 
 def move(x: torch.Tensor, sched: RowSchedule, group, *, op: str, key, fields: Callable[[], list], backend: str,
          check: bool, hint: str = "", row_what: Optional[str] = None, name: str = "x",
          join_hint: str = "") -> torch.Tensor:
     """The engine's call for users that checked their arguments already (x: [sched.n_src, *trail], a tensor on
-    cpu or cuda; backend and check resolved): prepared call, agreement check on first use of `key` (a hashable
-    fingerprint of the caller's purpose; fields() builds its Fields only then), autograd."""
-    call = _prepare(op, x, sched, group, backend)
-    if call.backend != "local":
+    cpu or cuda; backend and check resolved): agreement check on first use of `key` (a hashable fingerprint of
+    the caller's purpose; fields() builds its Fields only then) per (schedule, group, device, backend), before
+    anything communicates (the NCCL communicator included), then the prepared call and autograd."""
+    ckey = (group, x.device, backend)
+    call = sched._calls.get(ckey)
+    resolved = call.backend if call is not None else _resolve(op, x, sched.cp, sched.rank, group, backend)
+    if resolved != "local":
+        agreed = sched._agreed.setdefault(ckey, set())  # agreement keys every rank was checked to agree on
         akey = (key, x.shape[1:], x.dtype)
-        if check or akey not in call.agreed:
-            _agree(op, call, x, akey, fields, hint, row_what or f"{name}.shape[1:]", name, join_hint)
+        if check or akey not in agreed:
+            _agree(op, group, resolved, x, (sched.send_counts, sched.recv_counts), fields, hint,
+                   row_what or f"{name}.shape[1:]", name, join_hint)
+            agreed.add(akey)
+    if call is None:
+        call = sched._calls[ckey] = _Call(sched, group, resolved, x.device)
     if torch.is_grad_enabled() and x.requires_grad:
         return _Exchange.apply(x, call)
     s = sched
     return _like(call.forward(_rows(x, s.n_src)), x, s.n_out)
+
+
+def refuse(x: torch.Tensor, cp: int, rank: int, group, *, op: str, problem: str, problem_what: str,
+           backend: str, hint: str = "", name: str = "x", join_hint: str = "") -> None:
+    """Always raises: the call of a rank whose arguments have a local `problem` (found on this rank only, e.g. a
+    plan pair that is no pair) that would otherwise move rows of rank `rank` of `cp` over `group`. Where the move
+    needs no group (cp == 1, backend not "nccl") or torch.distributed is not initialized, the ValueError is local
+    ("packcuda.<op>: <problem_what>: <problem>"); else this rank joins the agreement check that the other ranks'
+    first call runs (:func:`move`), so that every rank raises the same ValueError naming `op`, `problem_what` and
+    the rank(s) with a problem, before any row moves (the other ranks' check must not have been cached already,
+    i.e. the problem shows on the first call of a plan pair)."""
+    import torch.distributed as dist
+
+    local = f"packcuda.{op}: {problem_what}: {problem}"
+    if (cp == 1 and backend != "nccl") or not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(local)
+    resolved = _resolve(op, x, cp, rank, group, backend)
+    if resolved == "local":
+        raise ValueError(local)
+    _agree(op, group, resolved, x, ([], []), list, hint, f"{name}.shape[1:]", name, join_hint,
+           problem=(problem_what, problem, hint))
+    raise ValueError(local)  # pragma: no cover - _agree raised
 
 
 def exchange_rows(x: torch.Tensor, schedule: RowSchedule, group=None, *, op: str = "exchange_rows",

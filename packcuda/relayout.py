@@ -26,6 +26,7 @@ from .exchange import (
     check_group_matches,
     check_rows,
     move,
+    refuse,
     schedule_fake,
     static_move,
 )
@@ -110,6 +111,9 @@ def _fields(src: ShardPlan, dst: ShardPlan) -> list:
             Field("src_plan.layout", src.layout), Field("dst_plan.layout", dst.layout)]
 
 
+_PAIR_HINT = ("Every rank must pass a src_plan and a dst_plan of its own rank over one padded stream (the same batch, "
+              "cp_size, align and bucket: packcuda.hybrid_plans)")
+
 _HINT = ("Every rank must pass its own rank's src_plan and dst_plan of the same batch and an x_local of the same row "
          "shape and dtype")
 
@@ -147,11 +151,14 @@ def relayout(
 
     Differentiable (the backward is the reverse move: every row comes from exactly one source, so gradients are
     copied back, bitwise); deterministic. A pair that is no pair (other batch, other cp / rank, other padded
-    stream) is refused with a ``ValueError`` before any communication. Host plans: the schedule is built once per
-    plan pair (C++, from the two layouts) and cached on ``src_plan``; the first call per (group, device, backend,
-    row shape, dtype) runs the agreement check (one all_gather, one host sync: every rank raises the same
-    ``ValueError`` when the ranks hold plans of different batches); later calls do not sync (the NCCL path is
-    capturable after that warm-up call). Every rank of the group must call it.
+    stream) is refused with a ``ValueError`` before any communication: with host plans over a group, the rank
+    that holds it joins the agreement check of the first call (below) with its problem, so that every rank raises
+    the same ``ValueError`` naming the rank(s) with a bad pair, even where the other ranks' pairs are good (with
+    static plans, or without a group, only the rank with the bad pair raises). Host plans: the schedule is built
+    once per plan pair (C++, from the two layouts) and cached on ``src_plan``; the first call per (plan pair,
+    group, device, backend, row shape, dtype) runs the agreement check (one all_gather, one host sync: every rank
+    raises the same ``ValueError`` when the ranks hold plans of different batches); later calls do not sync
+    (the NCCL path is capturable after that warm-up call). Every rank of the group must call it.
     """
     op = "relayout"
     for name, p in (("src_plan", src_plan), ("dst_plan", dst_plan)):
@@ -162,8 +169,14 @@ def relayout(
     backend = check_backend(op, backend)
     check = check_flag(op, check)
     problem = _pair_problem(src_plan, dst_plan)
-    if problem is not None:
+    if problem is not None and isinstance(src_plan, StaticShardPlan):
+        # static plans run no agreement check (no host read, capturable): the refusal is this rank's own
         raise ValueError(f"packcuda.{op}: src_plan and dst_plan are no pair: {problem}")
+    if problem is not None:
+        # joins the agreement check of the other ranks' first call: every rank raises the same ValueError
+        refuse(x_local, src_plan.cp_size, src_plan.cp_rank, group, op=op, problem=problem,
+               problem_what="src_plan and dst_plan are no pair", backend=backend, hint=_PAIR_HINT,
+               name="x_local", join_hint=" with its own rank's plans of the same batch")
     if isinstance(src_plan, StaticShardPlan):
         if x_local.device != src_plan.device:
             raise ValueError(f"packcuda.{op}: x_local is on {x_local.device}, but the static plans are on "

@@ -288,6 +288,82 @@ def test_cp_plans_accepted_and_refused(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------------ zigzag: packcuda's and FLA's CP parts
+def _fla_zigzag_rows(cu_padded, cp, rank):
+    """The padded-stream rows flash-linear-attention's zigzag CP context gives rank `rank` of `cp`
+    (fla.ops.cp.context.get_cp_cu_seqlens, pure Python, no group): its front and back parts in local-buffer order,
+    each part_len rows, at the chain slots the context reports. None where FLA's CP context has no zigzag."""
+    ctxmod = pytest.importorskip("fla.ops.cp.context")
+    if "layout" not in inspect.signature(ctxmod.get_cp_cu_seqlens).parameters:
+        return None
+    cu = torch.tensor(cu_padded, dtype=torch.int64)
+    ctx = ctxmod.get_cp_cu_seqlens(cu, cu_seqlens_cpu=cu, world_size=cp, rank=rank, layout="zigzag")
+    pl = ctx.part_len
+    # chain slot of each part: the number of earlier parts of the stream's first sequence (which starts at row 0)
+    slots = ctx.pre_num_ranks_by_part if len(cu_padded) == 2 else (rank, 2 * cp - 1 - rank)
+    return ctx, [i for s in slots for i in range(s * pl, (s + 1) * pl)]
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_zigzag_of_one_sequence_is_fla_zigzag(cp):
+    """The native path's premise, against flash-linear-attention's own CP partition (get_cp_cu_seqlens with
+    layout='zigzag'): for one padded sequence (lengths that need pads and lengths that do not), every rank's
+    packcuda zigzag rows (hybrid_plans' zigzag plan, from its pieces) are the rows FLA's context gives it: parts r
+    and 2*cp-1-r of the sequence, front then back, part_len = total_local / 2, local cu_seqlens [0, part_len,
+    2*part_len]. With several sequences the layouts differ (FLA zigzags the whole stream, packcuda every
+    sequence), which is why that case takes the relayout path."""
+    if _fla_zigzag_rows([0, 2 * cp], cp, 0) is None:
+        pytest.skip("the installed flash-linear-attention's CP context has no zigzag layout")
+    assert hf.linear_attention._fla_native_zigzag()
+    for L in (2 * cp, 2 * cp * 5, 2 * cp * 7 - 3, 1):
+        for r in range(cp):
+            zz = packcuda.hybrid_plans([0, L], cp, r)[0]
+            ctx, fla_rows = _fla_zigzag_rows(zz.cu_seqlens_padded_host, cp, r)
+            assert ctx.pre_num_ranks_by_part == (r, 2 * cp - 1 - r), (cp, L, r)
+            assert 2 * ctx.part_len == zz.total_local, (cp, L, r)
+            assert ctx.cu_seqlens_cpu.tolist() == [0, ctx.part_len, 2 * ctx.part_len], (cp, L, r)
+            assert ref.local_padded_rows(zz).tolist() == fla_rows, (cp, L, r)
+    lens = [2 * cp * 3, 2 * cp * 2]
+    zz = [packcuda.hybrid_plans(list(accumulate([0] + lens)), cp, r)[0] for r in range(cp)]
+    assert any(ref.local_padded_rows(p).tolist() != _fla_zigzag_rows(p.cu_seqlens_padded_host, cp, r)[1]
+               for r, p in enumerate(zz))
+
+
+def _layout_path_worker(rank, world, init, results):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        groups = _cp_groups(dist, world)
+        hf.linear_attention._cp_recurrence = lambda plan: _ref_cp_recurrence
+        model = _model(2)
+        for cp in (2, 3, 4):
+            if rank >= cp:
+                continue
+            cases = {"one": ([0, 11], None, "auto"), "one_bucket": ([0, 11], 2 * cp * 4, "auto"),
+                     "several": ([0, 5, 11], None, "auto"), "one_asked_relayout": ([0, 11], None, "relayout")}
+            for name, (cu, bucket, path) in cases.items():
+                plan = packcuda.hybrid_plans(cu, cp, rank, bucket=bucket)[0]
+                with hf.patch_qwen3_5_linear_attention(model, plan=plan, group=groups[cp], zigzag_path=path) as h:
+                    results[(cp, name, rank)] = h.layout_path
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zigzag_layout_path_bucket_or_several_sequences(tmp_path):
+    """cp 2-4 over gloo (the installed recurrence, or none: the patch's layout path does not depend on it): a zigzag
+    plan with a bucket pad segment, or of several sequences, or with zigzag_path='relayout', takes the relayout path
+    on every rank (handle.layout_path == 'relayout'); one padded sequence takes the native path exactly where the
+    installed flash-linear-attention's CP context has the zigzag layout."""
+    results = spawn_ranks(_layout_path_worker, 4, tmp_path)
+    native = "native" if hf.linear_attention._fla_native_zigzag() else "relayout"
+    for cp in (2, 3, 4):
+        for name, want in (("one", native), ("one_bucket", "relayout"), ("several", "relayout"),
+                           ("one_asked_relayout", "relayout")):
+            assert [results[(cp, name, r)] for r in range(cp)] == [want] * cp, (cp, name)
+
+
 # ---------------------------------------------------------------------------------------------------------- CP
 def _ref_cp_recurrence(q, k, v, g, beta, *, plan, group, state):
     """A CP recurrence for tests (any layout): all-gather the inputs, run transformers' PyTorch rule on every

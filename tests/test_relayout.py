@@ -209,6 +209,83 @@ def test_relayout_gloo(tmp_path):
         assert msg.startswith("packcuda.relayout: the ranks of the group disagree") and "plan pair" in msg, msg
 
 
+def _one_bad_pair_worker(rank, world, init, results):
+    """Every rank calls relayout on the first use of its plan pair; only the last rank's pair is no pair (one
+    kind per round). Records each rank's error and how long it took; then the good pair's calls, counting the
+    agreement gathers."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    ex = importlib.import_module("packcuda.exchange")
+    # a short timeout: a rank left waiting in a collective fails the test instead of hanging it
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        cu, cp = _cu([5, 12, 3]), world
+        bad_rank = world - 1
+        for kind in ("other batch", "other padded stream", "other rank", "other cp", "static dst"):
+            zz, ct = packcuda.hybrid_plans(cu, cp, rank)
+            dst = ct
+            if rank == bad_rank:
+                dst = {
+                    "other batch": lambda: packcuda.hybrid_plans(_cu([5, 12, 4]), cp, rank)[1],
+                    "other padded stream": lambda: packcuda.shard_plan(cu, cp, rank, layout="contiguous",
+                                                                       align=2 * cp, bucket=2 * cp * 9),
+                    "other rank": lambda: packcuda.hybrid_plans(cu, cp, (rank + 1) % cp)[1],
+                    "other cp": lambda: packcuda.hybrid_plans(cu, cp + 1, rank)[1],
+                    "static dst": lambda: packcuda.static_shard_plan(torch.tensor(cu + [cu[-1]]), 3, cp, rank,
+                                                                     capacity=48, max_seqs=4, layout="contiguous",
+                                                                     align=2 * cp),
+                }[kind]()
+            t0 = time.monotonic()
+            try:
+                packcuda.relayout(torch.randn(zz.total_local, 3), zz, dst, dist.group.WORLD)
+                results[(kind, rank)] = ("accepted", time.monotonic() - t0)
+            except ValueError as e:
+                results[(kind, rank)] = (str(e), time.monotonic() - t0)
+        # the same (fresh) good pair on every rank afterwards: one agreement gather on the first call, none later
+        zz, ct = packcuda.hybrid_plans(cu, cp, rank)
+        gathers = []
+        real = ex._gather_objects
+        ex._gather_objects = lambda *a, **k: gathers.append(1) or real(*a, **k)
+        try:
+            X = torch.arange(zz.total_padded * 3, dtype=torch.float64).view(-1, 3)
+            for _ in range(3):
+                y = packcuda.relayout(X[ref.local_padded_rows(zz)], zz, ct)
+                assert torch.equal(y, X[ref.local_padded_rows(ct)])
+        finally:
+            ex._gather_objects = real
+        results[("gathers", rank)] = len(gathers)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_rank_bad_pair_gloo(tmp_path, world):
+    """Only the last rank of 2 / 3 (gloo) passes a pair that is no pair (plans of another batch, of another padded
+    stream, for another rank, for another cp, a host src_plan with a static dst_plan) on the first call of the
+    pair: every rank raises the same ValueError at once (well within the group's 20 s timeout: nobody waits in a
+    collective), naming relayout, src_plan / dst_plan and the bad rank, with that rank's problem. A good pair
+    afterwards moves the right rows with one agreement gather on its first call and none on later calls."""
+    results = spawn_ranks(_one_bad_pair_worker, world, tmp_path)
+    words = {"other batch": "different batches", "other padded stream": "do not index one padded stream",
+             "other rank": f"src_plan is for rank {world - 1} of {world} but dst_plan for rank 0 of {world}",
+             "other cp": f"rank {world - 1} of {world} but dst_plan for rank {world - 1} of {world + 1}",
+             "static dst": "src_plan is a ShardPlan but dst_plan is a StaticShardPlan"}
+    for kind, word in words.items():
+        got = [results[(kind, r)] for r in range(world)]
+        msgs = {m for m, _ in got}
+        assert len(msgs) == 1, (kind, msgs)
+        msg = msgs.pop()
+        assert msg.startswith(f"packcuda.relayout: src_plan and dst_plan are no pair on rank {world - 1} of the "
+                              f"group's {world}: "), (kind, msg)
+        assert word in msg and "before any data moved" in msg, (kind, msg)
+        assert max(t for _, t in got) < 10, (kind, got)
+    assert [results[("gathers", r)] for r in range(world)] == [1] * world
+
+
 # ---------------------------------------------------------------------------------------------------
 # one GPU: the NCCL path and the static move in a CUDA graph
 # ---------------------------------------------------------------------------------------------------

@@ -290,22 +290,24 @@ def _replicated(tw, p, seed):
     return pv, [e.detach() for e in E], G, grads
 
 
-def _route_case(tw, p, replicated, cp, rank, layout, unit, per_frame, group):
-    """On this rank: the route of the replicated path's rows of this rank's units gives the replicated path's slot
-    rows bit for bit; the tower run on this rank's units and routed gives them within fp64 rounding (a BLAS sums in
-    another order for another number of rows), and the tower gradients summed over the group equal the
-    single-process ones; a repeated backward is bit-identical."""
+def _route_case(tw, p, replicated, cp, rank, layout, unit, per_frame, group, bucket=None):
+    """On this rank (a plan with `bucket`: padded to a multiple of it): the route of the replicated path's rows of
+    this rank's units gives the replicated path's slot rows bit for bit; the tower run on this rank's units and
+    routed gives them within fp64 rounding (a BLAS sums in another order for another number of rows), and the
+    tower gradients summed over the group equal the single-process ones; a repeated backward is bit-identical.
+    Returns the plan's bucket pad rows."""
     import torch.distributed as dist
 
     (pv_img, pv_vid), E, G, grads_ref = replicated
     params = list(tw.parameters())
-    plan = packcuda.shard_plan(p.cu, cp, rank, layout=layout)
+    plan = packcuda.shard_plan(p.cu, cp, rank, layout=layout, bucket=bucket)
+    assert bucket is None or plan.total_padded % bucket == 0
     vp = packcuda.vision_plan(torch.tensor(p.ids), p.cu, plan, image_grid_thw=p.images or None,
                               video_grid_thw=p.videos or None, image_token_id=IMG, video_token_id=VID,
                               video_frames="per_frame" if per_frame else "whole", unit=unit)
     slots, rows = ref.vision_replicated(torch.tensor(p.ids), plan.index, IMG, VID)
     assert vp.vision_slots.tolist() == slots
-    what = f"cp={cp} {layout} unit={unit} rank={rank}"
+    what = f"cp={cp} {layout} unit={unit} bucket={bucket} rank={rank}"
     mine = _unit_rows(vp, p)
     for r, e in zip(vp.route([e[mine] for e in E], group), E):
         assert torch.equal(r, e[rows]), f"routed rows differ: {what}"
@@ -328,6 +330,7 @@ def _route_case(tw, p, replicated, cp, rank, layout, unit, per_frame, group):
             torch.testing.assert_close(gr, gw, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
         runs.append(grads)
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[-1])), f"a repeated backward differs: {what}"
+    return plan.pad_size
 
 
 def _gloo_worker(rank, world, init, results):
@@ -349,9 +352,13 @@ def _gloo_worker(rank, world, init, results):
                     continue
                 replicated = _replicated(tw, p, seed)
                 for layout in ("zigzag", "contiguous"):
-                    for unit in ("image", "frame"):
-                        _route_case(tw, p, replicated, cp, rank, layout, unit, per_frame, groups[cp])
-                        n += 1
+                    # bucket plans (cp 2-3): a pad segment after the last sequence, the route's exchange the same
+                    for bucket in (None,) + ((8 * cp * (2 if layout == "zigzag" else 1),) if cp < 4 else ()):
+                        for unit in ("image", "frame"):
+                            pad = _route_case(tw, p, replicated, cp, rank, layout, unit, per_frame, groups[cp],
+                                              bucket)
+                            n += 1
+                            results[(rank, "bucket_pad")] = results.get((rank, "bucket_pad"), 0) + (pad > 0)
         results[rank] = n
     finally:
         dist.destroy_process_group()
@@ -360,11 +367,13 @@ def _gloo_worker(rank, world, init, results):
 def test_route_gloo_equals_replicated(tmp_path):
     """cp 2, 3, 4 (subgroups of one 4-process gloo job), zigzag and contiguous, image and frame units, fp64
     towers of transformers (Qwen2.5-VL, whole videos; Qwen3-VL, per-frame videos and deepstack levels in the same
-    route call): the route gives the replicated path's rows bit for bit on every rank, the towers run on each
-    rank's units give them within fp64 rounding, tower gradients summed over the ranks == single-process
-    gradients, and a repeated backward is bit-identical."""
+    route call), plans without and (cp 2, 3) with a bucket (some with a pad segment): the route gives the
+    replicated path's rows bit for bit on every rank, the towers run on each rank's units give them within fp64
+    rounding, tower gradients summed over the ranks == single-process gradients, and a repeated backward is
+    bit-identical."""
     results = spawn_ranks(_gloo_worker, 4, tmp_path)
-    assert results == {0: 24, 1: 24, 2: 16, 3: 8}
+    assert {r: results[r] for r in range(4)} == {0: 40, 1: 40, 2: 24, 3: 8}
+    assert results[(0, "bucket_pad")] > 0  # some bucket plans do have a pad segment
 
 
 def _mismatch_worker(rank, world, init, results):
