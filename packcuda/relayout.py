@@ -83,7 +83,7 @@ def _short(v: list) -> str:
 
 def _schedule(src: ShardPlan, dst: ShardPlan) -> RowSchedule:
     """The (cached) host schedule of the move from src's layout to dst's (one C++ call per plan pair)."""
-    cache = src.__dict__.setdefault("_relayout_schedules", {})
+    cache = src._memo.setdefault("relayout_schedules", {})
     key = (dst.layout, dst.align, dst.bucket)
     if key not in cache:
         b = (lambda p: None if p.bucket is None else int(p.bucket))
@@ -95,7 +95,7 @@ def _schedule(src: ShardPlan, dst: ShardPlan) -> RowSchedule:
 
 def _static_schedule(src: StaticShardPlan, dst: StaticShardPlan) -> StaticRowSchedule:
     """The (cached) fixed-size move between two static plans' layouts (tables made on first use: one launch)."""
-    cache = src.__dict__.setdefault("_relayout_static", {})
+    cache = src._memo.setdefault("relayout_static", {})
     if dst.layout not in cache:
         send, unpack, bwd = ops.relayout_static_tables(src.cu_seqlens_padded, src.cp_size, src.cp_rank,
                                                        src.layout, dst.layout, src.capacity)
