@@ -132,8 +132,10 @@ def relayout(
     Args:
         x_local: ``[src_plan.total_local, ...]``, any dtype and trailing shape, cpu or cuda: this rank's buffer
             in ``src_plan``'s layout (pad slots included).
-        src_plan, dst_plan: this rank's plans of one batch in two layouts over one padded stream (the same
-            ``cu_seqlens``, ``cp_size``, ``cp_rank`` and ``cu_seqlens_padded``: build them with
+        src_plan: this rank's plan of the batch in the layout of ``x_local``.
+        dst_plan: this rank's plan of the batch in the layout wanted. The two are plans of one batch in two
+            layouts over one padded stream (the same ``cu_seqlens``, ``cp_size``, ``cp_rank`` and
+            ``cu_seqlens_padded``: build them with
             :func:`hybrid_plans`, or with the same ``align`` (a multiple of ``2*cp``) and ``bucket``). Both
             :class:`ShardPlan` (host plans) or both :class:`StaticShardPlan` of one capacity (fixed sizes: every
             rank sends every peer ``total_local`` rows in one equal-split ``all_to_all_single``, zero rows where it
