@@ -35,6 +35,12 @@ import torch.distributed as dist
 if dist.is_available() and dist.is_initialized():  # a page that made a process group: leave it cleanly
     dist.barrier()
     dist.destroy_process_group()
+# every block ran and checked what it shows: leave without the interpreter's teardown, where a background thread
+# of torch's process groups can abort an exiting process ("terminate called without an active exception")
+import os
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
