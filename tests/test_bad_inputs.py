@@ -4,7 +4,7 @@ import torch
 
 import catalogue
 import catalogue_devices
-from conftest import HAS_CUDA
+from helpers import HAS_CUDA
 
 CASES = catalogue.all_cases()
 

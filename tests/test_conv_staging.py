@@ -15,7 +15,7 @@ import zlib
 import torch
 
 import packcuda
-from conftest import requires_cuda
+from helpers import requires_cuda
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ROW_BYTES, TT, NST = 512, 64, 3  # conv_cuda.cu: a staged row, the forward's sub-tile and buffer count

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, capture_cuda_graph, no_sync, requires_cuda, spawn_ranks
+from helpers import HAS_CUDA, capture_cuda_graph, no_sync, requires_cuda, spawn_ranks
 from packcuda import exchange as ex
 
 ops = torch.ops.packcuda

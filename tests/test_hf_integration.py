@@ -1,247 +1,38 @@
-"""packcuda.integrations.transformers on transformers' own Qwen-VL modeling code, with tiny random-weight models
-built from configs (no downloads): 2 layers, small hidden size, the real rope settings of each family, real
-vision towers fed random pixels of images and videos of varied grids."""
-import functools
+"""packcuda.integrations.transformers' rotary patch on transformers' own Qwen-VL and Qwen3 modeling code (tiny
+random-weight models, hf_models.py): the same logits and gradients as transformers' own rotary, context-parallel
+sharding of the positions, refusals, the GPU path without syncs, broadcast batches and fuse_qk_norm."""
 import importlib.util
-import random
 import sys
 
 import pytest
 import torch
-from packaging.version import Version
 
 import packcuda
 import reference as ref
-from conftest import HF_INT_SECONDS, no_sync, requires_cuda
-
-transformers = pytest.importorskip("transformers")
-hf = pytest.importorskip("packcuda.integrations.transformers")
-
-HAS_MROPE = hasattr(packcuda, "mrope_position_ids")
-HAS_ROPE = hasattr(packcuda, "apply_rope")
-HAS_SHARD = hasattr(packcuda, "shard_plan")
-needs_mrope = pytest.mark.skipif(not HAS_MROPE, reason="packcuda.mrope_position_ids not in this build")
-needs_rope = pytest.mark.skipif(not HAS_ROPE, reason="packcuda.apply_rope not in this build")
-needs_shard = pytest.mark.skipif(not HAS_SHARD, reason="packcuda.shard_plan not in this build")
-VERSION_OK = Version(hf.SUPPORTED_TRANSFORMERS[0]) <= Version(transformers.__version__) < Version(
-    hf.SUPPORTED_TRANSFORMERS[1])
-
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
-
-# token ids of the tiny vocabulary
-V, IMG, VID, VS, VE = 160, 150, 151, 152, 153
-PATCH, TPATCH, MERGE = 4, 2, 2
-PATCH_DIM = 3 * TPATCH * PATCH * PATCH
-
-
-def _text(**kw):
-    d = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, max_position_embeddings=4096, rms_norm_eps=1e-6)
-    d.update(kw)
-    return d
-
-
-def _vision(**kw):
-    d = dict(depth=2, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TPATCH,
-             in_channels=3)
-    d.update(kw)
-    return d
-
-
-def _config(fam, full_attention_only=False):
-    """Tiny config with the family's real rope settings (mrope_section, rope_theta, head_dim, partial rotary)."""
-    T = transformers
-    ids = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
-    if fam == "qwen2_vl":  # head_dim 128 = hidden / heads, sectioned [16, 24, 24], theta 1e6
-        c = T.Qwen2VLConfig(
-            text_config=_text(hidden_size=128, num_attention_heads=1,
-                              rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
-            vision_config=_vision(embed_dim=32, hidden_size=128, mlp_ratio=2), **ids)
-        cls = T.Qwen2VLForConditionalGeneration
-    elif fam == "qwen2_5_vl":  # as Qwen2-VL, plus windowed vision attention and tokens_per_second 2
-        c = T.Qwen2_5_VLConfig(
-            text_config=_text(hidden_size=128, num_attention_heads=1,
-                              rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
-            vision_config=_vision(hidden_size=32, out_hidden_size=128, intermediate_size=64, window_size=16,
-                                  fullatt_block_indexes=[1], tokens_per_second=2), **ids)
-        cls = T.Qwen2_5_VLForConditionalGeneration
-    elif fam == "qwen3_vl":  # head_dim 128, interleaved [24, 20, 20], theta 5e6
-        c = T.Qwen3VLConfig(
-            text_config=_text(head_dim=128, rope_parameters=dict(rope_type="default", rope_theta=5e6,
-                                                                 mrope_section=[24, 20, 20], mrope_interleaved=True)),
-            vision_config=_vision(hidden_size=32, out_hidden_size=64, intermediate_size=64,
-                                  num_position_embeddings=64, deepstack_visual_indexes=[0]), **ids)
-        cls = T.Qwen3VLForConditionalGeneration
-    else:  # Qwen3.5: head_dim 256, partial rotary 0.25 (64 dims), interleaved [11, 11, 10], theta 1e7
-        layers = ["full_attention"] * 2 if full_attention_only else ["linear_attention", "full_attention"]
-        c = T.Qwen3_5Config(
-            text_config=_text(head_dim=256, layer_types=layers, full_attention_interval=2, linear_num_key_heads=2,
-                              linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                              linear_conv_kernel_dim=4,
-                              rope_parameters=dict(rope_type="default", rope_theta=1e7, mrope_section=[11, 11, 10],
-                                                   mrope_interleaved=True, partial_rotary_factor=0.25)),
-            vision_config=_vision(hidden_size=32, out_hidden_size=64, intermediate_size=64,
-                                  num_position_embeddings=64), **ids)
-        cls = T.Qwen3_5ForConditionalGeneration
-    c._attn_implementation = "sdpa"
-    return c, cls
-
-
-def _model(fam, seed=0, full_attention_only=False):
-    c, cls = _config(fam, full_attention_only)
-    torch.manual_seed(seed)
-    return cls(c).eval()
-
-
-def _sample(fam, rng, kinds, lead=None):
-    """One sample: text with vision blocks of the given kinds ('img' / 'vid'), in order."""
-    per_frame = fam in ("qwen3_vl", "qwen3_5")
-    ids, imgs, vids, secs = [], [], [], []
-
-    def text(n):
-        ids.extend(rng.randrange(0, 140) for _ in range(n))
-
-    text(rng.randint(0, 2) if lead is None else lead)
-    if not kinds:
-        text(rng.randint(3, 8))
-    for k in kinds:
-        h, w = rng.choice([2, 4, 6]), rng.choice([2, 4])
-        if k == "img":
-            imgs.append([1, h, w])
-            ids.extend([VS] + [IMG] * (h * w // MERGE ** 2) + [VE])
-        else:
-            t = rng.choice([2, 3])
-            vids.append([t, h, w])
-            secs.append(rng.choice([1.0, 2.0] if HF_INT_SECONDS else [0.5, 1.0, 1.5, 2.0]))
-            if per_frame:  # <timestamp> <vision_start> frame <vision_end>, per temporal patch
-                for _ in range(t):
-                    text(1)
-                    ids.extend([VS] + [VID] * (h * w // MERGE ** 2) + [VE])
-            else:
-                ids.extend([VS] + [VID] * (t * h * w // MERGE ** 2) + [VE])
-        text(rng.randint(1, 4))
-    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    pix = lambda grids: (torch.randn(sum(a * b * c for a, b, c in grids), PATCH_DIM, generator=g)  # noqa: E731
-                         if grids else None)
-    return dict(ids=torch.tensor(ids, dtype=torch.int64), image_grid_thw=imgs, video_grid_thw=vids,
-                second_per_grid_ts=secs, pixel_values=pix(imgs), pixel_values_videos=pix(vids))
-
-
-# samples with blocks at the start and the end of a sample, text-only samples, images and videos together
-LAYOUTS = [[], ["img"], ["img", "vid"], ["vid"], ["vid", "img", "img"]]
-
-
-def _batch(fam, seed=0, layouts=LAYOUTS):
-    rng = random.Random(seed)
-    # the second sample starts with its vision block, the others start with 0-2 text tokens
-    samples = [_sample(fam, rng, k, lead=0 if i == 1 else None) for i, k in enumerate(layouts)]
-    cu = [0]
-    for s in samples:
-        cu.append(cu[-1] + s["ids"].numel())
-    cat = lambda key: (torch.cat([s[key] for s in samples if s[key] is not None])  # noqa: E731
-                       if any(s[key] is not None for s in samples) else None)
-    grids = lambda key: torch.tensor([r for s in samples for r in s[key]], dtype=torch.int64).reshape(-1, 3)  # noqa
-    packed = dict(ids=torch.cat([s["ids"] for s in samples]), cu=cu, pixel_values=cat("pixel_values"),
-                  pixel_values_videos=cat("pixel_values_videos"), image_grid_thw=grids("image_grid_thw"),
-                  video_grid_thw=grids("video_grid_thw"),
-                  second_per_grid_ts=torch.tensor([x for s in samples for x in s["second_per_grid_ts"]]))
-    return samples, packed
-
-
-def _vision_kwargs(fam, d):
-    kw = {}
-    ig, vg = torch.as_tensor(d["image_grid_thw"], dtype=torch.int64).reshape(-1, 3), \
-        torch.as_tensor(d["video_grid_thw"], dtype=torch.int64).reshape(-1, 3)
-    if ig.shape[0]:
-        kw.update(pixel_values=d["pixel_values"], image_grid_thw=ig)
-    if vg.shape[0]:
-        kw.update(pixel_values_videos=d["pixel_values_videos"], video_grid_thw=vg)
-        if fam == "qwen2_5_vl":
-            kw["second_per_grid_ts"] = torch.as_tensor(d["second_per_grid_ts"], dtype=torch.float32)
-    return kw
-
-
-def _separate_logits(model, fam, samples):
-    """Each sample alone, transformers computing its positions itself (get_rope_index)."""
-    out = []
-    for s in samples:
-        ids = s["ids"][None]
-        out.append(model(input_ids=ids, mm_token_type_ids=hf.mm_token_type_ids(ids, model.config),
-                         **_vision_kwargs(fam, s)).logits[0])
-    return torch.cat(out)
-
-
-def _packed_logits(model, fam, packed, position_ids):
-    # use_cache=False as in training: with a cache transformers does not look for packed sequences
-    return model(input_ids=packed["ids"][None], position_ids=position_ids, use_cache=False,
-                 **_vision_kwargs(fam, packed)).logits[0]
-
-
-def _hf_positions(model, fam, packed):
-    return ref.hf_packed_position_ids(model, packed["ids"], packed["cu"], image_grid_thw=packed["image_grid_thw"],
-                                      video_grid_thw=packed["video_grid_thw"],
-                                      second_per_grid_ts=packed["second_per_grid_ts"])
-
-
-def _pc_positions(model, fam, packed, device="cpu", **kw):
-    return hf.packed_position_ids(packed["ids"].to(device), packed["cu"], model.config,
-                                  image_grid_thw=packed["image_grid_thw"], video_grid_thw=packed["video_grid_thw"],
-                                  second_per_grid_ts=packed["second_per_grid_ts"] if fam == "qwen2_5_vl" else None,
-                                  **kw)
-
-
-# ---------------------------------------------------------------------------------------------------
-# packed row == samples alone
-# ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fam", FAMILIES)
-def test_hf_packed_positions_restart_per_sample(fam):
-    model = _model(fam, full_attention_only=True)
-    samples, packed = _batch(fam)
-    pos = _hf_positions(model, fam, packed)
-    T = packed["ids"].numel()
-    assert pos.shape == (4, 1, T) and pos.dtype == torch.int64
-    cu = packed["cu"]
-    for i, s in enumerate(samples):
-        seg = pos[:, 0, cu[i]:cu[i + 1]]
-        assert torch.equal(seg[0], torch.arange(s["ids"].numel()))  # text row: 0, 1, 2, ... in every sample
-        assert seg.numel() == 0 or seg[1:].min() == 0
-    # the rows HF builds for a sample with vision differ from the plain text row somewhere
-    assert not torch.equal(pos[0], pos[1])
-
-
-@pytest.mark.parametrize("fam", FAMILIES)
-def test_packed_row_matches_samples_alone_hf_positions(fam):
-    # Qwen3.5's gated-delta-net layers need flash-linear-attention's varlen kernels to respect sample
-    # boundaries; transformers' PyTorch fallback ignores them, so this equivalence uses attention layers only
-    model = _model(fam, full_attention_only=True)
-    samples, packed = _batch(fam)
-    with torch.no_grad():
-        want = _separate_logits(model, fam, samples)
-        got = _packed_logits(model, fam, packed, _hf_positions(model, fam, packed))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-
-@needs_mrope
-@pytest.mark.parametrize("fam", FAMILIES)
-def test_packed_position_ids_equal_transformers(fam, device):
-    model = _model(fam, full_attention_only=True)
-    for seed in range(3):
-        _, packed = _batch(fam, seed)
-        want = _hf_positions(model, fam, packed)
-        got = _pc_positions(model, fam, packed, device)
-        assert got.device.type == device
-        assert torch.equal(got.cpu(), want), f"seed {seed}"
-
-
-@needs_mrope
-@pytest.mark.parametrize("fam", FAMILIES)
-def test_packed_row_matches_samples_alone_packcuda_positions(fam):
-    model = _model(fam, full_attention_only=True)
-    samples, packed = _batch(fam, seed=1)
-    with torch.no_grad():
-        want = _separate_logits(model, fam, samples)
-        got = _packed_logits(model, fam, packed, _pc_positions(model, fam, packed))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+from helpers import no_sync, requires_cuda
+from hf_models import (
+    FAMILIES,
+    HAS_MROPE,
+    HAS_ROPE,
+    IMG,
+    VE,
+    VERSION_OK,
+    VID,
+    VS,
+    V,
+    _batch,
+    _hf_positions,
+    _model,
+    _packed_logits,
+    _pc_positions,
+    _text,
+    _vision,
+    hf,
+    needs_mrope,
+    needs_rope,
+    needs_shard,
+    transformers,
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -443,23 +234,6 @@ def test_patch_refuses_changed_code(monkeypatch, rope_impl):
     assert not hf.is_patched()
 
 
-def test_positions_bad_input():
-    cfg, _ = _config("qwen2_vl")
-    with pytest.raises(ValueError, match=r"\[T\] or \[1, T\]"):
-        hf.packed_position_ids(torch.zeros(2, 3, dtype=torch.int64), [0, 3], cfg)
-    if HAS_SHARD:
-        with pytest.raises(ValueError, match=r"\[R, 1, T\]"):
-            hf.shard_position_ids(torch.zeros(4, 2, 5, dtype=torch.int64), packcuda.shard_plan([0, 5], 1, 0))
-
-
-@needs_mrope
-def test_positions_bad_grid_is_named():
-    cfg, _ = _config("qwen2_vl")
-    ids = torch.tensor([1, VS] + [IMG] * 4 + [VE, 2])
-    with pytest.raises(ValueError, match="packcuda"):
-        hf.packed_position_ids(ids, [0, 8], cfg, image_grid_thw=[[1, 4, 6]])  # 6 tokens expected, 4 given
-
-
 # ---------------------------------------------------------------------------------------------------
 # GPU: the training-loop path (host metadata, validate=False, patched rotary) never syncs
 # ---------------------------------------------------------------------------------------------------
@@ -550,84 +324,6 @@ def test_patch_over_covering_mrope_section_refused_at_patch_time_or_equal(rope_i
     with h, torch.no_grad():
         got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Qwen2.5-VL video seconds: the installed release's rule by default, the other one by argument
-# ---------------------------------------------------------------------------------------------------
-def _installed_truncates_seconds():
-    """By behaviour: the installed get_rope_index on one 0.5-second video of 3 temporal patches."""
-    model = _model("qwen2_5_vl", full_attention_only=True)
-    ids = torch.tensor([1, VS] + [VID] * 3 + [VE])
-    pos, _ = model.model.get_rope_index(ids[None], mm_token_type_ids=hf.mm_token_type_ids(ids[None], model.config),
-                                        video_grid_thw=torch.tensor([[3, 2, 2]]),
-                                        second_per_grid_ts=torch.tensor([0.5]))
-    t = pos[0, 0, 2:5].tolist()  # tokens_per_second 2: float rule 2 + [0, 1, 2], whole rule 2 + [0, 0, 0]
-    assert t in ([2, 3, 4], [2, 2, 2]), t
-    return t == [2, 2, 2]
-
-
-@needs_mrope
-def test_video_seconds_default_is_the_installed_rule():
-    assert hf.video_seconds_default() == ("whole" if _installed_truncates_seconds() else "float")
-    assert hf.truncates_video_seconds() == (hf.video_seconds_default() == "whole")
-
-
-@needs_mrope
-@pytest.mark.parametrize("rule", [None, "float", "whole"])
-def test_video_seconds_rules_match_reference(rule):
-    cfg, _ = _config("qwen2_5_vl")
-    secs = [0.5, 1.5, 0.25, 2.0, 1.0 / 3.0]
-    ids, cu, vids = [], [0], []
-    for i, _sec in enumerate(secs):
-        ids += [5, VS] + [VID] * (3 + i) * 2 + [VE, 6]
-        cu.append(len(ids))
-        vids.append([3 + i, 2, 4])
-    got = hf.packed_position_ids(torch.tensor(ids), cu, cfg, video_grid_thw=vids, second_per_grid_ts=secs,
-                                 video_seconds=rule)
-    eff = rule or hf.video_seconds_default()
-    use = [float(int(s)) for s in secs] if eff == "whole" else secs
-    want, text_pos, _ = ref.mrope_position_ids(ids, cu, [], vids, use, image_token_id=IMG, video_token_id=VID,
-                                               spatial_merge_size=MERGE, tokens_per_second=2)
-    assert torch.equal(got[1:, 0], want) and torch.equal(got[0, 0], text_pos)
-    if eff == "float":  # the rules differ on these seconds
-        other = hf.packed_position_ids(torch.tensor(ids), cu, cfg, video_grid_thw=vids, second_per_grid_ts=secs,
-                                       video_seconds="whole")
-        assert not torch.equal(other, got)
-    with pytest.raises(ValueError, match="packcuda.packed_position_ids: video_seconds"):
-        hf.packed_position_ids(torch.tensor(ids), cu, cfg, video_grid_thw=vids, second_per_grid_ts=secs,
-                               video_seconds="floor")
-
-
-@needs_mrope
-def test_release_that_truncates_seconds_is_detected_and_matched(monkeypatch):
-    """A release computing tokens_per_second * int(second_per_grid_ts) (5.17), simulated by wrapping the
-    installed get_rope_index: detected by behaviour, and the default positions equal the model's per sample."""
-    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as m
-
-    orig = m.Qwen2_5_VLModel.get_rope_index
-
-    @functools.wraps(orig)
-    def truncating(self, *a, second_per_grid_ts=None, **kw):
-        if second_per_grid_ts is not None:
-            second_per_grid_ts = second_per_grid_ts.trunc()
-        return orig(self, *a, second_per_grid_ts=second_per_grid_ts, **kw)
-
-    hf.truncates_video_seconds.cache_clear()
-    try:
-        monkeypatch.setattr(m.Qwen2_5_VLModel, "get_rope_index", truncating)
-        assert hf.truncates_video_seconds() and hf.video_seconds_default() == "whole"
-        model = _model("qwen2_5_vl", full_attention_only=True)
-        _, packed = _batch("qwen2_5_vl", seed=1)
-        packed["second_per_grid_ts"] = packed["second_per_grid_ts"] * 0 + torch.tensor([0.5, 1.5, 2.25])[
-            torch.arange(packed["second_per_grid_ts"].numel()) % 3]
-        want = _hf_positions(model, "qwen2_5_vl", packed)
-        assert torch.equal(_pc_positions(model, "qwen2_5_vl", packed), want)
-        assert not torch.equal(_pc_positions(model, "qwen2_5_vl", packed, video_seconds="float"), want)
-    finally:
-        monkeypatch.undo()
-        hf.truncates_video_seconds.cache_clear()
-    assert not hf.truncates_video_seconds() or HF_INT_SECONDS
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import packcuda
-from conftest import spawn_ranks
-from test_hf_integration import _batch, _model, _pc_positions, _vision_kwargs, hf
+from helpers import spawn_ranks
+from hf_models import _batch, _model, _pc_positions, _vision_kwargs, hf
 
 FAMS = ("qwen2_5_vl", "qwen3_vl")
 TEXT_ATTENTION = {"qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLAttention"),

@@ -17,7 +17,7 @@ import torch
 
 import packcuda
 import reference as ref
-from conftest import no_sync, requires_cuda
+from helpers import no_sync, requires_cuda
 from packcuda.integrations import megatron as pm
 
 IGNORE, PAD = -100, 0

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, HF_INT_SECONDS, no_sync, requires_cuda
+from helpers import HAS_CUDA, HF_INT_SECONDS, no_sync, requires_cuda
 
 IMG, VID, VSTART, VEND = 900, 901, 902, 903  # text tokens are drawn from [0, 800)
 

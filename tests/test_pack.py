@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, no_sync, requires_cuda
+from helpers import HAS_CUDA, no_sync, requires_cuda
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.bool]
 

@@ -9,7 +9,7 @@ from torch.overrides import TorchFunctionMode
 
 import packcuda
 import reference as ref
-from conftest import capture_cuda_graph, no_sync, requires_cuda
+from helpers import capture_cuda_graph, no_sync, requires_cuda
 
 NORMS = ["rms", "rms_offset"]
 

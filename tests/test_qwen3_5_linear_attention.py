@@ -15,7 +15,7 @@ import torch
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, spawn_ranks
+from helpers import HAS_CUDA, spawn_ranks
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("packcuda.integrations.transformers")
@@ -646,7 +646,7 @@ def test_gpu_bf16_packed_equals_samples_alone_fla(rotary):
 def test_gpu_conv_with_host_boundaries_does_not_sync():
     """The patched layer's conv on host sample boundaries (a list, e.g. cu_seq_lens_q given on the host) makes
     the host wait for nothing, forward and backward."""
-    from conftest import no_sync
+    from helpers import no_sync
 
     model = _model(4, dtype=torch.bfloat16).cuda()
     layer = model.model.layers[1].linear_attn

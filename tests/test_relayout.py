@@ -12,7 +12,7 @@ import torch
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, capture_cuda_graph, no_sync, requires_cuda, spawn_ranks
+from helpers import HAS_CUDA, capture_cuda_graph, no_sync, requires_cuda, spawn_ranks
 
 rl = importlib.import_module("packcuda.relayout")  # the module (packcuda.relayout is the function)
 

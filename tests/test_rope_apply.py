@@ -1,15 +1,12 @@
-import zlib
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, no_sync, requires_cuda
+from helpers import HAS_CUDA, assert_close_ulp, keyed_generator, no_sync, requires_cuda, ulp
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32]
-MANT = {torch.bfloat16: (7, -126), torch.float16: (10, -14), torch.float32: (23, -126), torch.float64: (52, -1022)}
 
 # (name, head_dim, rotary_dim, mrope_section, interleaved)
 LAYOUTS = [
@@ -20,26 +17,6 @@ LAYOUTS = [
     ("interleaved-partial", 64, 16, [3, 3, 2], True),
 ]
 LAYOUTS[3] = ("interleaved", 32, 32, [6, 5, 5], True)
-
-
-def _seed(*key):
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _ulp(x: torch.Tensor, dtype) -> torch.Tensor:
-    """One unit in the last place of dtype at |x| (x float64)."""
-    mant, emin = MANT[dtype]
-    _, e = torch.frexp(x.abs())
-    e = torch.clamp(e.to(torch.float64) - 1, min=emin)
-    return torch.pow(2.0, e - mant)
-
-
-def _assert_close_ulp(got: torch.Tensor, want64: torch.Tensor, dtype, scale: float, ulps: float = 1.0):
-    """|got - want| <= ulps * ulp(want) + (fp32-level slack for cancellation near zero)."""
-    err = (got.double().cpu() - want64).abs()
-    tol = ulps * _ulp(want64, dtype) + 4e-7 * scale
-    bad = err > tol
-    assert not bad.any(), f"{int(bad.sum())} elements off by more than {ulps} ulp; worst {float((err - tol).max())}"
 
 
 def _positions(T, mrope, g, packed=True, big=False):
@@ -62,7 +39,7 @@ def _inv(theta, rd):
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 def test_matches_reference(device, dtype, layout, style):
     name, D, rd, section, inter = layout
-    g = _seed(dtype, name, style)
+    g = keyed_generator(dtype, name, style)
     T, Hq, Hk = 37, 3, 2
     q = torch.randn(T, Hq, D, generator=g).to(dtype)
     k = torch.randn(T, Hk, D, generator=g).to(dtype)
@@ -72,8 +49,8 @@ def test_matches_reference(device, dtype, layout, style):
     qo, ko = packcuda.apply_rope(q.to(device), k.to(device), pos.to(device), inv_freq=inv.to(device), **kw)
     wq, wk = ref.apply_rope(q, k, pos, inv, rd, section, inter, style)
     assert qo.dtype == dtype and qo.shape == q.shape and ko.shape == k.shape
-    _assert_close_ulp(qo, wq, dtype, 4.0)
-    _assert_close_ulp(ko, wk, dtype, 4.0)
+    assert_close_ulp(qo, wq, dtype, 4.0)
+    assert_close_ulp(ko, wk, dtype, 4.0)
     # passthrough channels are bit-identical copies
     assert torch.equal(qo[..., rd:].cpu(), q[..., rd:]) and torch.equal(ko[..., rd:].cpu(), k[..., rd:])
     # in place gives the same bits
@@ -85,15 +62,15 @@ def test_matches_reference(device, dtype, layout, style):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scaling_inverse_and_default_inv_freq(device, dtype):
-    g = _seed("scale", dtype)
+    g = keyed_generator("scale", dtype)
     T, D = 21, 16
     q = torch.randn(T, 2, D, generator=g).to(dtype)
     k = torch.randn(T, 1, D, generator=g).to(dtype)
     pos = torch.randint(0, 500, (T,), generator=g)
     qo, ko = packcuda.apply_rope(q.to(device), k.to(device), pos, rope_theta=10000.0, attention_scaling=0.7)
     wq, wk = ref.apply_rope(q, k, pos, _inv(10000.0, D), attention_scaling=0.7)
-    _assert_close_ulp(qo, wq, dtype, 4.0)
-    _assert_close_ulp(ko, wk, dtype, 4.0)
+    assert_close_ulp(qo, wq, dtype, 4.0)
+    assert_close_ulp(ko, wk, dtype, 4.0)
     # the raw op's inverse flag undoes the rotation (fp32: up to rounding)
     if dtype == torch.float32:
         inv = _inv(10000.0, D).to(device)
@@ -104,7 +81,7 @@ def test_scaling_inverse_and_default_inv_freq(device, dtype):
 
 
 def test_int32_positions_and_4d_layout(device):
-    g = _seed("4d")
+    g = keyed_generator("4d")
     B, S, H, D = 2, 9, 3, 32
     section = [4, 6, 6]
     # HF attention layout [B, H, S, D]; the token-major view [B, S, H, D] is a transpose (no copy)
@@ -116,8 +93,8 @@ def test_int32_positions_and_4d_layout(device):
     assert qo.shape == (B, S, H, D)
     wq, wk = ref.apply_rope(q_hf.transpose(1, 2).cpu(), k_hf.transpose(1, 2).cpu(), pos.long(), _inv(1e6, D), D,
                             section)
-    _assert_close_ulp(qo, wq, torch.float32, 4.0)
-    _assert_close_ulp(ko, wk, torch.float32, 4.0)
+    assert_close_ulp(qo, wq, torch.float32, 4.0)
+    assert_close_ulp(ko, wk, torch.float32, 4.0)
     # flat [3, B*S] positions give the same result; an expanded (stride 0) batch dim works too
     qf, _ = packcuda.apply_rope(q_hf.transpose(1, 2), k_hf.transpose(1, 2), pos.reshape(3, -1).to(device),
                                 rope_theta=1e6, mrope_section=section)
@@ -127,13 +104,13 @@ def test_int32_positions_and_4d_layout(device):
                                 mrope_section=section)
     we, _ = ref.apply_rope(q_hf.transpose(1, 2).cpu(), k_hf.transpose(1, 2).cpu(), pe.contiguous().long(),
                            _inv(1e6, D), D, section)
-    _assert_close_ulp(qe, we, torch.float32, 4.0)
+    assert_close_ulp(qe, we, torch.float32, 4.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rd", [128, 32])
 def test_fused_qkv_views_in_place_touch_nothing_else(device, dtype, rd):
-    g = _seed("qkv", dtype, rd)
+    g = keyed_generator("qkv", dtype, rd)
     T, Hq, Hk, D = 19, 4, 2, 128
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(dtype).to(device)
     before = qkv.clone()
@@ -145,8 +122,8 @@ def test_fused_qkv_views_in_place_touch_nothing_else(device, dtype, rd):
     qo, ko = packcuda.apply_rope(q, k, pos.to(device), **kw)  # out of place on the strided views
     assert torch.equal(qkv, before)
     wq, wk = ref.apply_rope(q.cpu(), k.cpu(), pos, _inv(5e6, rd), rd, kw["mrope_section"], True)
-    _assert_close_ulp(qo, wq, dtype, 4.0)
-    _assert_close_ulp(ko, wk, dtype, 4.0)
+    assert_close_ulp(qo, wq, dtype, 4.0)
+    assert_close_ulp(ko, wk, dtype, 4.0)
     packcuda.apply_rope_(q, k, pos, **kw)  # host positions
     assert torch.equal(q, qo) and torch.equal(k, ko)
     # every byte outside the rotated channels of q and k is unchanged
@@ -189,8 +166,8 @@ def test_hypothesis_shapes_strides(T, Hq, Hk, half, extra, gap, style, kind, dty
         kw = dict(inv_freq=inv, rotary_dim=rd, mrope_section=section, mrope_interleaved=kind == "interleaved",
                   rotary_style=style)
         qo, ko = packcuda.apply_rope(q.to(device), k.to(device), pos, **kw)
-        _assert_close_ulp(qo, wq, dtype, 4.0)
-        _assert_close_ulp(ko, wk, dtype, 4.0)
+        assert_close_ulp(qo, wq, dtype, 4.0)
+        assert_close_ulp(ko, wk, dtype, 4.0)
         qd, kd = qb.clone().to(device), kb.clone().to(device)
         packcuda.apply_rope_(qd[..., :D], kd[..., gap: gap + D], pos, **kw)
         assert torch.equal(qd[..., :D], qo) and torch.equal(kd[..., gap: gap + D], ko)
@@ -200,7 +177,7 @@ def test_hypothesis_shapes_strides(T, Hq, Hk, half, extra, gap, style, kind, dty
 # ------------------------------------------------------------------------------------ autograd, ops, compile
 @pytest.mark.parametrize("kind", ["plain", "sectioned", "interleaved"])
 def test_gradcheck_fp64(kind):
-    g = _seed("gc", kind)
+    g = keyed_generator("gc", kind)
     T, D, rd = 6, 12, 8
     section = None if kind == "plain" else [1, 2, 1]
     pos = _positions(T, section is not None, g)
@@ -219,7 +196,7 @@ def test_gradcheck_fp64(kind):
 
 
 def test_inplace_grad_equals_out_of_place(device):
-    g = _seed("ipgrad")
+    g = keyed_generator("ipgrad")
     T, D = 11, 32
     x = torch.randn(T, 6 * D, generator=g).to(device).requires_grad_()
     pos = torch.randint(0, 100, (3, T), generator=g).to(device)
@@ -247,7 +224,7 @@ def test_inplace_grad_equals_out_of_place(device):
 def test_opcheck(device):
     from torch.library import opcheck
 
-    g = _seed("opcheck")
+    g = keyed_generator("opcheck")
     q = torch.randn(7, 2, 16, generator=g).to(device)
     k = torch.randn(7, 1, 16, generator=g).to(device)
     pos = torch.randint(0, 50, (3, 7), generator=g).to(device)
@@ -261,7 +238,7 @@ def test_opcheck(device):
 
 
 def test_compile_fullgraph(device):
-    g = _seed("compile")
+    g = keyed_generator("compile")
     T, D = 13, 32
     q = torch.randn(T, 4, D, generator=g).to(device).requires_grad_()
     k = torch.randn(T, 2, D, generator=g).to(device).requires_grad_()
@@ -319,175 +296,6 @@ def test_meta_devices_facade_agrees_with_op():
                  lambda: packcuda.apply_qk_norm_rope(q, k, pos, inv_freq=inv, q_weight=w.to("meta"), k_weight=w)):
         with pytest.raises(ValueError, match="packcuda.apply_qk_norm_rope: q_weight is on meta but q is on cpu"):
             call()
-
-
-# ------------------------------------------------------------------------------------ transformers oracle
-def _hf_models():
-    tf = pytest.importorskip("transformers")  # noqa: F841
-    from transformers.models.qwen2_vl import configuration_qwen2_vl as c2, modeling_qwen2_vl as m2
-    from transformers.models.qwen3_5 import configuration_qwen3_5 as c5, modeling_qwen3_5 as m5
-    from transformers.models.qwen3_vl import configuration_qwen3_vl as c3, modeling_qwen3_vl as m3
-
-    common = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1)
-    return {
-        "qwen2_vl": (c2.Qwen2VLTextConfig(**common, rope_parameters=dict(
-            rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])), m2.Qwen2VLRotaryEmbedding,
-            m2.apply_rotary_pos_emb),
-        "qwen3_vl": (c3.Qwen3VLTextConfig(**common, head_dim=128, rope_parameters=dict(
-            rope_type="default", rope_theta=5e6, mrope_section=[24, 20, 20], mrope_interleaved=True)),
-            m3.Qwen3VLTextRotaryEmbedding, m3.apply_rotary_pos_emb),
-        "qwen3_5": (c5.Qwen3_5TextConfig(**common, head_dim=256, rope_parameters=dict(
-            rope_type="default", rope_theta=1e7, mrope_section=[11, 11, 10], mrope_interleaved=True,
-            partial_rotary_factor=0.25)), m5.Qwen3_5TextRotaryEmbedding, m5.apply_rotary_pos_emb),
-    }
-
-
-@pytest.mark.parametrize("model", ["qwen2_vl", "qwen3_vl", "qwen3_5"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_transformers_oracle(device, model, dtype):
-    cfg, Rotary, hf_apply = _hf_models()[model]
-    kw = packcuda.rope_kwargs_from_config(cfg)
-    rot = Rotary(cfg).to(device)
-    D = cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
-    rd = kw["rotary_dim"]
-    # inv_freq bit-identical to the model's buffer
-    assert torch.equal(packcuda.default_inv_freq(kw["rope_theta"], rd), rot.inv_freq.cpu())
-    g = _seed("hf", model, dtype)
-    T, Hq, Hk = 300, 4, 2
-    # a packed batch: text, an image block (t const, h/w grid), text; positions restart per sample
-    pos = []
-    for L in (120, 180):
-        p = torch.arange(L).repeat(3, 1)
-        p[1, 40:80] = 40 + torch.arange(40) // 8
-        p[2, 40:80] = 40 + torch.arange(40) % 8
-        p[0, 40:80] = 40
-        p[:, 80:] = torch.arange(L - 80) + 48
-        pos.append(p)
-    pos = torch.cat(pos, 1) + torch.randint(0, 20000, (1,), generator=g)
-    q = torch.randn(1, Hq, T, D, generator=g).to(dtype).to(device)  # HF layout [B, H, S, D]
-    k = torch.randn(1, Hk, T, D, generator=g).to(dtype).to(device)
-    cos, sin = rot(q, pos[:, None, :].to(device))
-    hq, hk = hf_apply(q, k, cos, sin)
-    ours_q, ours_k = packcuda.apply_rope(q.transpose(1, 2), k.transpose(1, 2), pos[:, None, :].to(device), **kw)
-    ours_q, ours_k = ours_q.transpose(1, 2), ours_k.transpose(1, 2)
-    wq, wk = ref.apply_rope(q[0].transpose(0, 1).cpu(), k[0].transpose(0, 1).cpu(), pos, rot.inv_freq.cpu(), rd,
-                            kw["mrope_section"], kw["mrope_interleaved"])
-    wq, wk = wq.transpose(0, 1)[None], wk.transpose(0, 1)[None]
-    n = rd // 2
-    for x, ours, hf, want in ((q, ours_q, hq, wq), (k, ours_k, hk, wk)):
-        ours, hf, x = ours.double().cpu(), hf.double().cpu(), x.double().cpu()
-        e_ours, e_hf = (ours - want).abs(), (hf - want).abs()
-        slack = 1.01 if dtype == torch.bfloat16 else 1.1  # fp32: both are a few fp32 roundings from the truth
-        assert e_ours.max() <= e_hf.max() * slack + 1e-7, (float(e_ours.max()), float(e_hf.max()))
-        assert e_ours.mean() <= e_hf.mean() * 1.01 + 1e-9
-        # ours is the correctly rounded fp64 result (up to fp32 slack); transformers' eager bf16 path rounds
-        # cos/sin and every product, so it can sit ~1.5 ulp of the operands away from the truth. Elementwise
-        # the two agree to 1 ulp of the operand scale apart from those roundings: at most 2 such ulps.
-        _assert_close_ulp(ours, want, dtype, float(x.abs().max()))
-        if dtype == torch.bfloat16:
-            xr = x[..., :rd]
-            partner = torch.cat([xr[..., n:], xr[..., :n]], -1)
-            scale = torch.maximum(torch.maximum(xr.abs(), partner.abs()), hf[..., :rd].abs())
-            d = (ours[..., :rd] - hf[..., :rd]).abs() / _ulp(scale, dtype)
-            assert d.max() <= 2.0 and (d > 1).double().mean() < 2e-3, (float(d.max()), float((d > 1).double().mean()))
-        assert torch.equal(ours[..., rd:], x[..., rd:])
-
-
-def _trainer_forms(pos3, text):
-    """mRoPE positions [3, T] in the forms trainers hold for one packed THD sequence: [3, T], [3, 1, T] (Megatron's
-    [3, B, S] with B = 1), and transformers' [4, B, S] (text positions first) as [4, 1, T] and [4, T]; int64 and
-    int32."""
-    pos4 = torch.cat([text[None], pos3])
-    for p in (pos3, pos3[:, None], pos4[:, None], pos4):
-        for dt in (torch.int64, torch.int32):
-            yield p.to(dt)
-
-
-@pytest.mark.parametrize("model", ["qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3"])
-def test_thd_positions_in_trainer_forms(device, model):
-    """q [T, H, D] with positions as transformers and Megatron hold them for B = 1: the result equals
-    transformers' own rotary module and apply_rotary_pos_emb (which see the t, h, w rows; the text row of the
-    4-row form is not a rotary input), the same bits for every form, out of place and in place."""
-    pytest.importorskip("transformers")
-    if model == "qwen3":
-        from transformers.models.qwen3 import configuration_qwen3 as c, modeling_qwen3 as m
-
-        cfg = c.Qwen3Config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                            rope_parameters=dict(rope_type="default", rope_theta=1e6))
-        Rotary, hf_apply = m.Qwen3RotaryEmbedding, m.apply_rotary_pos_emb
-    else:
-        cfg, Rotary, hf_apply = _hf_models()[model]
-    kw = packcuda.rope_kwargs_from_config(cfg)
-    D = cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
-    g = _seed("thd-forms", model)
-    T, Hq, Hk = 97, 4, 2
-    q = torch.randn(T, Hq, D, generator=g).to(device)
-    k = torch.randn(T, Hk, D, generator=g).to(device)
-    text = torch.arange(T) + 5000  # transformers' text row: never a rotary input
-    if model == "qwen3":
-        pos = torch.randint(0, 30000, (T,), generator=g)
-        forms = [p.to(dt) for p in (pos, pos[None]) for dt in (torch.int64, torch.int32)]
-        hf_pos = pos[None]
-    else:
-        pos = torch.randint(0, 30000, (3, T), generator=g)
-        pos[:, :30] = torch.arange(30) + 100  # a text run: t = h = w
-        forms = list(_trainer_forms(pos, text))
-        hf_pos = pos[:, None]
-    rot = Rotary(cfg).to(device)
-    qh, kh = q.transpose(0, 1)[None], k.transpose(0, 1)[None]  # transformers' [B, H, S, D]
-    cos, sin = rot(qh, hf_pos.to(device))
-    hq, hk = hf_apply(qh, kh, cos, sin)
-    hq, hk = hq[0].transpose(0, 1), hk[0].transpose(0, 1)
-    want = None
-    for p in forms:
-        p = p.to(device)
-        oq, ok = packcuda.apply_rope(q, k, p, **kw)
-        assert torch.allclose(oq, hq, atol=3e-5, rtol=0) and torch.allclose(ok, hk, atol=3e-5, rtol=0), p.shape
-        if want is None:
-            want = (oq, ok)
-        assert torch.equal(oq, want[0]) and torch.equal(ok, want[1]), (p.shape, p.dtype)
-        q2, k2 = q.clone(), k.clone()
-        packcuda.apply_rope_(q2, k2, p, **kw)
-        assert torch.equal(q2, oq) and torch.equal(k2, ok)
-
-
-@pytest.mark.parametrize("inplace", [False, True])
-def test_thd_positions_forms_qk_norm_and_grads(device, inplace):
-    """apply_qk_norm_rope(_) takes the same positions forms: bitwise the result and the gradients of [3, T]."""
-    g = _seed("thd-forms-qk", inplace)
-    T, D = 41, 32
-    q0 = torch.randn(T, 4, D, generator=g).to(device)
-    k0 = torch.randn(T, 2, D, generator=g).to(device)
-    wq0, wk0 = torch.rand(2, D, generator=g).to(device).unbind(0)
-    pos = torch.randint(0, 5000, (3, T), generator=g)
-    kw = dict(rope_theta=1e6, mrope_section=[6, 5, 5], mrope_interleaved=True)
-    fn = packcuda.apply_qk_norm_rope_ if inplace else packcuda.apply_qk_norm_rope
-    want = None
-    for p in _trainer_forms(pos, torch.arange(T)):
-        leaves = [x.clone().requires_grad_() for x in (q0, k0, wq0, wk0)]
-        q, k = (leaves[0] * 1, leaves[1] * 1) if inplace else leaves[:2]
-        oq, ok = fn(q, k, p.to(device), q_weight=leaves[2], k_weight=leaves[3], **kw)
-        grads = torch.autograd.grad((oq * oq).sum() + (ok * ok.sin()).sum(), leaves)
-        got = (oq.detach(), ok.detach(), *grads)
-        if want is None:
-            want = got
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), (p.shape, p.dtype)
-
-
-def test_rope_kwargs_from_default_configs():
-    pytest.importorskip("transformers")
-    from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl as c25, modeling_qwen2_5_vl as m25
-    from transformers.models.qwen3_5 import configuration_qwen3_5 as c5, modeling_qwen3_5 as m5
-    from transformers.models.qwen3_vl import configuration_qwen3_vl as c3, modeling_qwen3_vl as m3
-
-    for C, R, inter in ((c25.Qwen2_5_VLConfig, m25.Qwen2_5_VLRotaryEmbedding, False),
-                        (c3.Qwen3VLConfig, m3.Qwen3VLTextRotaryEmbedding, True),
-                        (c5.Qwen3_5Config, m5.Qwen3_5TextRotaryEmbedding, True)):
-        cfg = C().get_text_config()
-        kw = packcuda.rope_kwargs_from_config(cfg)
-        rot = R(cfg)
-        assert kw["mrope_section"] == list(rot.mrope_section) and kw["mrope_interleaved"] == inter
-        assert torch.equal(packcuda.default_inv_freq(kw["rope_theta"], kw["rotary_dim"]), rot.inv_freq)
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -557,7 +365,7 @@ def test_bad_inputs():
 # ------------------------------------------------------------------------------------ GPU only
 @requires_cuda
 def test_cuda_host_metadata_no_sync_and_deterministic():
-    g = _seed("nosync")
+    g = keyed_generator("nosync")
     T, D = 1000, 128
     q = torch.randn(T, 8, D, generator=g).bfloat16().cuda()
     k = torch.randn(T, 2, D, generator=g).bfloat16().cuda()
@@ -576,7 +384,7 @@ def test_cuda_host_metadata_no_sync_and_deterministic():
     # same bits as the CPU kernel up to 1 ulp (sin/cos of the two libraries may differ in the last fp32 bit)
     cq, _ = packcuda.apply_rope(q.cpu(), k.cpu(), pos_host, **kw)
     # (plus fp32-level slack where the rotation cancels to almost zero)
-    tol = _ulp(cq.double(), torch.bfloat16) + 1e-6 * float(q.float().abs().max())
+    tol = ulp(cq.double(), torch.bfloat16) + 1e-6 * float(q.float().abs().max())
     assert ((a[0].double().cpu() - cq.double()).abs() <= tol).all()
 
 
@@ -609,7 +417,7 @@ def test_cuda_wide_heads_and_tiles(dtype, inplace):
     """The CUDA walk over (token, head, chunk) items: very wide heads (more 16-byte chunks per head than a
     block has threads, the largest cos/sin table), partial rotary (the copied channels), head counts that do
     not divide the block, tiles cut short at the end; against the fp64 reference."""
-    g = _seed("wide", str(dtype), inplace)
+    g = keyed_generator("wide", str(dtype), inplace)
     for T, Hq, Hk, D, rd, section in [(3, 1, 1, 8192, 8192, None), (5, 2, 1, 4096, 2048, [300, 400, 324]),
                                       (37, 7, 3, 256, 64, [11, 11, 10]), (1029, 5, 1, 128, 128, [16, 24, 24])]:
         q = torch.randn(T, Hq, D, generator=g).to(dtype)
@@ -624,99 +432,15 @@ def test_cuda_wide_heads_and_tiles(dtype, inplace):
         else:
             qo, ko = packcuda.apply_rope(q.cuda(), k.cuda(), pos, **kw)
         scale = float(max(q.abs().max(), k.abs().max()))
-        _assert_close_ulp(qo, wq, dtype, scale, 4.0)
-        _assert_close_ulp(ko, wk, dtype, scale, 4.0)
+        assert_close_ulp(qo, wq, dtype, scale, 4.0)
+        assert_close_ulp(ko, wk, dtype, scale, 4.0)
 
 
-# ------------------------------------------------------------------------------------ configs (transformers 5)
-def _hf_rotate(cfg, Rotary, hf_apply, q, k, pos):
-    rot = Rotary(cfg)
-    cos, sin = rot(q, pos[:, None, :])
-    return hf_apply(q, k, cos, sin), rot
-
-
-@pytest.mark.parametrize("section,head_dim", [([16, 8, 8], 8), ([8, 8, 8], 64), ([2, 30, 1], 32), ([24, 20, 20], 128)])
-def test_transformers_oracle_interleaved_section_clipped(section, head_dim):
-    """Qwen3-VL's interleaved layout takes the h / w slots as [1 : 3 sH : 3] / [2 : 3 sW : 3] of the rotary slots,
-    so a section that does not sum to rotary_dim / 2 (transformers' own test config: head_dim 8, [16, 8, 8])
-    clips; rope_kwargs_from_config gives the equivalent section and the result equals transformers'."""
-    pytest.importorskip("transformers")
-    from transformers.models.qwen3_vl import configuration_qwen3_vl as c3, modeling_qwen3_vl as m3
-
-    cfg = c3.Qwen3VLTextConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
-                               head_dim=head_dim, rope_parameters=dict(rope_type="default", rope_theta=1e4,
-                                                                       mrope_section=section, mrope_interleaved=True))
-    kw = packcuda.rope_kwargs_from_config(cfg)
-    n = kw["rotary_dim"] // 2
-    assert kw["rotary_dim"] == head_dim and sum(kw["mrope_section"]) == n and kw["mrope_interleaved"]
-    if sum(section) == n:
-        assert kw["mrope_section"] == section
-    g = _seed("clip", tuple(section), head_dim)
-    T = 50
-    pos = torch.randint(0, 3000, (3, T), generator=g)
-    q = torch.randn(1, 4, T, head_dim, generator=g)
-    k = torch.randn(1, 2, T, head_dim, generator=g)
-    (hq, hk), rot = _hf_rotate(cfg, m3.Qwen3VLTextRotaryEmbedding, m3.apply_rotary_pos_emb, q, k, pos)
-    oq, ok = packcuda.apply_rope(q.transpose(1, 2), k.transpose(1, 2), pos[:, None, :], **kw)
-    assert torch.allclose(oq.transpose(1, 2), hq, atol=2e-5, rtol=0)
-    assert torch.allclose(ok.transpose(1, 2), hk, atol=2e-5, rtol=0)
-    # the slot -> axis map is transformers' exactly: a position change on one axis moves the same slots
-    for axis in (1, 2):
-        p2 = pos.clone()
-        p2[axis] += 7
-        (h2, _), _ = _hf_rotate(cfg, m3.Qwen3VLTextRotaryEmbedding, m3.apply_rotary_pos_emb, q, k, p2)
-        o2, _ = packcuda.apply_rope(q.transpose(1, 2), k.transpose(1, 2), p2[:, None, :], **kw)
-        moved_hf = (h2 - hq).abs().amax(dim=(0, 1, 2)) > 0
-        moved = (o2 - oq).transpose(1, 2).abs().amax(dim=(0, 1, 2)) > 0
-        assert torch.equal(moved, moved_hf)
-
-
-def test_rope_kwargs_sectioned_section_must_cover():
-    """Qwen2-VL splits the slots by the section (torch.split): a section that does not sum to rotary_dim / 2
-    fails in transformers' own forward, so it is refused up front."""
-    pytest.importorskip("transformers")
-    from transformers.models.qwen2_vl import configuration_qwen2_vl as c2, modeling_qwen2_vl as m2
-
-    cfg = c2.Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                               rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[16, 8, 8]))
-    with pytest.raises(ValueError, match=r"packcuda.rope_kwargs_from_config: mrope_section \[16, 8, 8\] sums to 32"):
-        packcuda.rope_kwargs_from_config(cfg)
-    q = torch.randn(1, 4, 5, 16)
-    with pytest.raises(RuntimeError):
-        _hf_rotate(cfg, m2.Qwen2VLRotaryEmbedding, m2.apply_rotary_pos_emb, q, q, torch.zeros(3, 5, dtype=torch.long))
-
-
-def test_rope_kwargs_config_forms():
-    """The forms transformers 5 configs take: rope_parameters (also converted from legacy rope_theta /
-    rope_scaling kwargs), a bare legacy object with rope_theta on the config, Qwen3 text (plain RoPE)."""
-    pytest.importorskip("transformers")
-    from types import SimpleNamespace
-
-    from transformers import Qwen2VLConfig, Qwen3Config
-
-    assert packcuda.rope_kwargs_from_config(Qwen3Config()) == dict(rope_theta=10000.0, rotary_dim=128)
-    assert packcuda.rope_kwargs_from_config(Qwen3Config(rope_theta=123.0))["rope_theta"] == 123.0
-    legacy = Qwen2VLConfig(text_config=dict(rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
-                                            rope_theta=1e6)).get_text_config()
-    assert packcuda.rope_kwargs_from_config(legacy) == dict(rope_theta=1e6, rotary_dim=128,
-                                                            mrope_section=[16, 24, 24], mrope_interleaved=False)
-    bare = SimpleNamespace(model_type="llama", rope_theta=5e5, hidden_size=256, num_attention_heads=4,
-                           rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]})
-    assert packcuda.rope_kwargs_from_config(bare) == dict(rope_theta=5e5, rotary_dim=64, mrope_section=[8, 12, 12],
-                                                          mrope_interleaved=False)
-    partial = SimpleNamespace(model_type="x", rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5),
-                              head_dim=64)
-    assert packcuda.rope_kwargs_from_config(partial) == dict(rope_theta=1e4, rotary_dim=32)
-    # Qwen2/2.5-VL and Qwen3-VL rotary modules rotate the whole head whatever partial_rotary_factor says
-    q3 = SimpleNamespace(model_type="qwen3_vl_text", head_dim=128,
-                         rope_parameters=dict(rope_theta=5e6, partial_rotary_factor=0.5, mrope_section=[24, 20, 20]))
-    assert packcuda.rope_kwargs_from_config(q3)["rotary_dim"] == 128
-
-
+# ------------------------------------------------------------------------------------ positions forms, views
 def test_inplace_4d_views_of_one_buffer_and_expanded_positions():
     """Valid in-place inputs the memory checks must keep accepting: [B, S, H, D] q/k views into one fused
     buffer (extents interleave), a k whose heads sit between q's, positions expanded (stride 0, read only)."""
-    g = _seed("4dviews")
+    g = keyed_generator("4dviews")
     B, S, D = 2, 5, 16
     buf = torch.randn(B, S, 7, D, generator=g)
     want = buf.clone()
@@ -798,8 +522,8 @@ def test_hypothesis_4d_layouts_vs_fp64_reference(B, S, Hq, Hk, half, extra, layo
     qo, ko = packcuda.apply_rope(q, k, pos_arg, **kw)
     assert qo.shape == q.shape and ko.shape == k.shape
     scale = float(max(q.abs().max(), k.abs().max()))
-    _assert_close_ulp(qo.reshape(B * S, Hq, D), wq, dtype, scale, 4.0)
-    _assert_close_ulp(ko.reshape(B * S, Hk, D), wk, dtype, scale, 4.0)
+    assert_close_ulp(qo.reshape(B * S, Hq, D), wq, dtype, scale, 4.0)
+    assert_close_ulp(ko.reshape(B * S, Hk, D), wk, dtype, scale, 4.0)
     before = None if buf is None else buf.clone()
     packcuda.apply_rope_(q, k, pos_arg, **kw)
     assert torch.equal(q, qo) and torch.equal(k, ko)

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from conftest import HAS_CUDA, no_sync, requires_cuda
+from helpers import HAS_CUDA, no_sync, requires_cuda
 
 ops = torch.ops.packcuda
 DEVS = ["cpu"] + (["cuda"] if HAS_CUDA else [])

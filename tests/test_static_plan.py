@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import packcuda
-from conftest import HAS_CUDA, nccl_rank, no_sync, requires_two_gpus_nccl, spawn_ranks
+from helpers import HAS_CUDA, nccl_rank, no_sync, requires_two_gpus_nccl, spawn_ranks
 from packcuda._meta import cu_from_lengths as _cu
 
 ops = torch.ops.packcuda

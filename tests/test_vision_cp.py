@@ -8,7 +8,7 @@ import torch
 
 import packcuda
 import reference as ref
-from conftest import capture_cuda_graph, nccl_rank, no_sync, requires_cuda, spawn_ranks
+from helpers import capture_cuda_graph, nccl_rank, no_sync, requires_cuda, spawn_ranks
 from test_mrope_pos import IMG, VID, make_pack
 
 MERGE = 2
