@@ -121,5 +121,22 @@ template <typename S> struct Elem {
   static PC_HD compute load(S v) { return val(v); }
   static PC_HD S store(compute f) { return From<S>::cvt(f); }
 };
+// bf16 on the device loads through cuda_bf16's conversion (cvt.f32.bf16 on sm_90), the same value as val's
+// shift: with it the rotary and QK-norm kernels' sm_90 code is the code they had on the cuda_bf16 types (the
+// shift gives their guarded vector loads other code, and two QK-norm backward kernels more spill). conv and
+// exchange convert through val, their code as validated.
+template <> struct Elem<bf16_t> {
+  using compute = float;
+  static PC_HD float load(bf16_t v) {
+#if defined(__CUDA_ARCH__)
+    __nv_bfloat16_raw r;
+    r.x = v.bits;
+    return __bfloat162float(__nv_bfloat16(r));
+#else
+    return val(v);
+#endif
+  }
+  static PC_HD bf16_t store(float f) { return From<bf16_t>::cvt(f); }
+};
 
 }  // namespace packcuda
