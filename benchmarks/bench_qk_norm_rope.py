@@ -237,7 +237,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
             del q, k, qh, kh, qhl, khl, cos, sin, gqh, gkh
             if not cpu:
                 torch.cuda.empty_cache()
-    rows += host_rows(["apply_qk_norm_rope"], dev, pair=True)
+    rows += host_rows(["apply_qk_norm_rope"], dev)
     return rows
 
 

@@ -207,7 +207,7 @@ def run(quick: bool = False, device=None) -> list[dict]:
             del q, k, gq, gk
             if not cpu:
                 torch.cuda.empty_cache()
-    rows += host_rows(["apply_rope"], dev, pair=True)
+    rows += host_rows(["apply_rope"], dev)
     return rows
 
 

@@ -115,7 +115,8 @@ class EagerOp:
     __slots__ = ("op", "default", "setup_context", "backward", "differentiable")
 
     def __init__(self, op, setup_context=None, backward=None, differentiable=()):
-        self.op, self.default = op, op.default
+        # the overload's C++ callable: what OpOverload.__call__ calls, without its Python frame
+        self.op, self.default = op, getattr(op.default, "_op", op.default)
         self.setup_context, self.backward, self.differentiable = setup_context, backward, tuple(differentiable)
         if backward is not None:
             torch.library.register_autograd(op.default, backward, setup_context=setup_context)

@@ -94,6 +94,23 @@ _CONV = _lib.EagerOp(ops.causal_conv1d_fwd, _conv_setup, _conv_backward, differe
 # ---------------------------------------------------------------------------------------------------
 # facade
 # ---------------------------------------------------------------------------------------------------
+_last_cu = (None, None, None)  # (the host list last given, a copy of its values, their CPU tensor)
+
+
+def _host_cu(cu):
+    """Host cu_seqlens as the op takes them (a CPU int64 tensor). The layers of one step pass the same list: the
+    tensor made for the list last given is reused while that list holds the same values (checked every call)."""
+    global _last_cu
+    if type(cu) not in (list, tuple):
+        return host_tensor(cu, op="causal_conv1d")
+    last, values, t = _last_cu
+    if cu is last and cu == values:
+        return t
+    t = host_tensor(cu, op="causal_conv1d")
+    _last_cu = (cu, cu.copy() if type(cu) is list else cu, t)
+    return t
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -138,7 +155,7 @@ def causal_conv1d(
         raise TypeError(f"packcuda.{op}: activation must be None or 'silu', got {activation!r} "
                         f"({type(activation).__name__})")
     # host lists become a CPU tensor here; a tensor goes to the op as it is (the op checks it)
-    cu = cu_seqlens if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor) else host_tensor(cu_seqlens, op=op)
+    cu = cu_seqlens if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor) else _host_cu(cu_seqlens)
     needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad) or (
         prefix is not None and prefix.requires_grad)
     return _CONV(needs_grad, x, weight, bias, cu, prefix, activation)

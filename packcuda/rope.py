@@ -53,9 +53,9 @@ def _qk_norm_rope_inplace_fake(q, k, positions, inv_freq, q_weight, k_weight, ep
 def _qk_norm_rope_backward_fake(grad_q, grad_k, q, k, positions, inv_freq, q_weight, k_weight, eps, norm,
                                 rotary_dim, mrope_section, mrope_interleaved=False, gptj=False,
                                 attention_scaling=1.0):
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     D = q.shape[-1]
-    return torch.empty_like(q), torch.empty_like(k), q.new_empty(D, dtype=acc), q.new_empty(D, dtype=acc)
+    return (torch.empty_like(q), torch.empty_like(k), q.new_empty(D, dtype=q_weight.dtype),
+            q.new_empty(D, dtype=q_weight.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -100,13 +100,10 @@ _QK_NORM_GRADS = _lib.EagerOp(ops.apply_qk_norm_rope_backward)  # (no autograd o
 
 
 def _qk_norm_grads(gq, gk, q, k, positions, inv_freq, wq, wk, cfg):
-    """(dq, dk, dq_weight, dk_weight) of the norm + rotation, the weight gradients in the weights' dtype."""
+    """(dq, dk, dq_weight, dk_weight) of the norm + rotation (the op writes the weight gradients in the weights'
+    dtype)."""
     gq, gk = _last_dim_contiguous(gq), _last_dim_contiguous(gk)
-    dq, dk, dwq, dwk = _QK_NORM_GRADS(gq.requires_grad or gk.requires_grad, gq, gk, q, k, positions, inv_freq, wq,
-                                      wk, *cfg)
-    if dwq.dtype != wq.dtype:
-        dwq, dwk = dwq.to(wq.dtype), dwk.to(wk.dtype)
-    return dq, dk, dwq, dwk
+    return _QK_NORM_GRADS(gq.requires_grad or gk.requires_grad, gq, gk, q, k, positions, inv_freq, wq, wk, *cfg)
 
 
 def _qk_norm_backward(ctx, gq, gk):

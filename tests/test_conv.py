@@ -197,6 +197,25 @@ def test_causal_conv1d_device_cu_seqlens(device):
     assert torch.equal(a, b)
 
 
+def test_causal_conv1d_host_list_changed_in_place(device):
+    """The same host list object, its values changed between calls: each call reads the values it is given."""
+    g = keyed_generator("cu_in_place")
+    x = torch.randn(12, 5, generator=g).to(device)
+    w = torch.randn(5, 3, generator=g).to(device)
+    cu = [0, 4, 12]
+    a = packcuda.causal_conv1d(x, w, cu_seqlens=cu)
+    assert torch.equal(packcuda.causal_conv1d(x, w, cu_seqlens=cu), a)
+    cu[1] = 7
+    b = packcuda.causal_conv1d(x, w, cu_seqlens=cu)
+    assert torch.equal(b, packcuda.causal_conv1d(x, w, cu_seqlens=[0, 7, 12]))
+    assert not torch.equal(a, b)
+    cu.insert(1, 2)
+    assert torch.equal(packcuda.causal_conv1d(x, w, cu_seqlens=cu), packcuda.causal_conv1d(x, w, cu_seqlens=(0, 2, 7, 12)))
+    with pytest.raises(ValueError, match="causal_conv1d"):
+        cu[-1] = 11
+        packcuda.causal_conv1d(x, w, cu_seqlens=cu)
+
+
 @pytest.mark.parametrize("nseg", [7, 478, 479, 480, 700])
 def test_causal_conv1d_many_segments(device, nseg):
     # On CUDA, host cu_seqlens of up to 479 segments travel in the kernels' parameters and longer ones are

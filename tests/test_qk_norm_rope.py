@@ -274,6 +274,36 @@ def test_empty_and_fp32_weights():
     assert w.grad.dtype == torch.float32 and q.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                           (torch.float64, torch.float32), (torch.float64, torch.float64)])
+@pytest.mark.parametrize("D,strided", [(16, False), (14, True), (6, False)])
+def test_weight_dtypes_and_strides(device, dtype, wdtype, D, strided):
+    """Weights in the data dtype (or fp32 with fp64 data), contiguous or strided, any head_dim: the same outputs as
+    the weights in the compute type, and weight gradients equal to the compute type's rounded once to the weights'
+    dtype."""
+    g = _seed(f"wdt{D}{strided}")
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    q = torch.randn(11, 3, D, generator=g).to(device, dtype)
+    k = torch.randn(11, 2, D, generator=g).to(device, dtype)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    pos = torch.randint(0, 50, (11,), generator=g).to(device)
+    wide = torch.randn(2, 2 * D if strided else D, generator=g).to(device, wdtype)
+    w = [wide[i, ::2] if strided else wide[i] for i in range(2)]
+    for norm in NORMS:
+        def run(ws):
+            leaves = [x.detach().requires_grad_() for x in (q, k, *ws)]
+            out = packcuda.apply_qk_norm_rope(leaves[0], leaves[1], pos, q_weight=leaves[2], k_weight=leaves[3],
+                                              norm=norm, rope_theta=1e4)
+            return out, torch.autograd.grad(out, leaves, (gq, gk))
+
+        (o, gr), (o_acc, gr_acc) = run(w), run([x.to(acc).contiguous() for x in w])
+        assert torch.equal(o[0], o_acc[0]) and torch.equal(o[1], o_acc[1])
+        assert torch.equal(gr[0], gr_acc[0]) and torch.equal(gr[1], gr_acc[1])
+        for dw, dw_acc in zip(gr[2:], gr_acc[2:]):
+            assert dw.dtype == wdtype and dw.shape == (D,)
+            assert torch.equal(dw, dw_acc.to(wdtype))
+
+
 # ------------------------------------------------------------------------------------ torch.library
 def test_opcheck(device):
     from torch.library import opcheck
@@ -497,7 +527,7 @@ def test_cuda_no_sync_graph_capture_and_bitwise_deterministic():
     _, D, rd, section, inter, theta = LAYOUTS[2]
     inv = packcuda.default_inv_freq(theta, rd).cuda()
     # eps, norm (rms_offset), rotary_dim, section, interleaved, gptj, scaling
-    bw = (1e-6, 1, rd, section, inter, False, 1.0)
+    bw = (1e-6, "rms_offset", rd, section, inter, False, 1.0)
     op = torch.ops.packcuda.apply_qk_norm_rope_backward
 
     def captured():
@@ -514,5 +544,5 @@ def test_cuda_no_sync_graph_capture_and_bitwise_deterministic():
     torch.cuda.synchronize()
     assert torch.equal(fo[0], r1[0]) and torch.equal(fo[1], r1[1])
     assert torch.equal(bo[0], r1[2]) and torch.equal(bo[1], r1[3])
-    assert torch.equal(bo[2].to(wq.dtype), r1[4]) and torch.equal(bo[3].to(wk.dtype), r1[5])
+    assert torch.equal(bo[2], r1[4]) and torch.equal(bo[3], r1[5])
     assert torch.equal(qi, r1[0]) and torch.equal(ki, r1[1])

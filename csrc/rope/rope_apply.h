@@ -50,8 +50,8 @@ void rope_apply_cuda(const RopeArgs& a, cudaStream_t stream);
 // Per-head QK norm fused with the rotation (rope_math.h: kNormRms / kNormRmsOffset). Forward: r.q / r.k map the
 // inputs x to the outputs y (in == out in place; copy_passthrough is ignored: the pass-through channels are
 // always written, normalized). Backward: r.q / r.k map the saved inputs x to the gradients dx (out), g_q / g_k
-// hold the incoming gradients (in only, same heads as x), and dw_q / dw_k receive the [D] weight gradients in the
-// compute type (fp32; fp64 for fp64 data),
+// hold the incoming gradients (in only, same heads as x), and dw_q / dw_k receive the [D] weight gradients,
+// accumulated in the compute type (fp32; fp64 for fp64 data) and written in dw_dtype (the weights' dtype),
 // reduced in a fixed order (no atomics): the result is bitwise reproducible for a given device and shape.
 struct NormArgs {
   RopeArgs r;
@@ -60,8 +60,9 @@ struct NormArgs {
   double eps = 1e-6;
   int norm = 0;
   HeadsView g_q, g_k;           // backward only (in, in_s*)
-  void* dw_q = nullptr;         // backward only: [D] in the compute type
+  void* dw_q = nullptr;         // backward only: [D] in dw_dtype
   void* dw_k = nullptr;
+  DType dw_dtype = DType::F32;  // the weights' dtype: the compute type, or bf16 / fp16 data's own
   void* workspace = nullptr;    // CUDA backward: qk_norm_workspace_floats(D) elements of the compute type
 };
 
@@ -71,6 +72,21 @@ constexpr int64_t kMaxNormHeadDim = 512;
 // by the shape, so the reduction order does not depend on the device.
 constexpr int64_t kNormBwdBlocks = 1024;
 inline int64_t qk_norm_workspace_floats(int64_t D) { return kNormBwdBlocks * 2 * D; }
+
+// The two [D] weights of the norm in the compute type, in one pass (one launch on CUDA): out[c] = w_q[c * stride_q]
+// and out[ld + c] = w_k[c * stride_k], c < D; exact (bf16 / fp16 / fp32 -> fp32, fp32 / fp64 -> fp64).
+struct WeightsCast {
+  const void* w_q = nullptr;
+  const void* w_k = nullptr;
+  int64_t stride_q = 1, stride_k = 1;
+  DType w = DType::F32;  // the weights' dtype
+  void* out = nullptr;   // [2, ld] in acc
+  DType acc = DType::F32;
+  int64_t D = 0, ld = 0;
+};
+
+void cast_weights_cpu(const WeightsCast& a);
+void cast_weights_cuda(const WeightsCast& a, cudaStream_t stream);
 
 void qk_norm_rope_cpu(const NormArgs& a);
 void qk_norm_rope_backward_cpu(const NormArgs& a);

@@ -329,7 +329,7 @@ Norm parse_norm(const char* op, const std::string& norm) {
 struct NormPrepared {
   Prepared p;
   rope::NormArgs n;
-  Tensor w_q, w_k;  // contiguous, kept alive for the launch
+  Tensor w;  // the weights in the compute type when they needed a cast ([2, ld]), kept alive for the launch
 };
 
 // prepare() plus the norm's own arguments (weights, eps, norm kind).
@@ -339,7 +339,6 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
                           bool mrope_interleaved, bool gptj, double attention_scaling) {
   NormPrepared np{
       prepare(op, q, k, positions, inv_freq, rotary_dim, mrope_section, mrope_interleaved, gptj, attention_scaling),
-      {},
       {},
       {}};
   const int64_t D = q.size(q.dim() - 1);
@@ -358,19 +357,32 @@ NormPrepared prepare_norm(const char* op, const Tensor& q, const Tensor& k, cons
   PC_ARG(k_weight.scalar_type() == q_weight.scalar_type(), op, "k_weight has dtype ",
          dtype_name(k_weight.scalar_type()), " but q_weight has dtype ", dtype_name(q_weight.scalar_type()));
   // the kernels read the weights in the compute type (exact conversions: bf16 / fp16 / fp32 -> fp32 or fp64),
-  // 16-byte aligned (the CUDA kernel reads them with vector loads): a converted copy is a fresh allocation
+  // 16-byte aligned (the CUDA kernel reads them with vector loads): otherwise both are cast into one fresh
+  // [2, ld] buffer, rows 16-byte aligned, in one pass (one launch)
   const ST acc = q.scalar_type() == ST::Double ? ST::Double : ST::Float;
-  const auto as_acc = [&](const Tensor& w) {
-    if (w.scalar_type() == acc && w.is_contiguous() && reinterpret_cast<uintptr_t>(w.const_data_ptr()) % 16 == 0)
-      return w;
-    Tensor d = new_like(w, {D}, acc);
-    copy_into(d, w, /*non_blocking=*/false);
-    return d;
+  const auto usable = [&](const Tensor& w) {
+    return w.scalar_type() == acc && w.is_contiguous() && reinterpret_cast<uintptr_t>(w.const_data_ptr()) % 16 == 0;
   };
-  np.w_q = as_acc(q_weight);
-  np.w_k = as_acc(k_weight);
-  np.n.w_q = np.w_q.const_data_ptr();
-  np.n.w_k = np.w_k.const_data_ptr();
+  np.n.dw_dtype = core_dtype(q_weight.scalar_type());
+  if (usable(q_weight) && usable(k_weight)) {
+    np.n.w_q = q_weight.const_data_ptr();
+    np.n.w_k = k_weight.const_data_ptr();
+  } else {
+    rope::WeightsCast c;
+    c.D = D;
+    c.ld = (D + 3) / 4 * 4;  // 16-byte rows for fp32 and fp64
+    np.w = new_like(q, {2 * c.ld}, acc);
+    c.w_q = q_weight.const_data_ptr();
+    c.w_k = k_weight.const_data_ptr();
+    c.stride_q = q_weight.stride(0);
+    c.stride_k = k_weight.stride(0);
+    c.w = np.n.dw_dtype;
+    c.acc = core_dtype(acc);
+    c.out = np.w.mutable_data_ptr();
+    run_kernel(q, [&] { rope::cast_weights_cpu(c); }, [&](auto stream) { rope::cast_weights_cuda(c, stream); });
+    np.n.w_q = c.out;
+    np.n.w_k = static_cast<const char*>(c.out) + c.ld * dtype_size(c.acc);
+  }
   np.n.eps = eps;
   np.n.norm = static_cast<int>(kind);
   return np;
@@ -420,7 +432,8 @@ void qk_norm_rope_(Tensor q, Tensor k, Tensor positions, Tensor inv_freq, Tensor
 }
 
 // grad_q / grad_k: the gradients of the outputs (shapes of q / k, any strides, last dim contiguous); q / k: the
-// forward's inputs. Returns (dq, dk, dq_weight, dk_weight), the weight gradients [D] in fp32 (fp64 for fp64 data).
+// forward's inputs. Returns (dq, dk, dq_weight, dk_weight), the weight gradients [D] in the weights' dtype
+// (accumulated in fp32, fp64 for fp64 data, and rounded once).
 std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k,
                                                                  Tensor positions, Tensor inv_freq, Tensor q_weight,
                                                                  Tensor k_weight, double eps, std::string norm,
@@ -447,8 +460,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward(Tensor grad_q, 
   const ST acc = q.scalar_type() == ST::Double ? ST::Double : ST::Float;
   Tensor dq = output_like(q);
   Tensor dk = output_like(k);
-  Tensor dwq = new_like(q, {D}, acc);
-  Tensor dwk = new_like(q, {D}, acc);
+  Tensor dwq = new_like(q, {D}, q_weight.scalar_type());
+  Tensor dwk = new_like(q, {D}, q_weight.scalar_type());
   np.n.r = np.p.args;
   fill_view(np.n.r.q, q, dq);
   fill_view(np.n.r.k, k, dk);

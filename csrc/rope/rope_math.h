@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../common/dtype.h"
 #include "../common/hd.h"
 
 namespace packcuda::rope {
@@ -138,6 +139,18 @@ PC_HD F norm_dx_of(F dxh, F x, F rstd, F dot_d) {
 template <typename F>
 PC_HD F norm_dx(F dxh, F x, F rstd, F dot, int64_t D) {
   return norm_dx_of(dxh, x, rstd, dot / static_cast<F>(D));
+}
+
+// The QK norm's weights: element c of a [D] weight of dtype W (stride in elements) in the compute type F (an
+// exact widening), and a weight gradient accumulated in F rounded once to W (the value .to(W) of the F gradient
+// gives; F itself when W is F).
+template <typename W, typename F>
+PC_HD F weight_in(const void* w, int64_t c, int64_t stride) {
+  return static_cast<F>(Elem<W>::load(static_cast<const W*>(w)[c * stride]));
+}
+template <typename W, typename F>
+PC_HD void weight_grad_out(void* dw, int64_t c, F v) {
+  static_cast<W*>(dw)[c] = From<W>::cvt(v);
 }
 
 }  // namespace packcuda::rope

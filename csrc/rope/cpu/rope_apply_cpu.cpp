@@ -1,4 +1,5 @@
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common/dispatch.h"
@@ -180,10 +181,13 @@ void run_norm_backward(const NormArgs& na) {
     norm_rotate_heads_backward<T>(na, a.q, na.g_q, na.w_q, t, cs.data(), buf.data(), dwq.data());
     norm_rotate_heads_backward<T>(na, a.k, na.g_k, na.w_k, t, cs.data(), buf.data(), dwk.data());
   }
-  for (int64_t c = 0; c < D; ++c) {
-    static_cast<F*>(na.dw_q)[c] = static_cast<F>(dwq[c]);
-    static_cast<F*>(na.dw_k)[c] = static_cast<F>(dwk[c]);
-  }
+  dispatch_dtype(na.dw_dtype, [&](auto wt) {
+    using W = decltype(wt);
+    for (int64_t c = 0; c < D; ++c) {
+      weight_grad_out<W, F>(na.dw_q, c, static_cast<F>(dwq[c]));
+      weight_grad_out<W, F>(na.dw_k, c, static_cast<F>(dwk[c]));
+    }
+  });
 }
 
 template <template <typename> class Run, typename A>
@@ -198,6 +202,19 @@ template <typename T> struct NormBwd {
 };
 
 }  // namespace
+
+void cast_weights_cpu(const WeightsCast& a) {
+  dispatch_bool(a.acc == DType::F64, [&](auto f64) {
+    using F = std::conditional_t<decltype(f64)::value, double, float>;
+    dispatch_dtype(a.w, [&](auto wt) {
+      using W = decltype(wt);
+      for (int64_t c = 0; c < a.D; ++c) {
+        static_cast<F*>(a.out)[c] = weight_in<W, F>(a.w_q, c, a.stride_q);
+        static_cast<F*>(a.out)[a.ld + c] = weight_in<W, F>(a.w_k, c, a.stride_k);
+      }
+    });
+  });
+}
 
 void qk_norm_rope_cpu(const NormArgs& a) { by_dtype<NormFwd>(a.r.dtype, a); }
 

@@ -335,9 +335,9 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
     }
   }
 }
-// dw[c] = sum over blocks b (in order) of part[b][c], c over the 2 * D channels of q and k.
-template <typename F>
-__global__ void __launch_bounds__(kNThreads) reduce_partials(const F* part, int nblocks, int D, F* dw_q, F* dw_k) {
+// dw[c] = sum over blocks b (in order) of part[b][c], c over the 2 * D channels of q and k, written as W.
+template <typename F, typename W>
+__global__ void __launch_bounds__(kNThreads) reduce_partials(const F* part, int nblocks, int D, void* dw_q, void* dw_k) {
   __shared__ F red[kNWarps][32];
   const int warp = threadIdx.x / 32, wl = threadIdx.x % 32;
   const int c = blockIdx.x * 32 + wl;
@@ -350,9 +350,19 @@ __global__ void __launch_bounds__(kNThreads) reduce_partials(const F* part, int 
   if (warp == 0 && c < C) {
     F t = F(0);
     for (int wi = 0; wi < kNWarps; ++wi) t += red[wi][wl];
-    if (c < D) dw_q[c] = t;
-    else dw_k[c - D] = t;
+    if (c < D) weight_grad_out<W, F>(dw_q, c, t);
+    else weight_grad_out<W, F>(dw_k, c - D, t);
   }
+}
+
+// The weights in the compute type, both in one launch (rope_apply.h: WeightsCast).
+template <typename W, typename F>
+__global__ void cast_weights_kernel(const WeightsCast a) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= 2 * a.D) return;
+  const bool k = i >= a.D;
+  const int64_t c = k ? i - a.D : i;
+  static_cast<F*>(a.out)[(k ? a.ld : 0) + c] = weight_in<W, F>(k ? a.w_k : a.w_q, c, k ? a.stride_k : a.stride_q);
 }
 
 template <typename T, int VE, int ALIGN, int UPL, bool GPTJ, int NK>
@@ -405,8 +415,7 @@ void launch(const NormArgs& a, int U, int P, int G, bool bwd, cudaStream_t strea
   const int blocks = static_cast<int>(std::min<int64_t>(p.tiles, kNormBwdBlocks));
   kern<<<static_cast<unsigned>(blocks), kNThreads, smem, stream>>>(p);
   PC_CUDA_LAUNCH_CHECK();
-  sum_partials<F>(static_cast<const F*>(a.workspace), blocks, D, static_cast<F*>(a.dw_q), static_cast<F*>(a.dw_k),
-                  stream);
+  sum_partials<F>(static_cast<const F*>(a.workspace), blocks, D, a.dw_q, a.dw_k, a.dw_dtype, stream);
 }
 
 // Units per row -> (UPL, G): the smallest UPL of the instantiated ones (ascending) with U <= 32 * UPL, G the
@@ -476,13 +485,28 @@ void run(const NormArgs& a, bool bwd, cudaStream_t stream) {
 
 namespace detail {
 template <typename F>
-void sum_partials(const F* part, int nblocks, int D, F* dw_q, F* dw_k, cudaStream_t stream) {
-  reduce_partials<F><<<static_cast<unsigned>((2 * D + 31) / 32), kNThreads, 0, stream>>>(part, nblocks, D, dw_q, dw_k);
+void sum_partials(const F* part, int nblocks, int D, void* dw_q, void* dw_k, DType w, cudaStream_t stream) {
+  dispatch_dtype(w, [&](auto wt) {
+    reduce_partials<F, decltype(wt)>
+        <<<static_cast<unsigned>((2 * D + 31) / 32), kNThreads, 0, stream>>>(part, nblocks, D, dw_q, dw_k);
+  });
   PC_CUDA_LAUNCH_CHECK();
 }
-template void sum_partials<float>(const float*, int, int, float*, float*, cudaStream_t);
-template void sum_partials<double>(const double*, int, int, double*, double*, cudaStream_t);
+template void sum_partials<float>(const float*, int, int, void*, void*, DType, cudaStream_t);
+template void sum_partials<double>(const double*, int, int, void*, void*, DType, cudaStream_t);
 }  // namespace detail
+
+void cast_weights_cuda(const WeightsCast& a, cudaStream_t stream) {
+  if (a.D == 0) return;
+  dispatch_bool(a.acc == DType::F64, [&](auto f64) {
+    using F = std::conditional_t<decltype(f64)::value, double, float>;
+    dispatch_dtype(a.w, [&](auto wt) {
+      cast_weights_kernel<decltype(wt), F>
+          <<<static_cast<unsigned>((2 * a.D + kNThreads - 1) / kNThreads), kNThreads, 0, stream>>>(a);
+    });
+  });
+  PC_CUDA_LAUNCH_CHECK();
+}
 
 void qk_norm_rope_cuda(const NormArgs& a, cudaStream_t stream) { run(a, false, stream); }
 

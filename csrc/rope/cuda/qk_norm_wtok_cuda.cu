@@ -425,8 +425,7 @@ void launch_wtok_bwd(const NormArgs& a, cudaStream_t stream) {
   const WParams p = make_wparams<D>(a, blocks, "qk_norm_rope_backward_cuda");
   qk_norm_bwd_wtok_kernel<T, D, NK><<<static_cast<unsigned>(blocks), kWtokWarps * 32, 0, stream>>>(p);
   PC_CUDA_LAUNCH_CHECK();
-  sum_partials<float>(static_cast<const float*>(a.workspace), blocks, D, static_cast<float*>(a.dw_q),
-                      static_cast<float*>(a.dw_k), stream);
+  sum_partials<float>(static_cast<const float*>(a.workspace), blocks, D, a.dw_q, a.dw_k, a.dw_dtype, stream);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -51,9 +51,9 @@ inline bool strides_ok(const HeadsView& v, int64_t ve) {
 }
 
 // The QK-norm backward's weight gradients: dw_q / dw_k [D] = the blocks' [2, D] partials in part summed in block
-// order (qk_norm_tile_cuda.cu; F float or double).
+// order, written in the weights' dtype w (qk_norm_tile_cuda.cu; F float or double).
 template <typename F>
-void sum_partials(const F* part, int nblocks, int D, F* dw_q, F* dw_k, cudaStream_t stream);
+void sum_partials(const F* part, int nblocks, int D, void* dw_q, void* dw_k, DType w, cudaStream_t stream);
 
 // The warp-per-token QK-norm kernels (qk_norm_wtok_cuda.cu) where they apply: T bf16_t or f16_t on the 16-byte
 // vector path with neox pairs (the caller checks those), head_dim 64, 128 or 256 and rotary_dim a multiple of
