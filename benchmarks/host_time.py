@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 import packcuda
-from benchmarks.harness import HOST_CLOCKS, Timer, host_us
+from benchmarks.harness import HOST_CLOCKS, Timer, host_us, record
 
 GOAL_FWD_BWD, GOAL_FWD = 1.5, 1.2
 BARE = "bare autograd.Function"
@@ -79,7 +79,8 @@ def _bare(ins, grads):
 
 def cases(device, tokens: Optional[int] = None) -> Tuple[Dict[str, Tuple[Callable, Callable]], Dict[str, str], str]:
     """{name: (forward, forward+backward)} for each op on ``device`` and for the bare Functions of the same shape
-    (tensors in / out), {op: its bare Function's name}, and a shape note."""
+    (tensors in / out; x * 2 per output on the op's own tensors), {op: its bare Function's name} and {op: its
+    shapes}."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     T = tokens or (4096 if cuda else 4)
@@ -123,9 +124,10 @@ def cases(device, tokens: Optional[int] = None) -> Tuple[Dict[str, Tuple[Callabl
         _no_grad(lambda: packcuda.causal_conv1d(xc, w, b, cu_seqlens=cu, activation="silu")),
         lambda: _grad(packcuda.causal_conv1d(xc, w, b, cu_seqlens=cu, activation="silu"), (xc, w, b), gy))
     twin["causal_conv1d"] = bare_name(3, 1)
-    shape = (f"T={T} bf16: q/k [{T}, {Hq}/{Hk}, {D}] mRoPE {section} interleaved; conv x [{T}, {C}] K={K} bias silu, "
-             f"8 host segments; bare Functions: x*2 per output, one kernel per input in the backward, on the same "
-             f"tensors (single: [{T}, {Hq * D}])")
+    qk = f"T={T} bf16, q/k [{T}, {Hq}/{Hk}, {D}], mRoPE {section} interleaved"
+    shape = {"apply_rope": qk, "apply_qk_norm_rope (w float32)": qk + ", weights [D] fp32",
+             "apply_qk_norm_rope (w bfloat16)": qk + ", weights [D] bf16",
+             "causal_conv1d": f"T={T} bf16, x [{T}, {C}], K={K}, bias, silu, 8 host segments"}
     return out, twin, shape
 
 
@@ -146,11 +148,15 @@ def host_rows(names=None, device=None, tokens: Optional[int] = None, rounds: int
     keep = set(ops) | {twin[n] for n in ops} | {BARE}
     got = measure({(n, m): fn for n, c in all_cases.items() if n in keep for m, fn in zip(("fwd", "fwd+bwd"), c)},
                   device, rounds=rounds)
+    return _rows(got, twin, ops, shape)
+
+
+def _rows(got: Dict, twin: Dict[str, str], ops, shape: Dict[str, str]) -> List[dict]:
     rows = []
     for n in ops:
         for mode in ("fwd", "fwd+bwd"):
             us, base = got[(n, mode)], got[(twin[n], mode)]
-            rows.append(dict(op=f"{n} {mode}, host µs per call", shape=shape, packcuda_ms=us / 1e3,
+            rows.append(dict(op=f"{n} {mode}, host µs per call", shape=shape[n], packcuda_ms=us / 1e3,
                              baseline=f"{twin[n]} {mode}, host", baseline_ms=base / 1e3, host_us=us, ratio=us / base,
                              goal=f"<= {GOAL_FWD if mode == 'fwd' else GOAL_FWD_BWD}x",
                              vs_single=us / got[(BARE, mode)]))
@@ -192,12 +198,13 @@ def main(argv=None) -> None:
     p.add_argument("--clock", choices=sorted(HOST_CLOCKS), default="wall",
                    help="thread: this thread's CPU time (a shared CPU-only machine); wall: wall time (default)")
     p.add_argument("--no-unpad", action="store_true", help="leave out the unpad row")
+    p.add_argument("--write", action="store_true", help="also write the rows to a run file (benchmarks/results)")
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     all_cases, twin, shape = cases(device, a.tokens)
     flat = {(n, m): fn for n, c in all_cases.items() for m, fn in zip(("fwd", "fwd+bwd"), c)}
     got = measure(flat, device, rounds=a.rounds, clock=a.clock)
-    print(f"host time per call ({a.clock} clock), {device} ({shape})")
+    print(f"host time per call ({a.clock} clock), {device}: " + "; ".join(f"{n}: {v}" for n, v in shape.items()))
     print(f"goal: fwd <= {GOAL_FWD}x and fwd+bwd <= {GOAL_FWD_BWD}x the bare Function of the op's shape; "
           f"'single': against the one-tensor {BARE}")
     print(f"{'op':34s} {'fwd µs':>8s} {'ratio':>6s} {'single':>6s} {'fwd+bwd µs':>11s} {'ratio':>6s} {'single':>6s}")
@@ -211,8 +218,14 @@ def main(argv=None) -> None:
         print(f"{n:34s} {f:8.1f} {rf:6.2f} {f / got[(BARE, 'fwd')]:6.2f} {fb:11.1f} {rfb:6.2f} "
               f"{fb / got[(BARE, 'fwd+bwd')]:6.2f}{'' if met else '  over the goal'}")
     print("goal met" if ok else "goal not met")
-    if not a.no_unpad:
-        for r in unpad_rows(device, a.clock):
+    unpad = [] if a.no_unpad else unpad_rows(device, a.clock)
+    if a.write:
+        record("host time per call", _rows(got, twin, list(twin), shape) + unpad, device=device,
+               notes=HOST_NOTE + f" Clock: {a.clock}; {a.rounds} rounds in turns." + (
+                   " unpad row: device time per call (the report's timing) and host time per call beside it."
+                   if unpad else ""), bench="host_time")
+    if unpad:
+        for r in unpad:
             print(f"\n{r['op']} {r['shape']}: {r['packcuda_ms'] * 1e3:.1f} µs per call vs {r['baseline']} "
                   f"{r['baseline_ms'] * 1e3:.1f} µs ({r['speedup']:.2f}x); host {r['host_us']:.1f} µs vs "
                   f"{r['baseline_host_us']:.1f} µs")
