@@ -337,7 +337,8 @@ __global__ void __launch_bounds__(kNThreads, BWD ? (UPL == 1 ? 2 : 1) : (UPL == 
 }
 // dw[c] = sum over blocks b (in order) of part[b][c], c over the 2 * D channels of q and k, written as W.
 template <typename F, typename W>
-__global__ void __launch_bounds__(kNThreads) reduce_partials(const F* part, int nblocks, int D, void* dw_q, void* dw_k) {
+__global__ void __launch_bounds__(kNThreads)
+    reduce_partials(const F* part, int nblocks, int D, void* dw_q, void* dw_k) {
   __shared__ F red[kNWarps][32];
   const int warp = threadIdx.x / 32, wl = threadIdx.x % 32;
   const int c = blockIdx.x * 32 + wl;
