@@ -59,10 +59,10 @@ struct NormArgs {
   const void* w_k = nullptr;
   double eps = 1e-6;
   int norm = 0;
+  DType dw_dtype = DType::F32;  // backward: the weights' dtype (in the padding after norm: the layout is kept)
   HeadsView g_q, g_k;           // backward only (in, in_s*)
   void* dw_q = nullptr;         // backward only: [D] in dw_dtype
   void* dw_k = nullptr;
-  DType dw_dtype = DType::F32;  // the weights' dtype: the compute type, or bf16 / fp16 data's own
   void* workspace = nullptr;    // CUDA backward: qk_norm_workspace_floats(D) elements of the compute type
 };
 
