@@ -16,7 +16,7 @@ device is ``meta`` (runs everywhere: the fake kernels) and ``cuda`` (GPU only: t
 ``test_bad_inputs.py`` fails for a raw op with a tensor argument and no baseline here.
 """
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -41,12 +41,14 @@ class Baseline:
     """A valid CPU call of a raw op: ``make()`` returns its arguments by name, in schema order (so that the
     first data tensor is the data's device). host / host_only: the metadata arguments, as the op documents
     them. runs: the call succeeds on the CPU (ops that only run on CUDA refuse the CPU baseline itself, after
-    their device checks)."""
+    their device checks). op: the name its messages carry where it is not the op's own (causal_conv1d_fwd
+    speaks as packcuda.causal_conv1d, the function it serves, as in catalogue_conv)."""
 
     make: Callable[[], dict]
     host: Sequence[str] = ()
     host_only: Sequence[str] = ()
     runs: bool = True
+    op: Optional[str] = None
 
 
 def _rope(**extra):
@@ -91,7 +93,7 @@ BASELINES = {
                                           cu_seqlens=_t(0, 2, 5), total=5), host=["cu_seqlens"]),
     "plan_micro_batches": Baseline(lambda: dict(seqlens=_t(3, 4, 5), max_tokens=10), host_only=["seqlens"]),
     "balance_across_ranks": Baseline(lambda: dict(seqlens=_t(3, 4, 5, 6), world_size=2), host_only=["seqlens"]),
-    "causal_conv1d_fwd": Baseline(lambda: _conv(activation="silu"), host=["cu_seqlens"]),
+    "causal_conv1d_fwd": Baseline(lambda: _conv(activation="silu"), host=["cu_seqlens"], op="causal_conv1d"),
     "causal_conv1d_bwd": Baseline(lambda: dict(grad_y=_x(5, 4), **_conv(activation="silu")), host=["cu_seqlens"]),
     "exchange_gather_sum": Baseline(lambda: dict(a=_x(3, 4), b=_x(2, 4), index=_t(0, 1, 4, -1).view(2, 2))),
     "exchange_schedule": Baseline(lambda: dict(cp_size=2, cp_rank=0, n_src=2, n_out=2, src_rank=_t(0, 1),
@@ -185,7 +187,7 @@ def _variants(op: str, b: Baseline, device: str) -> list:
             involved = (arg, *(n for n in tensor_args(kw) if sets_device and probe[n].device != probe[arg].device))
             name = f"{arg}_{device}" if not others else f"{arg}_cpu_others_{device}"
             out.append(Case(f"ops.{op}", name, _moved(b, op, arg, device, others), arg=(involved, device),
-                            cuda=device == "cuda"))
+                            cuda=device == "cuda", op=b.op))
     return out
 
 
