@@ -6,15 +6,10 @@ import contextlib
 import importlib.util
 import inspect
 
-import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-hf = pytest.importorskip("packcuda.integrations.transformers")
-from packaging.version import Version  # noqa: E402
+from hf_models import VERSION_OK, hf, transformers  # noqa: F401  (the tests import them from here)
 
-VERSION_OK = Version(hf.SUPPORTED_TRANSFORMERS[0]) <= Version(transformers.__version__) < Version(
-    hf.SUPPORTED_TRANSFORMERS[1])
 HAS_FLA = importlib.util.find_spec("fla") is not None
 
 
