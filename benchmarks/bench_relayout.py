@@ -9,7 +9,7 @@ Workload: lengths uniform in 64..4096 (random.Random(11)) up to 32768 tokens, pl
     of the same bytes timed the same way;
   - host µs per call: wall time per call with the GPU running ahead (20 back-to-back calls), forward and
     forward + backward, beside a bare torch.autograd.Function wrapping one index_select each way (the floor of
-    any autograd-aware Python op) measured the same way.
+    any autograd-aware Python op), the four measured in turns.
 
 One GPU (cp = 1): the move is a local gather (backend auto), and the NCCL path (backend nccl) runs over a
 one-rank NCCL group (its unpack kernel alone: no peers). Several GPUs (torchrun --nproc_per_node=N, N in 2, 4,
@@ -22,13 +22,11 @@ listed as not run.
 from __future__ import annotations
 
 import random
-import statistics
-import time
 
 import torch
 
 import packcuda
-from benchmarks.harness import Timer, copy_floor_ms, graph_copy_floor_ms, graph_ms, record
+from benchmarks.harness import Timer, copy_floor_ms, graph_copy_floor_ms, graph_ms, host_us_in_turns, record
 
 HIDDEN = (4096, 2048)
 TOKENS = 32768
@@ -40,21 +38,6 @@ def _workload(total: int, seed: int = 11):
     while cu[-1] < total:
         cu.append(min(total, cu[-1] + rng.randint(64, 4096)))
     return cu
-
-
-def host_us(fn, inner: int = 20, iters: int = 10) -> float:
-    """Host wall time per call (µs) of back-to-back calls while the GPU runs ahead."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        ts.append((time.perf_counter() - t0) / inner * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(ts)
 
 
 class _BareGather(torch.autograd.Function):
@@ -130,16 +113,15 @@ def _rows_for(cp, rank, cu, H, dev, t, group, quick, multi):
                              pct_copy_bw=100 * gfl / gms))
         if dev.type == "cuda":
             perm = torch.arange(zz.total_local, device=dev)
-            bare = host_us(lambda: _BareGather.apply(x, perm))
-            bare_fb = host_us(lambda: _BareGather.apply(xg, perm).backward(gy))
-            hf = host_us(fwd)
-            rows.append(dict(op=name + " host µs/call fwd", shape=shape, packcuda_ms=hf / 1e3,
-                             baseline="bare autograd.Function (index_select)", baseline_ms=bare / 1e3,
-                             speedup=bare / hf))
-            hfb = host_us(fb)
-            rows.append(dict(op=name + " host µs/call fwd+bwd", shape=shape, packcuda_ms=hfb / 1e3,
-                             baseline="bare autograd.Function (index_select)", baseline_ms=bare_fb / 1e3,
-                             speedup=bare_fb / hfb))
+            h = host_us_in_turns({"bare": lambda: _BareGather.apply(x, perm),
+                                  "bare_fb": lambda: _BareGather.apply(xg, perm).backward(gy),
+                                  "fwd": fwd, "fb": fb}, dev, rounds=3 if quick else 7)
+            rows.append(dict(op=name + " host µs/call fwd", shape=shape, packcuda_ms=h["fwd"] / 1e3,
+                             baseline="bare autograd.Function (index_select)", baseline_ms=h["bare"] / 1e3,
+                             speedup=h["bare"] / h["fwd"]))
+            rows.append(dict(op=name + " host µs/call fwd+bwd", shape=shape, packcuda_ms=h["fb"] / 1e3,
+                             baseline="bare autograd.Function (index_select)", baseline_ms=h["bare_fb"] / 1e3,
+                             speedup=h["bare_fb"] / h["fb"]))
     return rows
 
 

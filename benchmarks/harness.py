@@ -27,7 +27,7 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -102,6 +102,16 @@ def host_us(fn: Callable[[], object], device, inner: int = 20, runs: int = 10, w
         times.append((now() - t0) / inner * 1e6)
     sync()
     return statistics.median(times)
+
+
+def host_us_in_turns(cases: Dict[object, Callable[[], object]], device, rounds: int = 5, **kw) -> Dict:
+    """:func:`host_us` of every case, measured in turns (``rounds`` times each, so that a drift of the machine
+    hits every case alike); the median per case."""
+    got: Dict = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            got[name].append(host_us(fn, device, **kw))
+    return {name: statistics.median(v) for name, v in got.items()}
 
 
 def rotating(make: Callable[[int], object], bytes_per_set: int, min_total_bytes: int = 3 * 60 * 2**20,

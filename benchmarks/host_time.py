@@ -6,25 +6,23 @@ then the quick report's unpad row (host lengths against nonzero + index_select).
     python -m benchmarks.host_time [--device cuda|cpu] [--tokens T] [--rounds N] [--clock wall|thread]
 
 Host time (``harness.host_us``): the wall time of back-to-back calls divided by their number, with the GPU running
-ahead (synchronized between runs, outside the timing), the median over runs; the cases are measured in turns so
-that drifts of the machine hit every row alike. The shapes default to the per-rank sizes context parallelism gives
-(T = 4096 tokens) on CUDA and to tiny ones on the CPU, where the kernels take a few microseconds and the rows
-measure the same Python and dispatcher code. The one-tensor bare Function is printed beside each ratio: an op
-on q and k pays autograd for two inputs and two outputs (a QK-norm op for four inputs), which no op can avoid; the
-bare Function of the op's shape is that floor. The benchmark modules add the per-op rows to their tables through
-:func:`host_rows`.
-"""
+ahead (synchronized between runs, outside the timing), the median over runs; the cases are measured in turns
+(``harness.host_us_in_turns``) so that drifts of the machine hit every row alike. The shapes default to the per-rank
+sizes context parallelism gives (T = 4096 tokens) on CUDA and to tiny ones on the CPU, where the kernels take a few
+microseconds and the rows measure the same Python and dispatcher code. The one-tensor bare Function is printed
+beside each ratio: an op on q and k pays autograd for two inputs and two outputs (a QK-norm op for four inputs),
+which no op can avoid; the bare Function of the op's shape is that floor. The benchmark modules add the per-op rows
+to their tables through :func:`host_rows`."""
 from __future__ import annotations
 
 import argparse
 import random
-import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 import packcuda
-from benchmarks.harness import HOST_CLOCKS, Timer, host_us, record
+from benchmarks.harness import HOST_CLOCKS, Timer, host_us_in_turns, record
 
 GOAL_FWD_BWD, GOAL_FWD = 1.5, 1.2
 BARE = "bare autograd.Function"
@@ -49,15 +47,6 @@ class BareFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):
         return (None, *(g * 2 for g in gs), *(torch.zeros_like(w) for w in ctx.saved_tensors))
-
-
-def measure(cases: Dict, device, rounds: int = 5, **kw) -> Dict:
-    """:func:`host_us` of every case, measured in turns (``rounds`` times each); the median per case."""
-    got: Dict = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            got[name].append(host_us(fn, device, **kw))
-    return {name: statistics.median(v) for name, v in got.items()}
 
 
 def _grad(outs, ins, grads):
@@ -146,8 +135,8 @@ def host_rows(names=None, device=None, tokens: Optional[int] = None, rounds: int
     all_cases, twin, shape = cases(device, tokens)
     ops = [n for n in twin if names is None or any(n.startswith(m) for m in names)]
     keep = set(ops) | {twin[n] for n in ops} | {BARE}
-    got = measure({(n, m): fn for n, c in all_cases.items() if n in keep for m, fn in zip(("fwd", "fwd+bwd"), c)},
-                  device, rounds=rounds)
+    timed = {(n, m): fn for n, c in all_cases.items() if n in keep for m, fn in zip(("fwd", "fwd+bwd"), c)}
+    got = host_us_in_turns(timed, device, rounds=rounds)
     return _rows(got, twin, ops, shape)
 
 
@@ -184,7 +173,7 @@ def unpad_rows(device, clock: str = "wall") -> List[dict]:
     ours, base = (lambda: packcuda.unpad(x, lengths=lens)), (lambda: _nonzero_unpad(x, mask))
     timer = Timer(device, warmup=5, reps=50)
     t_ours, t_base = timer.median_ms(ours), timer.median_ms(base)
-    h = measure({"ours": ours, "base": base}, device, rounds=3, clock=clock)
+    h = host_us_in_turns({"ours": ours, "base": base}, device, rounds=3, clock=clock)
     return [dict(op="unpad (host lengths)", shape=f"B={B} S={S} H={H} bf16 T={sum(lens)}", packcuda_ms=t_ours,
                  baseline="nonzero+index_select", baseline_ms=t_base, speedup=t_base / t_ours,
                  host_us=h["ours"], baseline_host_us=h["base"])]
@@ -203,7 +192,7 @@ def main(argv=None) -> None:
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     all_cases, twin, shape = cases(device, a.tokens)
     flat = {(n, m): fn for n, c in all_cases.items() for m, fn in zip(("fwd", "fwd+bwd"), c)}
-    got = measure(flat, device, rounds=a.rounds, clock=a.clock)
+    got = host_us_in_turns(flat, device, rounds=a.rounds, clock=a.clock)
     print(f"host time per call ({a.clock} clock), {device}: " + "; ".join(f"{n}: {v}" for n, v in shape.items()))
     print(f"goal: fwd <= {GOAL_FWD}x and fwd+bwd <= {GOAL_FWD_BWD}x the bare Function of the op's shape; "
           f"'single': against the one-tensor {BARE}")
