@@ -11,6 +11,30 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+# A kernel fault (an illegal address, a hardware exception a sanitizer met) leaves the process's CUDA context
+# unusable: every later test of the process would fail on it. Under pytest-xdist the worker ends once the faulting
+# test is reported, and xdist starts a fresh one for the tests left: the failure stays on the test that met it.
+CONTEXT_LOST = ("illegal memory access", "illegal instruction", "misaligned address", "unspecified launch failure",
+                "hardware stack error", "device-side assert", "launch timed out", "uncorrectable ECC",
+                "CUDA error: unknown error")
+_context_lost = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed and call.excinfo is not None and any(s in str(call.excinfo.value) for s in CONTEXT_LOST):
+        item.config.stash[_context_lost] = item.nodeid
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER") and item.config.stash.get(_context_lost, None):
+        print(f"\nCUDA context lost in {item.config.stash[_context_lost]}: this worker ends", flush=True)
+        os._exit(3)
+
+
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:
         metafunc.parametrize(
