@@ -19,6 +19,9 @@ from helpers import requires_cuda
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ROW_BYTES, TT, NST = 512, 64, 3  # conv_cuda.cu: a staged row, the forward's sub-tile and buffer count
+# tokens per case: 30000; under compute-sanitizer (.ci/gpu sanitize sets PACKCUDA_SANITIZE) 2000, still 31 sub-tiles
+# and every case, so that the two processes of instrumented kernels end in minutes
+TOKENS = 2000 if os.environ.get("PACKCUDA_SANITIZE") else 30000
 
 
 def _cases():
@@ -39,9 +42,9 @@ def _run(case):
     """Forward, then forward and backward, of one case on the current CUDA device: the outputs' digests."""
     K, dt, C, with_cu, with_pre, act = case
     g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
-    # 30000 tokens: every block of a slab column walks several sub-tiles. Segments start and end on and off the
-    # sub-tile edges; some are empty, one token long or shorter than K - 1.
-    lens, left = [64, 32, 0, 1], 30000 - 97
+    # TOKENS (30000 outside the sanitizer): every block of a slab column walks several sub-tiles. Segments start
+    # and end on and off the sub-tile edges; some are empty, one token long or shorter than K - 1.
+    lens, left = [64, 32, 0, 1], TOKENS - 97
     while left > 0:
         n = min(left, int(torch.randint(0, 600 if len(lens) % 2 else 5, (1,), generator=g)))
         lens.append(n)
@@ -105,7 +108,10 @@ def test_causal_conv1d_small_staging_is_bitwise_equal(tmp_path):
         km = 2 if K <= 2 else 3 if K == 3 else 4 if K == 4 else 8  # the kernel-size bucket (conv_dispatch.h)
         fits = NST * (TT + km - 1) * ROW_BYTES <= optin
         (a, nst_a), (b, nst_b) = normal[case], small[case]
-        assert nst_a == [NST if fits else 2] and nst_b == [2], (case, nst_a, nst_b)
+        # under compute-sanitizer the profiler records no kernel (the sanitizer holds CUPTI): the buffer counts
+        # are checked only outside it, the outputs everywhere
+        if not os.environ.get("PACKCUDA_SANITIZE"):
+            assert nst_a == [NST if fits else 2] and nst_b == [2], (case, nst_a, nst_b)
         assert len(a) == len(b) == 6 - (not case[4]), case
         for name, u, v in zip(["y", "y (autograd)", "dx", "dweight", "dbias", "dprefix"], a, b):
             assert u == v, f"{case}: {name} differs between the stagings"
