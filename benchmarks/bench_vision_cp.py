@@ -141,23 +141,27 @@ def tower_rows(pack, device, quick, cps=(2, 4, 8)):
     n_vid = sum(t * h * w for t, h, w in videos)
     pv_img = torch.randn(n_img, PATCH_DIM, generator=g).to(device, dtype)
     pv_vid = torch.randn(n_vid, PATCH_DIM, generator=g).to(device, dtype)
-    timer = Timer(device, warmup=1, reps=2 if quick else 3)
+    # a step of the whole pack takes seconds at full size: one warm-up before the first (largest) measurement, the
+    # median of two steps for each; progress goes to stderr as each row is measured
+    timer = Timer(device, warmup=0, reps=2)
 
     def step(pv, grid):
         out = tower(pv, grid_thw=grid).pooler_output
         out.float().square().mean().backward()
 
-    def measure(pv, grid):
+    def measure(pv, grid, what, warmup=0):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        ms = timer.median_ms(lambda: step(pv, grid))
+        ms = timer.median_ms(lambda: step(pv, grid), warmup=warmup)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        print(f"bench_vision_cp: tower fwd+bwd, {what}: {pv.shape[0]} patches, {ms:.1f} ms", file=sys.stderr,
+              flush=True)
         return ms, peak
 
     everything = torch.cat([pv_img, pv_vid])
     full_grid = torch.tensor(images + videos, dtype=torch.int64).to(device)
-    base_ms, base_peak = measure(everything, full_grid)
+    base_ms, base_peak = measure(everything, full_grid, "replicated", warmup=1)
     rows = [dict(op="Qwen2.5-VL-7B tower fwd+bwd, one rank", shape="replicated (every rank encodes all)",
                  patches=n_img + n_vid, tower_ms=base_ms, peak_gb=base_peak, speedup=1.0)]
     for cp in cps:
@@ -165,7 +169,7 @@ def tower_rows(pack, device, quick, cps=(2, 4, 8)):
             vps = [_plan(pack, cp, r, "zigzag", unit) for r in range(cp)]
             vp = max(vps, key=lambda v: sum(t * h * w for t, h, w in v.local_grid_thw.tolist()))
             pv = vp.local_pixel_values(pv_img if n_img else None, pv_vid if n_vid else None)
-            ms, peak = measure(pv, vp.local_grid_thw.to(device))
+            ms, peak = measure(pv, vp.local_grid_thw.to(device), f"cp={cp} unit={unit}")
             rows.append(dict(op="Qwen2.5-VL-7B tower fwd+bwd, one rank", shape=f"cp={cp} unit={unit}, most loaded rank",
                              patches=pv.shape[0], tower_ms=ms, peak_gb=peak, speedup=base_ms / ms))
     return rows
@@ -191,4 +195,5 @@ if __name__ == "__main__":
               "x 2 bytes (what activation checkpointing keeps); route rows cross ranks only where the encoding "
               "rank is not the holder, an all-gather sends every row to every other rank (3584-wide bf16). "
               "Tower rows: transformers' Qwen2.5-VL-7B vision tower with random bf16 weights, sdpa, activation "
-              "checkpointing, forward+backward; speedup = replicated time / the rank's time.")
+              "checkpointing, forward+backward, median of 2 steps after one warm-up; speedup = replicated time / the "
+              "rank's time.")

@@ -33,6 +33,17 @@ def pytest_runtest_protocol(item, nextitem):
     if os.environ.get("PYTEST_XDIST_WORKER") and item.config.stash.get(_context_lost, None):
         print(f"\nCUDA context lost in {item.config.stash[_context_lost]}: this worker ends", flush=True)
         os._exit(3)
+    # Under compute-sanitizer (.ci/gpu sanitize) many workers share one GPU and the sanitizer pads every
+    # allocation: memory one test cached must not be what the next worker's test runs out of
+    if os.environ.get("PACKCUDA_SANITIZE") and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist the tests that start processes of their own go first: they are the slowest to start (most
+    # of all under a sanitizer, which follows every child process), and one handed out last holds up the whole run
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("spawns") is None)
 
 
 def pytest_generate_tests(metafunc):

@@ -111,6 +111,7 @@ def _dist_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_conv_prefix_gloo_equivalence(tmp_path):
     """cp in {2, 3, 4} (subgroups of one 4-process gloo job), zigzag and contiguous, K in {2, 3, 4}, random
     packs with a bucket segment, sequences shorter than 2*cp*(K-1), one long sequence, many short ones: the
@@ -141,6 +142,7 @@ def _dist_worker_cp8(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_conv_prefix_gloo_cp8(tmp_path):
     """cp = 8 (an 8-process gloo job): zigzag and contiguous, K in {2, 4}, a random pack with a bucket segment,
     sequences shorter than 2*cp*(K-1) (a prefix gathered from several pieces and ranks; most pieces empty), one
@@ -203,6 +205,7 @@ def _mismatch_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_conv_prefix_mismatch_gloo(tmp_path):
     """cp = 2 and 3 over gloo: different plans, different kernel sizes, one rank with another channel count:
     every rank raises the same ValueError naming conv_prefix and what differs (no hang, no abort); a rank that
@@ -471,6 +474,7 @@ def _nccl_worker(rank, world, init, results):
 
 
 @requires_two_gpus_nccl
+@pytest.mark.spawns
 def test_conv_prefix_nccl_two_gpus(tmp_path):
     """cp=2 over NCCL: both the raw-NCCL path and the torch.distributed path equal the unsharded conv (outputs
     and gradients); the NCCL path does not sync; exchange + conv capture into a CUDA graph and replay."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import zlib
 
+import pytest
 import torch
 
 import packcuda
@@ -99,6 +100,7 @@ def _staging(tmp_path, small):
 
 
 @requires_cuda
+@pytest.mark.spawns
 def test_causal_conv1d_small_staging_is_bitwise_equal(tmp_path):
     optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     normal, small = _staging(tmp_path, False), _staging(tmp_path, True)

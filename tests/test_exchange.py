@@ -223,6 +223,7 @@ def _gloo_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_exchange_rows_gloo(tmp_path):
     """cp 2 and 3 over gloo (subgroups of one 3-process job): random moves, values and gradients equal the
     definition (float64 [n, 2, 3] and int64 [n] through one schedule); ranks that disagree on the caller's
@@ -273,6 +274,7 @@ def _gather_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_gather_refuses_mismatched_plans_gloo(tmp_path):
     """plan.gather with plans of different batches (equal or different local sizes) or rows of different shapes:
     every rank raises the same ValueError naming ShardPlan.gather (no wrong rows, no abort); matching plans
@@ -354,6 +356,7 @@ def _static_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_static_move_gloo(tmp_path):
     """The fixed-size move over gloo (cp = 3): values and gradients equal the definition."""
     assert spawn_ranks(_static_worker, 3, tmp_path) == {0: True, 1: True, 2: True}

@@ -126,6 +126,7 @@ def _worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_patched_model_under_cp_equals_unsharded_packed_run(tmp_path):
     """Qwen2.5-VL (windowed tower, whole videos) and Qwen3-VL (per-frame videos, deepstack), cp 2 and 4, zigzag and
     contiguous, videos split by frame: the logits of every real slot, the loss summed over ranks and every

@@ -92,6 +92,7 @@ def _layout_path_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_zigzag_layout_path_bucket_or_several_sequences(tmp_path):
     """cp 2-4 over gloo (the installed recurrence, or none: the patch's layout path does not depend on it): a zigzag
     plan with a bucket pad segment, or of several sequences, or with zigzag_path='relayout', takes the relayout path
@@ -199,6 +200,7 @@ def _cp_worker(rank, world, init, results):
 
 
 @pytest.mark.parametrize("recurrence", [_which_recurrence()])
+@pytest.mark.spawns
 def test_cp_conv_and_layer_gloo(tmp_path, recurrence):
     """cp 2-4 over gloo, contiguous and zigzag, K 2 and 4, samples shorter than K-1, a bucket segment: the
     patched layer's conv (conv_prefix + causal_conv1d on plan.pieces) equals the unsharded layer's conv on this
@@ -314,6 +316,7 @@ def _model_worker(rank, world, init, results):
 
 
 @pytest.mark.parametrize("recurrence", [_which_recurrence()])
+@pytest.mark.spawns
 def test_cp_zigzag_hybrid_model_gloo(tmp_path, recurrence):
     """transformers' tiny Qwen3.5 with both layer kinds, fp64, cp 2-4 over gloo with zigzag plans: the loss
     and every parameter gradient equal the unsharded packed run. Attention runs on the zigzag slots (positions

@@ -189,6 +189,7 @@ def _gloo_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_relayout_gloo(tmp_path):
     """cp 2-8 over gloo (subgroups of one 8-process job), every batch shape (random lengths, a bucket segment,
     empty sequences, sequences shorter than 2*cp, one long sequence, an empty batch), both directions: each rank
@@ -263,6 +264,7 @@ def _one_bad_pair_worker(rank, world, init, results):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.spawns
 def test_one_rank_bad_pair_gloo(tmp_path, world):
     """Only the last rank of 2 / 3 (gloo) passes a pair that is no pair (plans of another batch, of another padded
     stream, for another rank, for another cp, a host src_plan with a static dst_plan) on the first call of the

@@ -530,6 +530,7 @@ def _exchange_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_conv_prefix_exchange_gloo(tmp_path):
     """cp in {2, 3, 4} (subgroups of one 4-process gloo job), both layouts, K in {2, 4}, sequences shorter than
     2*cp*(K-1): the static plan's fixed-size exchange gives the host plan's prefix (values and gradients)."""
@@ -597,6 +598,7 @@ def _nccl_exchange_worker(rank, world, init, results):
 
 
 @requires_two_gpus_nccl
+@pytest.mark.spawns
 def test_conv_prefix_exchange_nccl_two_gpus(tmp_path):
     """cp=2 over NCCL: the static exchange equals the host plan's (values, gradients); plan build, shard, the
     exchange and the conv capture into one CUDA graph and replay for new batches without a sync."""

@@ -364,6 +364,7 @@ def _gloo_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_route_gloo_equals_replicated(tmp_path):
     """cp 2, 3, 4 (subgroups of one 4-process gloo job), zigzag and contiguous, image and frame units, fp64
     towers of transformers (Qwen2.5-VL, whole videos; Qwen3-VL, per-frame videos and deepstack levels in the same
@@ -426,6 +427,7 @@ def _mismatch_worker(rank, world, init, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.spawns
 def test_route_refuses_ranks_that_disagree(tmp_path):
     """cp = 2 over gloo: plans of another unit or shard layout, another number of feature tensors: every rank
     raises the same ValueError naming VisionPlan.route; agreeing plans then route; a pack without images; one
@@ -519,6 +521,7 @@ def _nccl_one_worker(rank, world, init, results):
 
 
 @requires_cuda
+@pytest.mark.spawns
 def test_route_nccl_cp1_no_sync_and_graph_capture(tmp_path):
     results = spawn_ranks(_nccl_one_worker, 1, tmp_path)
     assert results[0] > 0
