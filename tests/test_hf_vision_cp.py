@@ -146,11 +146,21 @@ def test_cp1_patch_equals_unpatched(fam):
                                    image_grid_thw=packed["image_grid_thw"], video_grid_thw=packed["video_grid_thw"])
     m = copy.deepcopy(model)
     inner_forward = m.model.forward
+    kw = _vision_kwargs(fam, packed)
     with hf.patch_qwen_vl_vision(m, vplan) as handle:
         assert handle.active and "forward" in vars(m.model)
-        logits = m(input_ids=packed["ids"][None], position_ids=pos, use_cache=False,
-                   **_vision_kwargs(fam, packed)).logits[0]
-    assert not handle.active and "forward" not in vars(m.model) and m.model.forward == inner_forward
+        logits = m(input_ids=packed["ids"][None], position_ids=pos, use_cache=False, **kw).logits[0]
+        # outside the patched forward the model's feature methods give the tower's own rows (the transformers
+        # releases whose forward calls them get them patched for the duration of a forward call)
+        for modality, grid in (("image", "image_grid_thw"), ("video", "video_grid_thw")):
+            if grid in kw:
+                pv = kw["pixel_values" if modality == "image" else "pixel_values_videos"]
+                got = getattr(m.model, f"get_{modality}_features")(pv, kw[grid]).pooler_output
+                want = getattr(model.model, f"get_{modality}_features")(pv, kw[grid]).pooler_output
+                torch.testing.assert_close(torch.cat(got), torch.cat(want), rtol=0, atol=0)
+    patched = ("forward", "get_image_features", "get_video_features", "_packcuda_vision")
+    assert not handle.active and not any(a in vars(m.model) for a in patched)
+    assert m.model.forward == inner_forward
     torch.testing.assert_close(logits.detach(), logits_ref, rtol=1e-10, atol=1e-12)
     loss = _loss(logits, packcuda.next_token_labels(packed["ids"], packed["cu"]))
     grads = torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)

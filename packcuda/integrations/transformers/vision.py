@@ -29,19 +29,31 @@ _MODELS = {
     "qwen3_vl": ("Qwen3VLModel", "Qwen3VLVisionModel", True),
     "qwen3_5": ("Qwen3_5Model", "Qwen3_5VisionModel", False),
 }
-# what the wrapped code must do for the patch to be right: the model forward takes precomputed encoder outputs
-# per modality, concatenates their pooled rows and scatters them into the placeholder tokens in stream order; the
-# tower's output rows are its grid rows' merged tokens in grid order
-_FORWARD_NEEDLES = ('mm_encoder_outputs.get("image") is None and pixel_values is not None',
-                    'mm_encoder_outputs.get("video") is None and pixel_values_videos is not None',
-                    ('torch.cat(mm_encoder_outputs["image"].pooler_output, dim=0)',
-                     'image_embeds = mm_encoder_outputs["image"].pooler_output'),
-                    ('torch.cat(mm_encoder_outputs["video"].pooler_output, dim=0)',
-                     'video_embeds = mm_encoder_outputs["video"].pooler_output'),
-                    "get_placeholder_mask", "inputs_embeds.masked_scatter(image_mask, image_embeds)",
+# what the wrapped code must do for the patch to be right, in either of the two forms transformers has had: the
+# model forward scatters the pooled rows of each modality, concatenated, into its placeholder tokens in stream
+# order, taking them either from precomputed encoder outputs per modality ("encoder_outputs": newer releases) or
+# from its own get_image_features / get_video_features calls ("feature_calls": 5.17 and the releases near it);
+# the tower's output rows are its grid rows' merged tokens in grid order
+_SCATTER_NEEDLES = ("get_placeholder_mask", "inputs_embeds.masked_scatter(image_mask, image_embeds)",
                     "inputs_embeds.masked_scatter(video_mask, video_embeds)")
-_DEEPSTACK_NEEDLES = ('mm_encoder_outputs["image"].deepstack_features',
-                      'mm_encoder_outputs["video"].deepstack_features', "torch.cat(img_embed, dim=0)")
+_FORWARD_NEEDLES = {
+    "encoder_outputs": (
+        ('mm_encoder_outputs.get("image") is None and pixel_values is not None',
+         'mm_encoder_outputs.get("video") is None and pixel_values_videos is not None',
+         ('torch.cat(mm_encoder_outputs["image"].pooler_output, dim=0)',
+          'image_embeds = mm_encoder_outputs["image"].pooler_output'),
+         ('torch.cat(mm_encoder_outputs["video"].pooler_output, dim=0)',
+          'video_embeds = mm_encoder_outputs["video"].pooler_output')) + _SCATTER_NEEDLES,
+        ('mm_encoder_outputs["image"].deepstack_features', 'mm_encoder_outputs["video"].deepstack_features',
+         "torch.cat(img_embed, dim=0)")),
+    "feature_calls": (
+        ("= self.get_image_features(", "= self.get_video_features(",
+         "image_embeds = torch.cat(image_embeds, dim=0)", "video_embeds = torch.cat(video_embeds, dim=0)")
+        + _SCATTER_NEEDLES,
+        ("deepstack_image_embeds = image_outputs.deepstack_features",
+         "deepstack_video_embeds = video_outputs.deepstack_features",
+         "embed_joint[image_mask_joint, :] = img_embed", "embed_joint[video_mask_joint, :] = vid_embed")),
+}
 _FEATURES_NEEDLES = ("self.visual(", "prod(-1) // self.visual.spatial_merge_size**2", "torch.split(")
 _FN = "patch_qwen_vl_vision"
 
@@ -65,10 +77,12 @@ class VisionPatch(_Patch):
     """Handle of :func:`patch_qwen_vl_vision`: ``set_plan(vplan)`` switches to the next batch's vision plan;
     ``unpatch()`` (or leaving a ``with`` block) restores the model's forward."""
 
-    def __init__(self, model, inner, family: str, plan, group, deepstack: bool, out_cls):
+    def __init__(self, model, inner, family: str, plan, group, deepstack: bool, out_cls, form: str):
         super().__init__(model)
         self.inner, self.family, self.group = inner, family, group
         self._plan, self._deepstack, self._out_cls = plan, deepstack, out_cls
+        self._form = form  # which of _FORWARD_NEEDLES' forms the model's forward has
+        self._pending = None  # "feature_calls": the routed rows of the forward call under way, per modality
 
     @property
     def plan(self):
@@ -130,7 +144,9 @@ class VisionPatch(_Patch):
             parts = [r.index_select(0, rows) for r in routed]
             kw = dict(pooler_output=(parts[0],))
             if self._deepstack:
-                kw["deepstack_features"] = [(p,) for p in parts[1:]]
+                # encoder outputs hold each level as a tuple of rows the forward concatenates; the older forward
+                # takes each level's rows whole
+                kw["deepstack_features"] = [(p,) if self._form == "encoder_outputs" else p for p in parts[1:]]
             out[key] = self._out_cls(**kw)
         return out
 
@@ -158,11 +174,46 @@ def _vision_forward(self, *args, **kwargs):
         if given and n != vp.n_grid_rows[m]:
             raise ValueError(f"packcuda.{_FN}: {name} has {n} rows but the vision plan has {vp.n_grid_rows[m]} "
                              "(the plan of another batch: call set_plan with this batch's plan)")
-    if a.get("mm_encoder_outputs") is not None:
-        raise ValueError(f"packcuda.{_FN}: pixel values and mm_encoder_outputs were both given")
-    a["mm_encoder_outputs"] = handle._mm_outputs(self, pv, pvv)
-    a["pixel_values"] = a["pixel_values_videos"] = None
-    return original(*bound.args, **bound.kwargs)
+    if handle._form == "encoder_outputs":
+        if a.get("mm_encoder_outputs") is not None:
+            raise ValueError(f"packcuda.{_FN}: pixel values and mm_encoder_outputs were both given")
+        a["mm_encoder_outputs"] = handle._mm_outputs(self, pv, pvv)
+        a["pixel_values"] = a["pixel_values_videos"] = None
+        return original(*bound.args, **bound.kwargs)
+    # "feature_calls": the original forward asks get_image_features / get_video_features for the rows of each
+    # modality it was given; the patched methods hand it this call's routed rows
+    handle._pending = handle._mm_outputs(self, pv, pvv)
+    try:
+        return original(*bound.args, **bound.kwargs)
+    finally:
+        handle._pending = None
+
+
+def _feature_method(modality: str, original):
+    """get_image_features / get_video_features of a patched model of the "feature_calls" form: the routed rows of
+    the forward call under way, or (called on their own, outside the patched forward) the original method."""
+
+    def get_features(self, *args, **kwargs):
+        pending = self._packcuda_vision._pending
+        if pending is None or modality not in pending:
+            return original(*args, **kwargs)
+        return pending.pop(modality)
+
+    return get_features
+
+
+def _forward_form(model_cls, model_name: str, deepstack: bool, where: str) -> str:
+    """Which of _FORWARD_NEEDLES' forms the multimodal model's forward has; refused when it has neither."""
+    refusals = []
+    for form, (needles, deepstack_needles) in _FORWARD_NEEDLES.items():
+        try:
+            _check_source(model_cls.forward, f"{model_name}.forward",
+                          needles + (deepstack_needles if deepstack else ()), where)
+        except UnsupportedTransformersError as e:
+            refusals.append(str(e))
+        else:
+            return form
+    raise UnsupportedTransformersError(" and ".join(refusals))
 
 
 def _check_plan(fn: str, plan, group, inner, family: str) -> None:
@@ -200,15 +251,17 @@ def patch_qwen_vl_vision(model, plan, group=None, *, allow_unverified_version: b
     from :func:`shard_position_ids`, and the batch's **whole** ``pixel_values`` / ``pixel_values_videos`` /
     ``image_grid_thw`` / ``video_grid_thw`` (every rank the same); the tower sees only the rows of its units.
     The multimodal model's forward is wrapped: given pixel values, it runs the tower once on this rank's units
-    (images and video frames together), routes the rows, and hands them to the original forward as
-    ``mm_encoder_outputs`` (image rows and video rows of this rank's slots, in slot order, which is the order the
-    model scatters them into its placeholder tokens). Every rank must call the model (the route is collective);
+    (images and video frames together), routes the rows, and hands them to the original forward
+    (image rows and video rows of this rank's slots, in slot order, which is the order the model scatters them
+    into its placeholder tokens): as ``mm_encoder_outputs`` where the forward takes precomputed encoder outputs,
+    else as what its ``get_image_features`` / ``get_video_features`` return within that call (transformers 5.17
+    and the releases near it). Every rank must call the model (the route is collective);
     a rank that encodes nothing gives its tower parameters zero gradients. ``set_plan`` switches the handle to the
     next batch's plan; calls whose grids have another row count than the plan are refused.
 
     Checks first, patches nothing on failure: the transformers version (:data:`SUPPORTED_TRANSFORMERS`), the
     family, one multimodal model with the family's tower inside ``model``, the source of its forward and
-    ``get_image_features`` (precomputed encoder outputs, placeholder scatter, the tower's grid-order output),
+    ``get_image_features`` (one of the two forms above, placeholder scatter, the tower's grid-order output),
     and the plan (CP size and rank of ``group``, token ids, spatial merge size and video blocks of the model)."""
     if not isinstance(allow_unverified_version, bool):
         raise TypeError(f"packcuda.{_FN}: allow_unverified_version must be a bool, got "
@@ -236,8 +289,7 @@ def patch_qwen_vl_vision(model, plan, group=None, *, allow_unverified_version: b
     if model_cls is None or tower_cls is None:
         raise UnsupportedTransformersError(f"packcuda.{_FN}: {fam.module} has no {model_name} / {tower_name}")
     where = f"packcuda.{_FN}"
-    _check_source(model_cls.forward, f"{model_name}.forward",
-                  _FORWARD_NEEDLES + (_DEEPSTACK_NEEDLES if deepstack else ()), where)
+    form = _forward_form(model_cls, model_name, deepstack, where)
     _check_source(model_cls.get_image_features, f"{model_name}.get_image_features", _FEATURES_NEEDLES, where)
     if "grid_thw" not in inspect.signature(tower_cls.forward).parameters:
         raise UnsupportedTransformersError(f"{where}: {tower_name}.forward takes no grid_thw; refusing to patch")
@@ -252,11 +304,15 @@ def patch_qwen_vl_vision(model, plan, group=None, *, allow_unverified_version: b
     if "_packcuda_vision" in vars(inner):
         raise ValueError(f"packcuda.{_FN}: model is already patched (unpatch its VisionPatch first)")
     _check_plan(_FN, plan, group, inner, fam.model_type)
-    handle = VisionPatch(model, inner, fam.model_type, plan, group, deepstack, out_cls)
+    handle = VisionPatch(model, inner, fam.model_type, plan, group, deepstack, out_cls, form)
     with handle._lock:
         handle._set(inner, "_packcuda_vision_original", inner.forward)
         handle._set(inner, "_packcuda_vision", handle)
         handle._set(inner, "forward", types.MethodType(_vision_forward, inner))
+        if form == "feature_calls":
+            for modality in ("image", "video"):
+                name = f"get_{modality}_features"
+                handle._set(inner, name, types.MethodType(_feature_method(modality, getattr(inner, name)), inner))
         handle.active = True
     return handle
 
