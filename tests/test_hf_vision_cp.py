@@ -11,6 +11,7 @@ import torch
 import packcuda
 from helpers import spawn_ranks
 from hf_models import _batch, _model, _pc_positions, _vision_kwargs, hf
+from qwen3_5_models import _torch_path
 
 FAMS = ("qwen2_5_vl", "qwen3_vl")
 TEXT_ATTENTION = {"qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLAttention"),
@@ -135,8 +136,16 @@ def test_patched_model_under_cp_equals_unsharded_packed_run(tmp_path):
     assert results == {0: 8, 1: 8, 2: 4, 3: 4}
 
 
+@pytest.fixture
+def qwen3_5_torch_path():
+    """Qwen3.5's gated delta rules and convs on transformers' PyTorch code: where flash-linear-attention is
+    installed, the unpatched model would hand them (CPU tensors included) to its GPU kernels."""
+    with _torch_path():
+        yield
+
+
 @pytest.mark.parametrize("fam", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
-def test_cp1_patch_equals_unpatched(fam):
+def test_cp1_patch_equals_unpatched(fam, qwen3_5_torch_path):
     """cp = 1 (no process group): the patched model gives the unpatched logits and gradients; unpatch restores."""
     model, packed = _fp64(fam)
     pos = _pc_positions(model, fam, packed)

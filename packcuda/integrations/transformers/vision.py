@@ -75,7 +75,7 @@ def qwen_vl_vision_plan(config, input_ids: torch.Tensor, cu_seqlens, plan, *, im
 
 class VisionPatch(_Patch):
     """Handle of :func:`patch_qwen_vl_vision`: ``set_plan(vplan)`` switches to the next batch's vision plan;
-    ``unpatch()`` (or leaving a ``with`` block) restores the model's forward."""
+    ``unpatch()`` (or leaving a ``with`` block) restores the model's forward (and feature methods, where patched)."""
 
     def __init__(self, model, inner, family: str, plan, group, deepstack: bool, out_cls, form: str):
         super().__init__(model)
