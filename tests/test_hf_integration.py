@@ -218,6 +218,17 @@ def test_patch_refuses_changed_code(monkeypatch, rope_impl):
         mp.setattr(m, "apply_rotary_pos_emb", foreign_apply)
         with pytest.raises(hf.UnsupportedTransformersError, match="apply_rotary_pos_emb"):
             hf.patch_qwen_vl_rope(model)
+    try:  # from 5.25 transformers wraps the function in a `kernels` function module: a wrapped foreign function
+        from kernels import use_kernel_forward_from_hub  # is refused by the module that wrote it
+    except ImportError:
+        use_kernel_forward_from_hub = None
+    if use_kernel_forward_from_hub is not None:
+        wrapped = use_kernel_forward_from_hub("rotary_pos_emb")(foreign_apply)
+        assert isinstance(wrapped, torch.nn.Module) and hf._common._unwrap(wrapped) is foreign_apply
+        with monkeypatch.context() as mp:
+            mp.setattr(m, "apply_rotary_pos_emb", wrapped)
+            with pytest.raises(hf.UnsupportedTransformersError, match="apply_rotary_pos_emb"):
+                hf.patch_qwen_vl_rope(model)
     with monkeypatch.context() as mp:
         def forward(self, hidden_states, position_embeddings=None, **kw):  # a rewritten attention
             return hidden_states, None

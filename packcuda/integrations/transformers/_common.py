@@ -10,7 +10,7 @@ from packcuda._families import FAMILIES, Family
 from packcuda._meta import config_field as _get
 
 # transformers versions whose Qwen-VL modeling code was read and tested with this patch: [low, high)
-SUPPORTED_TRANSFORMERS = ("5.17.0", "5.25.0")
+SUPPORTED_TRANSFORMERS = ("5.17.0", "5.26.0")
 
 
 class UnsupportedTransformersError(RuntimeError):
@@ -89,9 +89,28 @@ def _require(name: str):
     return fn
 
 
+def _unwrap(obj):
+    """The function transformers wrote, under the wrappers transformers (>= 5.25) puts around some of them:
+    ``functools.wraps`` chains, and the ``kernels`` package's function modules (``use_kernel_forward_from_hub``
+    on a function makes it an instance of an ``nn.Module`` class whose ``forward`` calls the function, held in
+    that forward's closure as ``func``). Anything else is returned as it is."""
+    for _ in range(8):
+        obj = inspect.unwrap(obj)
+        cls = type(obj)
+        fwd = getattr(cls, "forward", None)
+        code = getattr(fwd, "__code__", None)
+        if getattr(cls, "kernel_layer_name", None) is None or code is None or "func" not in code.co_freevars:
+            return obj
+        inner = fwd.__closure__[code.co_freevars.index("func")].cell_contents
+        if not callable(inner):
+            return obj
+        obj = inner
+    return obj
+
+
 def _src(obj) -> str:
     try:
-        return inspect.getsource(inspect.unwrap(obj))
+        return inspect.getsource(_unwrap(obj))
     except (OSError, TypeError):
         return ""
 

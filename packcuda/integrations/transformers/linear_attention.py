@@ -25,6 +25,7 @@ from ._common import (
     _config_of,
     _import_family,
     _src,
+    _unwrap,
     transformers_version,
 )
 from ._patch import _Patch
@@ -34,6 +35,9 @@ _GDN_CLASS = "Qwen3_5GatedDeltaNet"
 _GDN_LAYER = "Qwen3_5DecoderLayer"
 # the kwarg by which a patched decoder layer hands its sample boundaries to its GatedDeltaNet
 _CU_KWARG = "packcuda_cu_seqlens"
+# how the GatedDeltaNet's forward hands its conv the layer's weight: itself (to 5.24), or the conv module to
+# causal_conv1d_forward, which reads the weight (5.25)
+_GDN_CONV_CALLS = ("self.conv1d.weight.squeeze(1)", "causal_conv1d_forward(\n            self.conv1d,")
 _GDN_ACTIVATIONS = ("silu", "swish")  # the same function; packcuda.causal_conv1d calls it "silu"
 
 
@@ -133,16 +137,22 @@ def _gdn_checks(mod) -> None:
         (gdn.forward, f"{_GDN_CLASS}.forward", [
             "apply_mask_to_padding_states(hidden_states, attention_mask)", "self.in_proj_qkv(hidden_states)",
             "self.in_proj_z(hidden_states)", "self.in_proj_b(hidden_states)", "self.in_proj_a(hidden_states)",
-            "self.conv1d.weight.squeeze(1)", "activation=self.activation",
+            _GDN_CONV_CALLS, "activation=self.activation",
             "self.key_dim,\n                self.key_dim,\n                self.value_dim,",
             "beta = b.sigmoid()", "g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)",
             "torch_chunk_gated_delta_rule(", "use_qk_l2norm_in_kernel=True", "self.norm(core_attn_out, z)",
             "self.out_proj(core_attn_out)"]),
-        (gdn.__init__, f"{_GDN_CLASS}.__init__", [
+        (gdn, _GDN_CLASS, [  # the class: from 5.25 its __init__ is the kernels package's wrapper
             "self.conv_dim = self.key_dim * 2 + self.value_dim", "groups=self.conv_dim",
             "self.activation = config.hidden_act"]),
         (layer.forward, f"{_GDN_LAYER}.forward", ["self.linear_attn(", 'self.block_type == "linear_attention"']),
+        (getattr(mod, "causal_conv1d_fn", None), "causal_conv1d_fn", [
+            "padding = weight.shape[-1] - 1", "groups=hidden_size", "[:, :, :seq_len]", "ACT2FN[activation](out)"]),
     ]
+    if _GDN_CONV_CALLS[1] in _src(gdn.forward):  # 5.25: the conv (and its cache) behind one function
+        expect.append((getattr(mod, "causal_conv1d_forward", None), "causal_conv1d_forward", [
+            "weight = conv1d.weight.squeeze(1)", "causal_conv1d_fn(hidden_states, weight, conv1d.bias, "
+            "activation=activation"]))
     for obj, name, needles in expect:
         _check_source(obj, name, needles, f"packcuda linear-attention patch: qwen3_5 in transformers {v}")
 
@@ -161,7 +171,7 @@ class _GdnState:
         self.repeat_heads = "query.repeat_interleave(" in _src(getattr(mod, _GDN_CLASS).forward)
         # transformers' PyTorch rule itself: the name in the module routes to flash-linear-attention's kernels
         # where it is installed, also for CPU tensors
-        self.torch_rule = inspect.unwrap(mod.torch_chunk_gated_delta_rule)
+        self.torch_rule = _unwrap(mod.torch_chunk_gated_delta_rule)
         self._pos = None  # (weakref of the position ids, their version, number of rows, cu_seqlens)
 
     def set_plan(self, plan) -> None:
@@ -448,7 +458,7 @@ def patch_qwen3_5_linear_attention(model, *, plan=None, group=None, zigzag_path:
     the model is a Qwen3.5 model (``model_type`` ``qwen3_5`` / ``qwen3_5_text``: ``Qwen3_5ForCausalLM``,
     ``Qwen3_5ForConditionalGeneration``, their base models) with GatedDeltaNet layers, and the GatedDeltaNet /
     decoder-layer code is the code this patch reproduces (checked in its source; verified on transformers
-    5.17.0 and 5.24.0). Runs with a cache (generation) take the original forward. The rotary patch
+    5.17.0, 5.24.0 and 5.25.0). Runs with a cache (generation) take the original forward. The rotary patch
     (:func:`patch_qwen_vl_rope`) is independent: both can be active together.
     """
     fn = "patch_qwen3_5_linear_attention"

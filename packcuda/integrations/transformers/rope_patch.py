@@ -26,6 +26,7 @@ from ._common import (
     _family_of,
     _import_family,
     _require,
+    _unwrap,
     transformers_version,
 )
 from ._patch import _Patch
@@ -288,10 +289,11 @@ def _check_code(fam: Family, mod) -> None:
         if getattr(obj, "__name__", "") == "_rotary_forward":
             continue  # already patched by us
         _check_source(obj, name, needles, f"packcuda rotary patch: {fam.model_type} in transformers {v}")
-    if getattr(original, "__module__", None) != mod.__name__:
+    written = getattr(_unwrap(original), "__module__", None)
+    if written != mod.__name__:
         raise UnsupportedTransformersError(
             f"packcuda rotary patch: {fam.model_type}: {fam.module}.apply_rotary_pos_emb was replaced by "
-            f"{getattr(original, '__module__', '?')} (another kernel library?); refusing to patch over it")
+            f"{written or '?'} (another kernel library?); refusing to patch over it")
 
 
 class RopePatch(_Patch):
