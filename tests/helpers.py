@@ -25,13 +25,35 @@ requires_two_gpus_nccl = _gpu_test(pytest.mark.skipif(
     reason="needs 2 CUDA devices, NCCL and a CUDA build of packcuda"))
 
 
+def _spawned_rank(rank: int, worker, args) -> None:
+    """One spawned process: worker(rank, *args), then an exit without the interpreter's teardown, where a
+    background thread of torch's process groups can abort a process whose checks all passed ("terminate called
+    without an active exception"). An exception still ends the process through torch's spawn wrapper, which
+    hands its traceback to the test."""
+    import os
+    import sys
+
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn(worker, args: tuple, nprocs: int) -> None:
+    """Runs worker(rank, *args) in `nprocs` spawned processes (spawn, not fork: a forked worker cannot run
+    backward once an earlier test in this process started autograd's worker threads) and waits for them."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_spawned_rank, args=(worker, args), nprocs=nprocs, join=True, start_method="spawn")
+
+
 def spawn_ranks(worker, world: int, tmp_path) -> dict:
     """Runs worker(rank, world, init_method, results) in `world` spawned processes (a file:// rendezvous under
     tmp_path); returns what the ranks put into `results` (a shared dict)."""
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(worker, args=(world, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    spawn(worker, (world, f"file://{tmp_path}/init", results), world)
     return dict(results)
 
 

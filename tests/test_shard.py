@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import packcuda
 import reference as ref
-from helpers import HAS_CUDA, no_sync, requires_cuda
+from helpers import HAS_CUDA, no_sync, requires_cuda, spawn
 
 ops = torch.ops.packcuda
 DEVS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
@@ -328,13 +328,9 @@ def _gather_worker(rank, world, init, out_dir):
 
 @pytest.mark.parametrize("world", [3, 8])
 def test_gather_gloo(world):
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as d:
         init = "file://" + os.path.join(d, "rendezvous")
-        # spawn, not fork: a forked worker cannot run backward once an earlier test in this process has
-        # started autograd's worker threads (torch.compile / opcheck do), so fork depends on test order
-        mp.start_processes(_gather_worker, args=(world, init, d), nprocs=world, join=True, start_method="spawn")
+        spawn(_gather_worker, (world, init, d), world)
         x = torch.randn(81, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
         for r in range(world):
             for layout, res in torch.load(os.path.join(d, f"r{r}.pt")).items():
