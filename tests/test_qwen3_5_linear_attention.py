@@ -285,11 +285,12 @@ def test_gpu_zigzag_cp1_equals_packed_run(tmp_path, monkeypatch, lens, path):
         want_loss = _loss(model(input_ids=ids[None], position_ids=pos, use_cache=False).logits[0], labels, count)
         try:
             want_loss.backward()
-        except RuntimeError as e:  # see _fla_loss_grads
+            want = {k: p.grad.clone() for k, p in model.named_parameters()}
+        except RuntimeError as e:  # see _fla_loss_grads: the loss is still checked, the gradients not
             if "Triton" not in str(e):
                 raise
-            pytest.skip("flash-linear-attention refuses its gated-delta backward with the Triton installed here")
-    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+            want = None
+    want_loss = want_loss.detach()
     model.zero_grad(set_to_none=True)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
@@ -300,9 +301,13 @@ def test_gpu_zigzag_cp1_equals_packed_run(tmp_path, monkeypatch, lens, path):
             logits = model(input_ids=plan.shard(ids)[None], position_ids=plan.position_ids[None],
                            use_cache=False).logits[0]
             got_loss = _loss(logits, plan.labels(ids), count)
-            got_loss.backward()
+            if want is not None:
+                got_loss.backward()
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_loss.detach(), want_loss, rtol=1e-4, atol=1e-5)
+    if want is None:
+        pytest.skip("loss checked; gradients not: flash-linear-attention refuses its gated-delta backward with the "
+                    "Triton installed here")
     _close({k: p.grad for k, p in model.named_parameters()}, want, 1e-3, "grad")
