@@ -165,19 +165,18 @@ def tower_rows(pack, device, quick, cps=(2, 4, 8)):
     rows = [dict(op="Qwen2.5-VL-7B tower fwd+bwd, one rank", shape="replicated (every rank encodes all)",
                  patches=n_img + n_vid, tower_ms=base_ms, peak_gb=base_peak, speedup=1.0)]
     todo = [(cp, unit) for cp in cps for unit in ("image", "frame")]
+    tower_op = rows[0]["op"]
     try:
-        while todo:
-            cp, unit = todo[0]
+        for cp, unit in todo:
             vps = [_plan(pack, cp, r, "zigzag", unit) for r in range(cp)]
             vp = max(vps, key=lambda v: sum(t * h * w for t, h, w in v.local_grid_thw.tolist()))
             pv = vp.local_pixel_values(pv_img if n_img else None, pv_vid if n_vid else None)
             ms, peak = measure(pv, vp.local_grid_thw.to(device), f"cp={cp} unit={unit}")
-            rows.append(dict(op="Qwen2.5-VL-7B tower fwd+bwd, one rank", shape=f"cp={cp} unit={unit}, most loaded rank",
-                             patches=pv.shape[0], tower_ms=ms, peak_gb=peak, speedup=base_ms / ms))
-            todo.pop(0)
+            rows.append(dict(op=tower_op, shape=f"cp={cp} unit={unit}, most loaded rank", patches=pv.shape[0],
+                             tower_ms=ms, peak_gb=peak, speedup=base_ms / ms))
     except KeyboardInterrupt:  # a run stopped with SIGINT keeps the rows it measured and names the rest
-        rows += [dict(op="Qwen2.5-VL-7B tower fwd+bwd, one rank", shape=f"cp={cp} unit={unit}, most loaded rank",
-                      status="not measured (the run was interrupted)") for cp, unit in todo]
+        rows += [dict(op=tower_op, shape=f"cp={cp} unit={unit}, most loaded rank",
+                      status="not measured (the run was interrupted)") for cp, unit in todo[len(rows) - 1:]]
     return rows
 
 

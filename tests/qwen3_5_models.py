@@ -71,13 +71,20 @@ def _loss_grads(model, pieces):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+# some Triton releases on Hopper: flash-linear-attention raises rather than compute wrong gradients
+FLA_NO_BACKWARD = "flash-linear-attention refuses its gated-delta backward with the Triton installed here"
+
+
+def _fla_refused_backward(e: RuntimeError) -> bool:
+    return "Triton" in str(e)
+
+
 def _fla_loss_grads(model, pieces):
-    """_loss_grads, or (logits, None) where flash-linear-attention refuses its backward on this machine (some
-    Triton releases on Hopper: FLA raises rather than compute wrong gradients)."""
+    """_loss_grads, or (logits, None) where flash-linear-attention refuses its backward on this machine."""
     try:
         return _loss_grads(model, pieces)
     except RuntimeError as e:
-        if "Triton" not in str(e):
+        if not _fla_refused_backward(e):
             raise
     with torch.no_grad():
         logits = torch.cat([model(input_ids=i[None], use_cache=False, **kw).logits[0] for i, kw in pieces])
